@@ -1,0 +1,110 @@
+"""Stat and metric names, and the counters engines keep. Standard library only.
+
+The router and the autoscaling policy import this module inside KubeRay's dashboard on a
+CPU-only head, so it must never import torch, numpy or the native module.
+
+Definitions, in one place:
+- a *verify step* is one target forward pass in which a request had a draft checked;
+- *acceptance length* = tokens emitted per verify step, the bonus/correction token
+  included, so a step that accepts 3 of 5 drafts emits 4 and a step with no draft is not
+  a verify step. Engines export monotonic counters; rates are derived here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SOURCES = ("sa", "mtp")
+
+# Keys of record_routing_stats() / record_autoscaling_stats() (flat floats).
+BATCH_SIZE = "batch_size"
+WAITING = "waiting"
+SPECULATING = "speculating"
+ACCEPTANCE_LENGTH = "acceptance_length"
+STEP_MS = "step_ms"
+TOKENS_PER_S = "tokens_per_s"
+
+# Prometheus metric names (Ray prefixes them with `ray_`).
+METRIC_DRAFT_TOKENS = "spec_draft_tokens_total"
+METRIC_ACCEPTED_TOKENS = "spec_accepted_tokens_total"
+METRIC_ACCEPTANCE_LENGTH = "spec_acceptance_length"
+METRIC_GATE_OPEN = "spec_gate_open"
+METRIC_BATCH_SIZE = "engine_batch_size"
+METRIC_TTFT = "request_ttft_seconds"
+METRIC_TPOT = "request_tpot_seconds"
+
+
+def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:
+    """Tokens emitted per verify step (bonus included); 0.0 before the first step."""
+    return emitted_tokens / verify_steps if verify_steps else 0.0
+
+
+@dataclass
+class SpecCounters:
+    """Monotonic speculation counters for one request or one engine, by draft source."""
+
+    draft_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    verify_steps: int = 0
+    emitted_tokens: int = 0  # on verify steps only, bonus tokens included
+
+    def record(self, source: str, num_draft: int, num_accepted: int) -> None:
+        """One verify step: `num_draft` tokens proposed by `source`, `num_accepted` kept."""
+        self.draft_tokens[source] += num_draft
+        self.accepted_tokens[source] += num_accepted
+        self.verify_steps += 1
+        self.emitted_tokens += num_accepted + 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return acceptance_length(self.emitted_tokens, self.verify_steps)
+
+    def usage(self) -> dict[str, float]:
+        """The `usage.speculation` object of an HTTP response."""
+        return {
+            "draft_tokens": sum(self.draft_tokens.values()),
+            "accepted_tokens": sum(self.accepted_tokens.values()),
+            "acceptance_length": round(self.acceptance_length, 4),
+            "steps": self.verify_steps,
+        }
+
+
+class Ewma:
+    """Exponentially weighted moving average; `value` is 0.0 until the first sample."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.value = 0.0
+        self._seen = False
+
+    def update(self, sample: float) -> float:
+        self.value = sample if not self._seen else self.alpha * sample + (1 - self.alpha) * self.value
+        self._seen = True
+        return self.value
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A replica's live figures: what the router and the autoscaling policy read."""
+
+    batch_size: int = 0
+    waiting: int = 0
+    speculating: int = 0  # 1 if the last step speculated
+    acceptance_length: float = 0.0  # EWMA of tokens emitted per verify step
+    draft_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    step_ms: float = 0.0  # EWMA
+    tokens_per_s: float = 0.0  # EWMA over steps
+
+    def as_metrics(self) -> dict[str, float]:
+        """Flat float dict for record_routing_stats / record_autoscaling_stats."""
+        flat = {
+            k: float(v)
+            for k, v in dataclasses.asdict(self).items()
+            if not isinstance(v, dict)
+        }
+        for source in SOURCES:
+            flat[f"draft_tokens_{source}"] = float(self.draft_tokens.get(source, 0))
+            flat[f"accepted_tokens_{source}"] = float(self.accepted_tokens.get(source, 0))
+        return flat
