@@ -1,0 +1,231 @@
+"""Embedded-engine benchmark: speculation off / SA / MTP / hybrid vs transformers, side by side.
+
+One run, same prompts: decode tokens/s and mean accepted tokens per verify step (MAT) on
+code edits (answer start prefilled, see DESIGN.md) and open chat, at batch 1 and 8; MTP
+acceptance by draft position; the cost of a gated-off step against speculation disabled;
+and transformers' `generate`, plain and with prompt-lookup decoding (10 tokens), the
+anchor users would reach for. Writes benchmarks/results/engine.json and engine.png.
+
+    .venv/bin/python benchmarks/engine.py [--prompts 4] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
+from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from replicas.torch_engine.loader import resolve_model_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
+MODES = ("off", "sa", "mtp", "hybrid")
+
+
+def workloads(tokenizer, count: int) -> dict[str, list[str]]:
+    """Code-edit prompts (real edits, answer start prefilled) and open chat questions."""
+    def chat(user: str, prefill: str = "") -> str:
+        messages = [{"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
+
+    edits = []
+    for line in (SHARED / "code_edits" / "requests.jsonl").open():
+        row = json.loads(line)
+        if 1200 <= len(row["before"]) <= 2600:
+            edits.append(chat(f"{row['instruction']}\n\n```python\n{row['before']}```\n"
+                              "Apply the change and output the whole updated file.", EDIT_PREFILL))
+    questions = []
+    for line in (SHARED / "spec_bench" / "question.jsonl").open():
+        row = json.loads(line)
+        if row["category"] in ("writing", "roleplay", "stem", "humanities", "qa", "reasoning"):
+            questions.append(chat(row["turns"][0]))
+    step_e, step_q = max(1, len(edits) // count), max(1, len(questions) // count)
+    return {"code_edit": edits[::step_e][:count], "chat": questions[::step_q][:count]}
+
+
+async def run_batch(engine: TorchEngine, prompts: list[str], mode: str, max_tokens: int) -> list[dict]:
+    """Run prompts concurrently; per request: tokens, decode time (first token to last), spec usage."""
+    async def one(i: int, prompt: str) -> dict:
+        req = GenerationRequest(f"{mode}-{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens),
+                                RequestSpeculation(mode="auto"))
+        tokens, first, last = [], None, None
+        async for delta in engine.generate(req):
+            now = time.perf_counter()
+            first = first or now
+            tokens += delta.token_ids
+            last = delta
+        return {"tokens": tokens, "decode_s": now - first, "spec": last.speculation}
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def summarize(results: list[dict], wall_s: float) -> dict:
+    decode_tokens = sum(len(r["tokens"]) - 1 for r in results)
+    steps = sum(r["spec"]["steps"] for r in results)
+    accepted = sum(r["spec"]["accepted_tokens"] for r in results)
+    return {
+        "tokens_per_s": decode_tokens / wall_s,
+        "mat": (accepted + steps) / steps if steps else 1.0,
+        "draft_tokens": sum(r["spec"]["draft_tokens"] for r in results),
+        "accepted_tokens": accepted,
+        "completion_tokens": sum(len(r["tokens"]) for r in results),
+    }
+
+
+def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_tokens: int, batch: int) -> dict:
+    out, outputs = {}, {}
+    base = engine.config.speculation
+    for workload, texts in prompts.items():
+        for mode in MODES:
+            engine.configure(dataclasses.replace(base, mode=mode, batch_gate=max(batch, base.batch_gate)))
+            core = engine.core
+            for src in core.drafted_at:
+                core.drafted_at[src][:] = [0] * len(core.drafted_at[src])
+                core.accepted_at[src][:] = [0] * len(core.accepted_at[src])
+            walls, results = 0.0, []
+            groups = [texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1 else [
+                (texts * batch)[:batch]]
+            for group in groups:
+                t0 = time.perf_counter()
+                res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
+                walls += max(r["decode_s"] for r in res) if batch > 1 else res[0]["decode_s"]
+                results += res
+            summary = summarize(results, walls)
+            summary["mtp_accept_by_position"] = [
+                round(a / d, 4) for a, d in zip(core.accepted_at["mtp"], core.drafted_at["mtp"]) if d
+            ][:8]
+            out[f"{workload}/{mode}"] = summary
+            outputs[f"{workload}/{mode}"] = [r["tokens"] for r in results]
+            print(f"  batch {batch} {workload:9s} {mode:6s} {summary['tokens_per_s']:7.2f} tok/s  MAT {summary['mat']:.2f}",
+                  flush=True)
+    engine.configure(base)
+    for workload in prompts:  # speculation must never change greedy output
+        ref = outputs[f"{workload}/off"]
+        out[f"{workload}/identical_to_off"] = all(outputs[f"{workload}/{m}"] == ref for m in MODES)
+    return out
+
+
+def bench_gated_step(engine: TorchEngine, loop, prompts: list[str], max_tokens: int, repeats: int) -> dict:
+    """A gated-off step (hybrid mode, batch over the gate) vs speculation disabled, same prompt."""
+    base = engine.config.speculation
+    rates = {"off": [], "gated": []}
+    for _ in range(repeats):
+        for name, cfg in (("off", dataclasses.replace(base, mode="off")),
+                          ("gated", dataclasses.replace(base, mode="hybrid", batch_gate=0))):
+            engine.configure(cfg)
+            res = loop.run_until_complete(run_batch(engine, prompts[:1], name, max_tokens))
+            rates[name].append((len(res[0]["tokens"]) - 1) / res[0]["decode_s"])
+    engine.configure(base)
+    off, gated = statistics.median(rates["off"]), statistics.median(rates["gated"])
+    return {"off_tokens_per_s": off, "gated_tokens_per_s": gated, "gated_step_cost_ratio": off / gated}
+
+
+def bench_transformers(prompts: dict[str, list[str]], max_tokens: int) -> dict:
+    """HF generate, plain and with prompt lookup: decode rate = (N-1) tokens over time(N) - time(1)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for workload, texts in prompts.items():
+        for name, extra in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})):
+            tokens, seconds = 0, 0.0
+            for text in texts:
+                ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    model.generate(ids, max_new_tokens=1, do_sample=False)
+                    t1 = time.perf_counter()
+                    gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **extra)
+                    t2 = time.perf_counter()
+                n = gen.shape[1] - ids.shape[1]
+                tokens += n - 1
+                seconds += max(1e-6, (t2 - t1) - (t1 - t0))
+            out[f"{workload}/{name}"] = {"tokens_per_s": tokens / seconds}
+            print(f"  batch 1 {workload:9s} {name:17s} {tokens / seconds:7.2f} tok/s", flush=True)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, workload in zip(axes, ("code_edit", "chat")):
+        names, values = [], []
+        for batch in ("batch1", "batch8"):
+            for mode in MODES:
+                names.append(f"{mode}\nb{batch[-1]}")
+                values.append(result[batch][f"{workload}/{mode}"]["tokens_per_s"])
+        for name in ("hf_plain", "hf_prompt_lookup"):
+            names.append(name.replace("hf_", "HF ").replace("_", " ") + "\nb1")
+            values.append(result["transformers"][f"{workload}/{name}"]["tokens_per_s"])
+        ax.bar(range(len(values)), values, color=["#999"] + ["#4a7"] * 3 + ["#999"] + ["#4a7"] * 3 + ["#c66"] * 2)
+        ax.set_xticks(range(len(values)), names, fontsize=7)
+        ax.set_ylabel("decode tokens/s (CPU, 2 cores)")
+        ax.set_title(workload)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the gated-step comparison")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine.json")
+    args = parser.parse_args()
+
+    loop = asyncio.new_event_loop()
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=8, max_seq_len=4096, speculation=SpeculationConfig()))
+    loop.run_until_complete(engine.start())
+    prompts = workloads(engine.tokenizer, args.prompts)
+    result = {"settings": vars(args) | {"out": str(args.out)}, "machine": platform.processor() or platform.machine(),
+              "torch_threads": torch.get_num_threads(), "speculation": dataclasses.asdict(engine.config.speculation)}
+    print("our engine:")
+    result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
+    result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
+    result["gated_step"] = bench_gated_step(engine, loop, prompts["chat"], args.max_tokens, args.repeats)
+    loop.run_until_complete(engine.shutdown())
+    print("transformers:")
+    result["transformers"] = bench_transformers(prompts, args.max_tokens)
+
+    ratios = {}
+    for workload in prompts:
+        off = result["batch1"][f"{workload}/off"]["tokens_per_s"]
+        for batch in ("batch1", "batch8"):
+            off_b = result[batch][f"{workload}/off"]["tokens_per_s"]
+            for mode in MODES[1:]:
+                ratios[f"{batch}/{workload}/{mode}_vs_off"] = result[batch][f"{workload}/{mode}"]["tokens_per_s"] / off_b
+        hybrid = result["batch1"][f"{workload}/hybrid"]["tokens_per_s"]
+        ratios[f"batch1/{workload}/hybrid_vs_hf_prompt_lookup"] = (
+            hybrid / result["transformers"][f"{workload}/hf_prompt_lookup"]["tokens_per_s"])
+        ratios[f"batch1/{workload}/off_vs_hf_plain"] = off / result["transformers"][f"{workload}/hf_plain"]["tokens_per_s"]
+    result["ratios"] = ratios
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print("ratios:")
+    for key, value in ratios.items():
+        print(f"  {key:45s} {value:5.2f}x")
+    print(f"gated-off step cost vs off: {result['gated_step']['gated_step_cost_ratio']:.3f}x")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The synchronous heart of the embedded engine: admit, step, finish.
+
+One `step()` is one iteration of continuous batching: prefill the requests that joined,
+then one decode pass over every running request in which each request feeds
+`[last token] + draft` and the target verifies all drafts in a single packed forward.
+Requests join and leave only between steps. Nothing here knows about asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from replicas.engine import GenerationDelta, SpeculationConfig
+from replicas.speculation.gate import speculate_this_step
+from replicas.speculation.hybrid import DraftPlan, effective_settings, plan_draft
+from replicas.speculation.verify import Verdict, verify_greedy, verify_sampling
+from replicas.stats import SOURCES, EngineStats, Ewma, SpecCounters
+from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.model import LlamaModel, SeqSpan
+from replicas.torch_engine.sampling import sample, sampling_probs
+from replicas.torch_engine.sequence import Sequence, release_text
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    deltas: list[GenerationDelta]
+    finished: list[Sequence]
+
+
+class EngineCore:
+    """Owns the model, the KV cache, the SA pool and the MTP drafter; not thread-safe."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, sa_pool, mtp, decode, speculation: SpeculationConfig):
+        self.model = model
+        self.cache = cache
+        self.sa_pool = sa_pool
+        self.mtp = mtp  # MTPDrafter or None
+        self.decode = decode  # token ids -> text
+        self.speculation = speculation
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.totals = SpecCounters()
+        self.acceptance_ewma = Ewma()
+        self.step_ms = Ewma()
+        self.tokens_per_s = Ewma()
+        self.last_speculated = False
+        self._step_tokens = 0  # tokens emitted in the current step
+        # per draft position k (0-based), by source: times drafted / times accepted
+        self.drafted_at = {src: [0] * 65 for src in SOURCES}
+        self.accepted_at = {src: [0] * 65 for src in SOURCES}
+
+    # -- membership (called between steps) ------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    seq.finish_reason = "abort"
+                    self._release(seq)
+                    return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free every per-request resource: KV slot, SA slot, MTP slot."""
+        if seq.slot >= 0:
+            self.cache.free(seq.slot)
+            if self.mtp is not None:
+                self.mtp.remove(seq.slot)
+            seq.slot = -1
+        if self.sa_pool.has_request(seq.sa_id):
+            self.sa_pool.remove_request(seq.sa_id)
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        started = time.perf_counter()
+        self._step_tokens = 0
+        prefilled = self._admit()
+        decoding = [s for s in self.running if s not in prefilled and s.finish_reason is None]
+        if decoding:
+            self._decode(decoding)
+        deltas, finished = self._collect()
+        elapsed_s = time.perf_counter() - started
+        if decoding:
+            self.step_ms.update(elapsed_s * 1e3)
+            self.tokens_per_s.update(self._step_tokens / elapsed_s)
+        return StepResult(deltas, finished)
+
+    def _admit(self) -> list[Sequence]:
+        """Prefill waiting requests while KV slots are free; each alone, so one bad prompt
+        fails only itself."""
+        admitted = []
+        while self.waiting and self.cache.num_free > 0:
+            seq = self.waiting.pop(0)
+            self.running.append(seq)
+            try:
+                self._prefill(seq)
+            except Exception as exc:  # noqa: BLE001 - finish this request, keep the others
+                self._fail(seq, exc)
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seq: Sequence) -> None:
+        seq.slot = self.cache.allocate()
+        ids = torch.tensor(seq.prompt_ids, dtype=torch.long)
+        hidden = self.model(ids, [SeqSpan(seq.slot, 0, len(ids))], self.cache)  # [P, d]
+        seq.num_cached = len(ids)
+        token = self._sample_one(seq, self.model.logits(hidden[-1:]))
+        self.sa_pool.add_request(seq.sa_id, np.asarray(seq.prompt_ids, dtype=np.int32))
+        if self.mtp is not None:
+            self.mtp.add(seq.slot)
+            next_ids = torch.tensor(seq.prompt_ids[1:] + [token], dtype=torch.long)
+            self.mtp.observe(seq.slot, hidden, next_ids)
+        seq.first_token_s = time.monotonic()
+        self._emit(seq, [token])
+
+    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        if seq.generator is None:
+            return int(logits[0].argmax())
+        p = seq.sampling
+        return int(sample(sampling_probs(logits, p.temperature, p.top_p, p.top_k), seq.generator)[0])
+
+    def _plan(self, seq: Sequence, speculate: bool) -> tuple[DraftPlan, list[int]]:
+        cfg = self.speculation
+        mode, max_draft_len = effective_settings(cfg, seq.speculation)
+        room = self.cache.k.shape[3] - seq.num_cached - 1  # KV positions left after the last token
+        plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, self.mtp is not None,
+                          speculate, min(seq.tokens_left, room + 1))
+        if plan.source == "sa":
+            return plan, seq.sa_draft[: plan.num_draft]
+        return plan, []
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
+        plans = [self._plan(s, speculate) for s in seqs]
+        mtp_seqs = [(i, s) for i, s in enumerate(seqs) if plans[i][0].source == "mtp"]
+        if mtp_seqs:
+            proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs])
+            for (i, _), draft in zip(mtp_seqs, proposals):
+                plans[i] = (plans[i][0], list(draft))
+        self.last_speculated = any(draft for _, draft in plans)
+
+        input_ids, spans = [], []
+        for seq, (_, draft) in zip(seqs, plans):
+            input_ids += [seq.last_token] + draft
+            spans.append(SeqSpan(seq.slot, seq.num_cached, 1 + len(draft)))
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), spans, self.cache)
+        logits = self.model.logits(hidden)  # [N, V]
+
+        row = 0
+        for seq, (plan, draft), span in zip(seqs, plans, spans):
+            rows = slice(row, row + span.length)
+            row += span.length
+            try:
+                verdict = self._verify(seq, draft, logits[rows])
+                kept = 1 + verdict.num_accepted  # positions whose KV stays valid
+                seq.num_cached += kept
+                self.cache.truncate(seq.slot, seq.num_cached)
+                if draft:
+                    seq.counters.record(plan.source, len(draft), verdict.num_accepted)
+                    self.totals.record(plan.source, len(draft), verdict.num_accepted)
+                    self.acceptance_ewma.update(kept)
+                    for k in range(len(draft)):
+                        self.drafted_at[plan.source][k] += 1
+                        self.accepted_at[plan.source][k] += k < verdict.num_accepted
+                if self.mtp is not None:
+                    self.mtp.observe(seq.slot, hidden[rows][:kept], torch.tensor(verdict.tokens, dtype=torch.long))
+                self._emit(seq, verdict.tokens)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(seq, exc)
+
+    def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
+        if seq.generator is None:
+            return verify_greedy(draft, logits.argmax(dim=-1).tolist())
+        p = seq.sampling
+        return verify_sampling(draft, sampling_probs(logits, p.temperature, p.top_p, p.top_k), seq.generator)
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append tokens (cut at a stop) and feed them to the SA, which then drafts anew."""
+        before = len(seq.output_ids)
+        seq.append(tokens)
+        fed = seq.output_ids[before:]
+        self._step_tokens += len(fed)
+        if seq.finish_reason is None and fed:
+            accepted = np.asarray([fed], dtype=np.int32)
+            match_len, draft = self.sa_pool.extend(
+                np.asarray([seq.sa_id], dtype=np.int64), accepted,
+                np.asarray([len(fed)], dtype=np.int32), self.speculation.max_draft_len,
+            )
+            seq.sa_match_len = int(match_len[0])
+            seq.sa_draft = [int(t) for t in draft[0] if t >= 0]
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        logger.exception("request %s failed", seq.request_id, exc_info=exc)
+        seq.finish_reason = "error"
+        seq.error = f"{type(exc).__name__}: {exc}"
+
+    def _collect(self) -> tuple[list[GenerationDelta], list[Sequence]]:
+        deltas, finished = [], []
+        for seq in list(self.running):
+            if seq.finish_reason != "error":
+                try:
+                    delta = release_text(seq, self.decode)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(seq, exc)
+                    delta = None
+            else:
+                delta = None
+            if seq.finish_reason == "error":
+                delta = GenerationDelta(seq.request_id, (), "", "error", seq.error,
+                                        len(seq.prompt_ids), len(seq.output_ids), seq.counters.usage())
+            if delta is not None:
+                deltas.append(delta)
+            if seq.finish_reason is not None:
+                self.running.remove(seq)
+                self._release(seq)
+                finished.append(seq)
+        return deltas, finished
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            batch_size=len(self.running),
+            waiting=len(self.waiting),
+            speculating=int(self.last_speculated),
+            acceptance_length=self.acceptance_ewma.value,
+            draft_tokens=dict(self.totals.draft_tokens),
+            accepted_tokens=dict(self.totals.accepted_tokens),
+            step_ms=self.step_ms.value,
+            tokens_per_s=self.tokens_per_s.value,
+        )

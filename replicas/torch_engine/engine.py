@@ -1,0 +1,254 @@
+"""TorchEngine: the embedded engine behind the `Engine` protocol.
+
+An asyncio face over `EngineCore`. The step runs in one worker thread so the event loop
+stays free for HTTP; requests join, leave and reconfigure only between steps, applied by
+the loop task itself, so the core needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfig
+from replicas.stats import EngineStats
+from replicas.torch_engine.core import EngineCore
+from replicas.torch_engine.loader import DEFAULT_MODEL, resolve_model_dir
+from replicas.torch_engine.sampling import make_generator
+from replicas.torch_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MTP_WEIGHTS = "default"
+
+
+@dataclass(frozen=True)
+class TorchEngineConfig:
+    model: str = DEFAULT_MODEL  # the embedded default or an HF Llama checkpoint directory
+    max_batch_size: int = 8  # KV cache slots: requests decoding at once
+    max_seq_len: int = 4096  # context window per request (prompt + output + drafts)
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    mtp_weights: str | None = DEFAULT_MTP_WEIGHTS  # None disables MTP drafting
+    sa_global_pool_tokens: int = 1 << 20  # cross-request suffix pool; 0 disables it
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.num_threads < 0 or self.sa_global_pool_tokens < 0:
+            raise ValueError("num_threads and sa_global_pool_tokens must be >= 0")
+
+
+class TorchEngine:
+    """PyTorch engine with hybrid SA + MTP speculative decoding (CPU, or CUDA when present)."""
+
+    def __init__(self, config: TorchEngineConfig | None = None) -> None:
+        self.config = config or TorchEngineConfig()
+        self.tokenizer = None
+        self._core: EngineCore | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
+        self._queues: dict[str, asyncio.Queue[GenerationDelta]] = {}
+        self._pending_add: list[Sequence] = []
+        self._pending_abort: list[str] = []
+        self._pending_config: SpeculationConfig | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._sa_ids = itertools.count()
+        self._eos_ids: frozenset[int] = frozenset()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            return
+        self._core = await asyncio.get_running_loop().run_in_executor(self._executor, self._build_core)
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run(), name="torch-engine-loop")
+
+    def _build_core(self) -> EngineCore:
+        from transformers import AutoTokenizer
+
+        from replicas.speculation.suffix import SuffixAutomatonPool
+        from replicas.torch_engine.kv_cache import KVCache
+        from replicas.torch_engine.model import LlamaModel
+
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        model_dir = resolve_model_dir(cfg.model)
+        model = LlamaModel.from_pretrained(model_dir, device=device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
+        mc = model.cfg
+        cache = KVCache(mc.num_layers, cfg.max_batch_size, cfg.max_seq_len, mc.num_kv_heads, mc.head_dim,
+                        dtype=model.embed_tokens.weight.dtype, device=device)
+        sa_pool = SuffixAutomatonPool(cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
+        mtp = None
+        if cfg.mtp_weights is not None:
+            from replicas.speculation.mtp import MTPDrafter
+
+            path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
+            mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return EngineCore(model, cache, sa_pool, mtp, decode, cfg.speculation)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        self._executor.shutdown(wait=True)
+
+    async def check_health(self) -> None:
+        if self._loop_task is None:
+            raise RuntimeError("engine not started")
+        if self._loop_task.done():
+            raise RuntimeError(f"engine loop stopped: {self._loop_task.exception()!r}")
+
+    # -- requests ---------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Validate now (ValueError naming the field), stream once iterated."""
+        seq = self._make_sequence(request)
+        return self._stream(seq)
+
+    def _make_sequence(self, request: GenerationRequest) -> Sequence:
+        if self._core is None:
+            raise RuntimeError("engine not started")
+        if request.request_id in self._queues:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if isinstance(request.prompt, str):
+            prompt_ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        else:
+            prompt_ids = [int(t) for t in request.prompt]
+            vocab = self._core.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        window = self.config.max_seq_len
+        if len(prompt_ids) >= window:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens exceed the context window of {window}")
+        sampling = request.sampling
+        if len(prompt_ids) + sampling.max_tokens > window:
+            raise ValueError(
+                f"max_tokens: {sampling.max_tokens} + {len(prompt_ids)} prompt tokens exceed the "
+                f"context window of {window}"
+            )
+        return Sequence(
+            request_id=request.request_id,
+            sa_id=next(self._sa_ids),
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            speculation=request.speculation,
+            generator=make_generator(sampling.seed) if sampling.temperature > 0 else None,
+            eos_ids=self._eos_ids,
+        )
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:
+        queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        self._queues[seq.request_id] = queue
+        self._pending_add.append(seq)
+        self._wake.set()
+        try:
+            while True:
+                delta = await queue.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if self._queues.pop(seq.request_id, None) is not None and seq.finish_reason is None:
+                # the consumer went away (client disconnect): free the request's resources
+                self._pending_abort.append(seq.request_id)
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._queues:
+            self._pending_abort.append(request_id)
+            self._wake.set()
+
+    def configure(self, speculation: SpeculationConfig) -> None:
+        self._pending_config = speculation
+        if self._wake is not None:
+            self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._core.stats() if self._core is not None else EngineStats()
+
+    @property
+    def core(self) -> EngineCore:
+        """The synchronous core (for inspection: cache slots, SA pool, running requests)."""
+        return self._core
+
+    @property
+    def num_live_requests(self) -> int:
+        core = self._core
+        return len(self._pending_add) + (len(core.running) + len(core.waiting) if core else 0)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _apply_pending(self) -> None:
+        core = self._core
+        if self._pending_config is not None:
+            core.speculation, self._pending_config = self._pending_config, None
+        for seq in self._pending_add:
+            core.add(seq)
+        self._pending_add.clear()
+        for request_id in self._pending_abort:
+            seq = core.abort(request_id)
+            queue = self._queues.pop(request_id, None)
+            if seq is not None and queue is not None:
+                queue.put_nowait(GenerationDelta(request_id, (), "", "abort", None, len(seq.prompt_ids),
+                                                 len(seq.output_ids), seq.counters.usage()))
+        self._pending_abort.clear()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self._core.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                result = await loop.run_in_executor(self._executor, self._core.step)
+            except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang clients
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for delta in result.deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+                    if delta.finish_reason is not None:
+                        self._queues.pop(delta.request_id, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for seq in list(self._core.running) + list(self._core.waiting):
+            self._core.abort(seq.request_id)
+            queue = self._queues.pop(seq.request_id, None)
+            if queue is not None:
+                queue.put_nowait(GenerationDelta(seq.request_id, (), "", "error", f"{type(exc).__name__}: {exc}"))
+
+
+def _eos_token_ids(model_dir, tokenizer) -> list[int]:
+    import json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_cfg = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_cfg):
+        eos = json.load(open(gen_cfg)).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)

@@ -1,0 +1,111 @@
+"""One request inside the embedded engine: its tokens, cache slot, sampling state, output.
+
+Text is produced here, incrementally: token ids are decoded as a whole and the new suffix
+is released, holding back an incomplete UTF-8 character and any tail that could still
+grow into a stop string, so a stop string spanning token boundaries is never streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams
+from replicas.stats import SpecCounters
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    sa_id: int  # int64 id of this request in the suffix automaton pool
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    speculation: RequestSpeculation  # narrows the server's setting, re-read every step
+    generator: torch.Generator | None  # None when greedy
+    eos_ids: frozenset[int]
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # positions whose KV is in the cache
+    sa_match_len: int = 0  # from the last SA extend
+    sa_draft: list[int] = field(default_factory=list)
+    counters: SpecCounters = field(default_factory=SpecCounters)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # text streaming state
+    text: str = ""  # decoded output, stop strings cut once finished
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+
+    @property
+    def last_token(self) -> int:
+        """The newest emitted token: sampled but not yet run through the model."""
+        return self.output_ids[-1]
+
+    @property
+    def tokens_left(self) -> int:
+        return self.sampling.max_tokens - len(self.output_ids)
+
+    def append(self, tokens: list[int]) -> None:
+        """Append emitted tokens, stopping at EOS / stop ids / max_tokens (sets finish_reason)."""
+        for token in tokens:
+            if self.finish_reason is not None:
+                return
+            stop_id = token in self.sampling.stop_token_ids
+            eos = token in self.eos_ids and not self.sampling.ignore_eos
+            self.output_ids.append(token)
+            if stop_id or eos:
+                self.finish_reason = "stop"
+            elif self.tokens_left <= 0:
+                self.finish_reason = "length"
+
+    def is_visible_stop(self, token: int) -> bool:
+        """EOS and stop ids end the output without being part of its text."""
+        return token in self.sampling.stop_token_ids or (token in self.eos_ids and not self.sampling.ignore_eos)
+
+
+def release_text(seq: Sequence, decode) -> GenerationDelta | None:
+    """Decode the output so far and return the delta not yet sent (None if nothing new).
+
+    `decode(ids) -> str`. Stop strings are searched in the whole text; a match finishes the
+    request and cuts the text before the stop string.
+    """
+    ids = seq.output_ids
+    if seq.finish_reason == "stop" and ids and seq.is_visible_stop(ids[-1]):
+        ids = ids[:-1]
+    text = decode(ids)
+    stops = seq.sampling.stop
+    if stops:
+        search_from = max(0, seq.num_sent_chars - max(map(len, stops)))
+        hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+        if hits:
+            text = text[: min(hits)]
+            seq.finish_reason = "stop"
+    releasable = len(text)
+    if seq.finish_reason is None:
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character
+            releasable = len(text.rstrip("\ufffd"))
+        for s in stops:  # hold back a tail that may be the start of a stop string
+            for n in range(min(len(s) - 1, releasable), 0, -1):
+                if text[releasable - n : releasable] == s[:n]:
+                    releasable -= n
+                    break
+    seq.text = text
+    new_text = text[seq.num_sent_chars : releasable]
+    new_tokens = tuple(seq.output_ids[seq.num_sent_tokens :])
+    if not new_text and not new_tokens and seq.finish_reason is None:
+        return None
+    seq.num_sent_chars = max(seq.num_sent_chars, releasable)
+    seq.num_sent_tokens = len(seq.output_ids)
+    return GenerationDelta(
+        request_id=seq.request_id,
+        token_ids=new_tokens,
+        text=new_text,
+        finish_reason=seq.finish_reason,
+        error=seq.error,
+        prompt_tokens=len(seq.prompt_ids),
+        completion_tokens=len(seq.output_ids),
+        speculation=seq.counters.usage(),
+    )

@@ -1,0 +1,26 @@
+"""One real engine per test module (the real model, the real native SA, the shipped MTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.engine import SpeculationConfig
+from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop):
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=8, max_seq_len=2048,
+                                           speculation=SpeculationConfig(batch_gate=8)))
+    loop.run_until_complete(engine.start())
+    yield engine
+    loop.run_until_complete(engine.shutdown())

@@ -1,0 +1,56 @@
+"""Helpers for engine tests: prompts, requests, and running a request to the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
+from replicas.torch_engine.engine import TorchEngine
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
+
+
+def chat_prompt(engine: TorchEngine, user: str, prefill: str = "") -> str:
+    messages = [{"role": "user", "content": user}]
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + prefill
+
+
+def code_edit_prompts(engine: TorchEngine, count: int, max_chars: int = 1500) -> list[str]:
+    """Real edits from ../shared when present, else an edit of this repo's own source."""
+    path = SHARED / "data" / "code_edits" / "requests.jsonl"
+    edits = []
+    if path.exists():
+        for line in path.open():
+            row = json.loads(line)
+            if len(row["before"]) <= max_chars:
+                edits.append((row["instruction"], row["before"]))
+    if not edits:
+        source = Path(__file__).read_text()[:max_chars]
+        edits = [("Rename `engine` to `eng`.", source)]
+    return [
+        chat_prompt(engine, f"{instruction}\n\n```python\n{before}```\nOutput the whole updated file.", EDIT_PREFILL)
+        for instruction, before in edits[:count]
+    ]
+
+
+def request(prompt, max_tokens=48, mode="auto", rid=None, **sampling) -> GenerationRequest:
+    request.counter = getattr(request, "counter", 0) + 1
+    return GenerationRequest(
+        request_id=rid or f"req-{request.counter}",
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        speculation=RequestSpeculation(mode=mode),
+    )
+
+
+async def collect(engine: TorchEngine, req: GenerationRequest):
+    """Run one request to the end: (token ids, text, last delta)."""
+    tokens, text, last = [], "", None
+    async for delta in engine.generate(req):
+        tokens += delta.token_ids
+        text += delta.text
+        last = delta
+    return tokens, text, last

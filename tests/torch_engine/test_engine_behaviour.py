@@ -1,0 +1,128 @@
+"""Stops, limits, aborts, bad input, seeded sampling and failure isolation on the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
+from tests.torch_engine.engine_util import chat_prompt, collect, request
+
+POEM = "Write a short poem about the sea."
+
+
+def idle(engine) -> bool:
+    core = engine.core
+    return (engine.num_live_requests == 0 and core.cache.num_free == engine.config.max_batch_size
+            and core.sa_pool.num_active == 0)
+
+
+def test_eos_finishes_with_stop_and_no_special_text(engine, loop):
+    prompt = chat_prompt(engine, "What is the capital of France?")
+    tokens, text, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=64)))
+    assert last.finish_reason == "stop"
+    assert "Paris" in text and "<|im_end|>" not in text
+    assert tokens[-1] == engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_length_limit(engine, loop):
+    tokens, _, last = loop.run_until_complete(collect(engine, request(chat_prompt(engine, POEM), max_tokens=7)))
+    assert len(tokens) == 7 and last.finish_reason == "length" and last.completion_tokens == 7
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_stop_string_spanning_tokens(engine, loop, mode):
+    prompt = chat_prompt(engine, POEM)
+    tokens, text, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode="off")))
+    # a stop string that starts inside one token and ends inside the next
+    pieces = [engine.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    i = next(i for i in range(5, len(tokens)) if len(pieces[i]) - len(pieces[i - 1]) >= 3
+             and len(pieces[i + 1]) - len(pieces[i]) >= 3)
+    stop = text[len(pieces[i]) - 2: len(pieces[i]) + 2]
+    _, stopped, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode=mode, stop=(stop,))))
+    assert last.finish_reason == "stop"
+    assert stopped == text[: text.find(stop)]
+
+
+def test_abort_mid_stream_frees_kv_and_sa(engine, loop):
+    async def run():
+        req = request(chat_prompt(engine, POEM), max_tokens=200, mode="auto")
+        deltas = []
+        async for delta in engine.generate(req):
+            deltas.append(delta)
+            if len(deltas) == 3:
+                await engine.abort(req.request_id)
+        return deltas
+
+    deltas = loop.run_until_complete(run())
+    assert deltas[-1].finish_reason == "abort"
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert idle(engine)
+
+
+def test_consumer_going_away_frees_resources(engine, loop):
+    async def run():
+        stream = engine.generate(request(chat_prompt(engine, POEM), max_tokens=200))
+        async for _ in stream:
+            break
+        await stream.aclose()  # what a disconnecting HTTP client does to the iterator
+        for _ in range(200):
+            if idle(engine):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert loop.run_until_complete(run())
+
+
+def test_seeded_sampling_is_deterministic(engine, loop):
+    prompt = chat_prompt(engine, POEM)
+    runs = [loop.run_until_complete(collect(engine, request(prompt, max_tokens=24, mode="auto",
+                                                            temperature=0.8, top_p=0.95, seed=7)))[0]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_failure_in_one_request_leaves_others_running(engine, loop, monkeypatch):
+    core = engine.core
+    original = core._verify
+
+    def flaky(seq, draft, logits):
+        if seq.request_id == "doomed":
+            raise RuntimeError("injected")
+        return original(seq, draft, logits)
+
+    monkeypatch.setattr(core, "_verify", flaky)
+    prompt = chat_prompt(engine, POEM)
+
+    async def run():
+        return await asyncio.gather(collect(engine, request(prompt, max_tokens=12, rid="doomed")),
+                                    collect(engine, request(prompt, max_tokens=12, rid="fine")))
+
+    (_, _, bad), (tokens, _, good) = loop.run_until_complete(run())
+    assert bad.finish_reason == "error" and "injected" in bad.error
+    assert good.finish_reason == "length" and len(tokens) == 12
+    assert idle(engine)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: GenerationRequest("x", "hi " * 3000), "prompt"),
+    (lambda: GenerationRequest("x", "", SamplingParams()), "prompt"),
+    (lambda: GenerationRequest("x", [10**9]), "prompt"),
+    (lambda: GenerationRequest("x", "hi", SamplingParams(max_tokens=5000)), "max_tokens"),
+    (lambda: GenerationRequest("x", "hi", SamplingParams(max_tokens=0)), "max_tokens"),
+    (lambda: GenerationRequest("x", "hi", SamplingParams(temperature=-1)), "temperature"),
+    (lambda: GenerationRequest("x", "hi", SamplingParams(top_p=0)), "top_p"),
+    (lambda: GenerationRequest("x", "hi", SamplingParams(top_k=-1)), "top_k"),
+    (lambda: GenerationRequest("x", "hi", speculation=RequestSpeculation(mode="fast")), "speculation.mode"),
+])
+def test_bad_input_names_the_field_before_any_work(engine, make, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate(make())
+    assert idle(engine)
+
+
+def test_abort_unknown_id_is_a_noop(engine, loop):
+    loop.run_until_complete(engine.abort("no-such-request"))
+    assert idle(engine)

@@ -1,0 +1,83 @@
+"""Speculation never changes greedy output: every mode against the same engine with it off."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from replicas.engine import SpeculationConfig
+from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect, request
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    chats = [
+        chat_prompt(engine, "Write a short poem about the sea."),
+        chat_prompt(engine, "Explain what a hash map is, in two sentences."),
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "one two three four one two three four one two three four one two",
+    ]
+    return chats + code_edit_prompts(engine, 2)
+
+
+@pytest.fixture(scope="module")
+def reference(engine, loop, prompts):
+    """Speculation off: the output every other mode must reproduce token for token."""
+    return [loop.run_until_complete(collect(engine, request(p, mode="off")))[0] for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["sa", "mtp", "auto"])
+def test_greedy_speculation_equals_off(engine, loop, prompts, reference, mode):
+    drafted = 0
+    for prompt, expected in zip(prompts, reference):
+        tokens, _, last = loop.run_until_complete(collect(engine, request(prompt, mode=mode)))
+        assert tokens == expected
+        drafted += last.speculation["draft_tokens"]
+    assert drafted > 0, f"mode {mode} never speculated"
+
+
+def test_code_edit_drafts_mostly_accepted(engine, loop, prompts):
+    prompt = code_edit_prompts(engine, 1)[0]
+    _, _, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=96, mode="auto")))
+    spec = last.speculation
+    assert spec["acceptance_length"] > 2.0, spec  # copying a file: long SA matches
+
+
+def test_gate_closing_and_reopening_mid_request(engine, loop, prompts, reference):
+    prompt, expected = prompts[-1], reference[-1]
+
+    async def run():
+        tokens, seen = [], 0
+        async for delta in engine.generate(request(prompt, mode="auto")):
+            tokens += delta.token_ids
+            seen += 1
+            if seen == 2:
+                engine.configure(dataclasses.replace(engine.config.speculation, batch_gate=0))
+            if seen == 5:
+                engine.configure(engine.config.speculation)
+        return tokens
+
+    try:
+        assert loop.run_until_complete(run()) == expected
+    finally:
+        engine.configure(engine.config.speculation)
+
+
+def test_concurrent_requests_equal_alone(engine, loop, prompts, reference):
+    async def run_all():
+        reqs = [request(p, mode="auto") for p in prompts] + [request(p, mode="off") for p in prompts[:2]]
+        return await asyncio.gather(*(collect(engine, r) for r in reqs))
+
+    results = loop.run_until_complete(run_all())
+    assert [r[0] for r in results] == reference + reference[:2]
+
+
+def test_request_cannot_widen_server_setting(engine, loop, prompts):
+    engine.configure(SpeculationConfig(mode="off"))
+    try:
+        _, _, last = loop.run_until_complete(collect(engine, request(prompts[-1], mode="sa")))
+        assert last.speculation["draft_tokens"] == 0
+    finally:
+        engine.configure(engine.config.speculation)
