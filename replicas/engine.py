@@ -73,6 +73,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string, not its characters
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

@@ -1,0 +1,94 @@
+"""The target distribution a request samples from, and the draw itself.
+
+`sampling_probs` is the single definition of "what the model samples": the plain decoding
+path draws from it, and speculative verification (`replicas.speculation.verify`) accepts or
+rejects drafts against it, which is what makes speculative sampling exact.
+
+Randomness comes only from the request's own `torch.Generator`, kept on the CPU so that a
+seed reproduces the same tokens whatever device holds the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+# Top-p looks for the nucleus among the few most likely tokens first, widening only when
+# some row's nucleus is larger: a partial top-k over a 49k vocabulary is ~10x cheaper than
+# a full sort, and nuclei are usually small.
+_NUCLEUS_CANDIDATES = (256, 4096)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int) -> Tensor:
+    """Temperature, then top-k, then top-p over `logits [T, V]`; returns `probs [T, V]` float32.
+
+    Top-k keeps the `top_k` most likely tokens (0 = off) and renormalises. Top-p then keeps
+    the smallest set of most likely tokens whose mass is at least `top_p`; the most likely
+    token is always kept. Rows sum to 1. Ties are broken deterministically, in no documented
+    order. Greedy decoding (temperature 0) never comes here: it is an argmax.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [T, V], got shape {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0 here (greedy is argmax), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k: must be >= 0, got {top_k}")
+
+    scaled = logits.float() / temperature  # [T, V]
+    vocab_size = scaled.shape[-1]
+    use_top_k = 0 < top_k < vocab_size
+    if not use_top_k and top_p >= 1:
+        return torch.softmax(scaled, dim=-1)  # the common case needs no ranking at all
+
+    # kept_probs [T, N] in descending order, N << V, with kept_ids [T, N] their token ids.
+    if use_top_k:
+        kept_logits, kept_ids = torch.topk(scaled, top_k, dim=-1)
+        kept_probs = torch.softmax(kept_logits, dim=-1)  # renormalised over the top-k
+        cum_probs = torch.cumsum(kept_probs, dim=-1)
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+        for num_candidates in (*_NUCLEUS_CANDIDATES, vocab_size):
+            if num_candidates >= vocab_size:  # a full ranking: sort beats topk(V)
+                kept_probs, kept_ids = torch.sort(probs, dim=-1, descending=True)
+            else:
+                kept_probs, kept_ids = torch.topk(probs, num_candidates, dim=-1)
+            cum_probs = torch.cumsum(kept_probs, dim=-1)
+            if num_candidates >= vocab_size or bool((cum_probs[:, -1] >= top_p).all()):
+                break
+    if top_p < 1:
+        # A token stays while the mass strictly before it is short of top_p: that is the
+        # smallest prefix reaching top_p, and the first token (mass before it 0) always stays.
+        kept_probs = kept_probs.masked_fill(cum_probs - kept_probs >= top_p, 0.0)
+        kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(scaled).scatter_(-1, kept_ids, kept_probs)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one request: seeded when `seed` is given, else from OS entropy."""
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """One token per row of `probs [T, V]` (need not be normalised); returns `[T]` int64.
+
+    Inverse-CDF sampling with uniforms drawn on the CPU generator, so it runs on any device.
+    Zero-probability tokens are never drawn.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"probs: expected [T, V], got shape {tuple(probs.shape)}")
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [T, V]; float64 so the tail keeps its mass
+    # float32 uniforms are at most 1 - 2**-24, so u * total stays strictly below total in
+    # float64 and the search never runs off the end.
+    uniform = torch.rand(probs.shape[0], 1, generator=generator).to(cdf)  # [T, 1]
+    # First index whose CDF exceeds the point: a zero-mass token has the same CDF as its
+    # predecessor, so it can never be the first to exceed it.
+    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # [T, 1]
+    return token_ids.squeeze(-1).clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,128 @@
+"""The hybrid rule: request narrowing and per-step drafter choice, as tables."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from replicas.engine import REQUEST_MODES, SERVER_MODES, RequestSpeculation, SpeculationConfig
+from replicas.speculation.hybrid import DraftPlan, effective_settings, plan_draft
+
+# (server mode, request mode) -> effective mode. Requests narrow; they never add a source.
+MODE_TABLE = {
+    ("hybrid", "auto"): "hybrid",
+    ("hybrid", "sa"): "sa",
+    ("hybrid", "mtp"): "mtp",
+    ("hybrid", "off"): "off",
+    ("sa", "auto"): "sa",
+    ("sa", "sa"): "sa",
+    ("sa", "mtp"): "off",  # the server runs no MTP: no speculation rather than an error
+    ("sa", "off"): "off",
+    ("mtp", "auto"): "mtp",
+    ("mtp", "sa"): "off",
+    ("mtp", "mtp"): "mtp",
+    ("mtp", "off"): "off",
+    ("off", "auto"): "off",
+    ("off", "sa"): "off",
+    ("off", "mtp"): "off",
+    ("off", "off"): "off",
+}
+
+
+def test_mode_table_covers_every_combination():
+    assert set(MODE_TABLE) == set(itertools.product(SERVER_MODES, REQUEST_MODES))
+
+
+@pytest.mark.parametrize("server_mode, request_mode", sorted(MODE_TABLE))
+def test_effective_mode(server_mode, request_mode):
+    server = SpeculationConfig(mode=server_mode, max_draft_len=6)
+    mode, max_draft_len = effective_settings(server, RequestSpeculation(mode=request_mode))
+    assert mode == MODE_TABLE[server_mode, request_mode]
+    assert max_draft_len == (0 if mode == "off" else 6)
+
+
+@pytest.mark.parametrize(
+    "server_len, request_len, expected",
+    [(8, None, 8), (8, 3, 3), (8, 8, 8), (8, 20, 8), (1, 5, 1), (64, 1, 1)],
+)
+def test_request_draft_length_caps_never_raises(server_len, request_len, expected):
+    server = SpeculationConfig(mode="hybrid", max_draft_len=server_len)
+    request = RequestSpeculation(mode="auto", max_draft_len=request_len)
+    assert effective_settings(server, request) == ("hybrid", expected)
+
+
+def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_available=True,
+         speculate=True, tokens_left=100):
+    return plan_draft(mode, max_draft_len, sa_threshold, sa_match_len, mtp_available, speculate,
+                      tokens_left)
+
+
+@pytest.mark.parametrize(
+    "kwargs, source",
+    [
+        # hybrid: SA from the threshold up, MTP below it, nothing when MTP is missing.
+        (dict(sa_match_len=4), "sa"),
+        (dict(sa_match_len=50), "sa"),
+        (dict(sa_match_len=3), "mtp"),
+        (dict(sa_match_len=0), "mtp"),
+        (dict(sa_match_len=3, mtp_available=False), None),
+        (dict(sa_match_len=4, mtp_available=False), "sa"),
+        (dict(sa_match_len=1, sa_threshold=1), "sa"),
+        (dict(sa_match_len=0, sa_threshold=1), "mtp"),
+        # sa: any match at all, regardless of the threshold; never MTP.
+        (dict(mode="sa", sa_match_len=1), "sa"),
+        (dict(mode="sa", sa_match_len=0), None),
+        (dict(mode="sa", sa_match_len=2, sa_threshold=10), "sa"),
+        # mtp: whenever the heads exist, whatever the SA match.
+        (dict(mode="mtp", sa_match_len=30), "mtp"),
+        (dict(mode="mtp", mtp_available=False, sa_match_len=30), None),
+        # off, or the gate closed: nothing, whatever else holds.
+        (dict(mode="off", sa_match_len=30), None),
+        (dict(speculate=False, sa_match_len=30), None),
+        (dict(mode="sa", speculate=False, sa_match_len=30), None),
+        (dict(mode="mtp", speculate=False), None),
+    ],
+)
+def test_plan_source(kwargs, source):
+    result = plan(**kwargs)
+    assert result.source == source
+    assert result.num_draft == (0 if source is None else 8)
+
+
+@pytest.mark.parametrize(
+    "max_draft_len, tokens_left, num_draft",
+    [
+        (8, 100, 8),
+        (8, 9, 8),  # 8 drafts + 1 bonus fill the budget exactly
+        (8, 8, 7),
+        (8, 2, 1),
+        (8, 1, 0),  # only one token left: a plain step
+        (8, 0, 0),
+        (3, 100, 3),
+    ],
+)
+def test_plan_never_drafts_past_max_tokens(max_draft_len, tokens_left, num_draft):
+    for mode, match_len in (("hybrid", 10), ("hybrid", 0), ("sa", 10), ("mtp", 0)):
+        result = plan(mode=mode, max_draft_len=max_draft_len, sa_match_len=match_len,
+                      tokens_left=tokens_left)
+        assert result.num_draft == num_draft
+        assert (result.source is None) == (num_draft == 0)
+
+
+def test_no_speculation_plan_is_the_empty_plan():
+    assert plan(speculate=False) == DraftPlan(source=None, num_draft=0)
+
+
+def test_plan_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="mode"):
+        plan(mode="auto")  # a request mode, not an effective one
+
+
+def test_settings_feed_the_plan():
+    # A request pinned to "sa" on a hybrid server drafts from SA below the hybrid threshold.
+    server = SpeculationConfig(mode="hybrid", max_draft_len=8, sa_threshold=5)
+    mode, max_draft_len = effective_settings(server, RequestSpeculation(mode="sa", max_draft_len=2))
+    result = plan_draft(mode, max_draft_len, server.sa_threshold, sa_match_len=2,
+                        mtp_available=True, speculate=True, tokens_left=50)
+    assert result == DraftPlan(source="sa", num_draft=2)

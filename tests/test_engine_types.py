@@ -1,0 +1,88 @@
+"""Engine dataclasses validate at construction and name the offending field."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from replicas.engine import (
+    Engine, GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig,
+)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, field",
+    [
+        (SamplingParams, dict(max_tokens=0), "max_tokens"),
+        (SamplingParams, dict(max_tokens=-3), "max_tokens"),
+        (SamplingParams, dict(temperature=-0.1), "temperature"),
+        (SamplingParams, dict(temperature=float("nan")), "temperature"),
+        (SamplingParams, dict(top_p=0.0), "top_p"),
+        (SamplingParams, dict(top_p=1.01), "top_p"),
+        (SamplingParams, dict(top_k=-1), "top_k"),
+        (SamplingParams, dict(stop=("ok", "")), "stop"),
+        (SpeculationConfig, dict(mode="auto"), "mode"),  # a request mode, not a server mode
+        (SpeculationConfig, dict(mode="fast"), "mode"),
+        (SpeculationConfig, dict(max_draft_len=0), "max_draft_len"),
+        (SpeculationConfig, dict(max_draft_len=65), "max_draft_len"),
+        (SpeculationConfig, dict(sa_threshold=0), "sa_threshold"),
+        (SpeculationConfig, dict(batch_gate=-1), "batch_gate"),
+        (RequestSpeculation, dict(mode="hybrid"), "speculation.mode"),  # server-only mode
+        (RequestSpeculation, dict(mode="on"), "speculation.mode"),
+        (RequestSpeculation, dict(max_draft_len=0), "speculation.max_draft_len"),
+    ],
+)
+def test_bad_value_raises_naming_the_field(cls, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}:"):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (SamplingParams, dict()),
+        (SamplingParams, dict(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0)),
+        (SamplingParams, dict(temperature=2.0, top_p=1e-3, top_k=1, seed=0, stop=("\n",))),
+        (SpeculationConfig, dict()),
+        (SpeculationConfig, dict(mode="off", max_draft_len=1, sa_threshold=1, batch_gate=0)),
+        (SpeculationConfig, dict(mode="sa", max_draft_len=64)),
+        (RequestSpeculation, dict()),
+        (RequestSpeculation, dict(mode="off", max_draft_len=1)),
+        (RequestSpeculation, dict(mode="mtp", max_draft_len=1000)),  # capped later, not here
+    ],
+)
+def test_edge_values_are_accepted(cls, kwargs):
+    value = cls(**kwargs)
+    for name, given in kwargs.items():
+        assert getattr(value, name) == given
+
+
+@pytest.mark.parametrize("cls", [SamplingParams, SpeculationConfig, RequestSpeculation])
+def test_configs_are_frozen(cls):
+    value = cls()
+    field = dataclasses.fields(cls)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, field, getattr(value, field))
+
+
+def test_request_defaults():
+    request = GenerationRequest("a", [1, 2])
+    assert request.sampling == SamplingParams() and request.speculation == RequestSpeculation()
+    assert request.sampling.temperature == 0.0 and request.speculation.mode == "auto"
+
+
+def test_engine_protocol_is_runtime_checkable():
+    class Partial:
+        async def start(self) -> None: ...
+
+    class Complete(Partial):
+        def generate(self, request): ...
+        async def abort(self, request_id): ...
+        def configure(self, speculation): ...
+        def stats(self): ...
+        async def check_health(self): ...
+
+    assert not isinstance(Partial(), Engine)
+    assert isinstance(Complete(), Engine)
