@@ -22,7 +22,7 @@ from replicas.speculation.verify import Verdict, verify_greedy, verify_sampling
 from replicas.stats import SOURCES, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import LlamaModel, SeqSpan
-from replicas.torch_engine.sampling import sample, sampling_probs
+from replicas.speculation.sampling import sample, sampling_probs
 from replicas.torch_engine.sequence import Sequence, release_text
 
 logger = logging.getLogger(__name__)

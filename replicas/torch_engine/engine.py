@@ -21,7 +21,7 @@ from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfi
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
 from replicas.torch_engine.loader import DEFAULT_MODEL, resolve_model_dir
-from replicas.torch_engine.sampling import make_generator
+from replicas.speculation.sampling import make_generator
 from replicas.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
