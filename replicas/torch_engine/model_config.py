@@ -1,0 +1,99 @@
+"""The shape of a Llama-architecture model, read from a Hugging Face `config.json`.
+
+Only what the lean forward needs. Anything our forward would silently compute wrong
+(another architecture, scaled RoPE, biases, a non-SiLU MLP) is rejected here, at the edge,
+with a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+_LLAMA_ARCHS = ("LlamaForCausalLM",)
+
+
+def _reject(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Dimensions and constants of a Llama decoder (all sizes in elements, not bytes)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _reject(getattr(self, name) >= 1, f"{name}: must be >= 1, got {getattr(self, name)}")
+        _reject(self.num_heads % self.num_kv_heads == 0,
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _reject(self.head_dim % 2 == 0, f"head_dim: RoPE needs an even head_dim, got {self.head_dim}")
+        _reject(self.rope_theta > 0, f"rope_theta: must be > 0, got {self.rope_theta}")
+        _reject(self.rms_norm_eps > 0, f"rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        """Read `path/config.json`; ValueError for anything but a plain Llama."""
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"{path}: no config.json")
+        return cls.from_hf_dict(json.loads(config_path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+        # Converted GGUFs carry architectures=null, so model_type is the primary check.
+        archs = raw.get("architectures") or []
+        _reject(raw.get("model_type") == "llama" or any(a in _LLAMA_ARCHS for a in archs),
+                f"unsupported architecture: model_type={raw.get('model_type')!r}, architectures={archs}")
+        _reject(not archs or all(a in _LLAMA_ARCHS for a in archs),
+                f"unsupported architectures {archs}: only {_LLAMA_ARCHS}")
+        _reject(raw.get("hidden_act", "silu") == "silu", f"hidden_act: only 'silu', got {raw.get('hidden_act')!r}")
+        _reject(not raw.get("attention_bias", False), "attention_bias: biased projections are not supported")
+        _reject(not raw.get("mlp_bias", False), "mlp_bias: biased MLP is not supported")
+        _reject(raw.get("pretraining_tp", 1) == 1, "pretraining_tp: only 1 is supported")
+
+        # transformers 5 moved rope settings into rope_parameters; 4.x had rope_theta and
+        # rope_scaling at the top level. Accept both, refuse any scaling we don't implement.
+        rope = dict(raw.get("rope_parameters") or {})
+        scaling = raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
+        _reject(rope_type == "default", f"rope scaling {rope_type!r} is not supported (only 'default')")
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+
+        hidden_size = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
