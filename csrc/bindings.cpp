@@ -163,7 +163,7 @@ PYBIND11_MODULE(_sa_native, m) {
   py::class_<sa::SuffixAutomatonPool>(m, "SuffixAutomatonPool", R"doc(
 Per-request suffix automata in fixed-capacity slots, plus an optional cross-request pool.
 
-SuffixAutomatonPool(max_slots, max_seq_len, global_pool_tokens=0, global_bias=4)
+SuffixAutomatonPool(max_slots, max_seq_len, global_pool_tokens=0, global_bias=0)
   max_seq_len: tokens (prompt + generated) one request may hold.
   global_pool_tokens: bound on the shared pool of finished responses (0: off).
   global_bias: a global match is used only when longer than the local one + this.
