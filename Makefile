@@ -8,6 +8,9 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 BUILD_DIR := build/native
 export SPECSERVE_CACHE_DIR ?= $(HOME)/.cache/specserve
 export RAY_AUTH_MODE ?= disabled
+# OpenMP threads that spin while waiting turn a busy 2-core machine's 75 ms step into
+# 300-2600 ms (benchmarks/forward.py); passive waiting costs little on an idle machine.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: install native test test-cpp serve bench clean
 
@@ -48,8 +51,13 @@ bench-serve: install
 	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/serve.py $(SERVE_BENCH_ARGS)
 
-bench: install
-	$(PY) benchmarks/run_all.py
+# Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
+bench: bench-drafters bench-engine bench-serve bench-autoscaling
+
+ENGINE_BENCH_ARGS ?=
+.PHONY: bench-engine
+bench-engine: install
+	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
 
 # Drafter benchmark: the peers (Arctic Inference, vLLM's n-gram kernel) live in their own
 # venv, never in the project's dependencies. Arctic builds from source against the
