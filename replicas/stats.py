@@ -24,6 +24,7 @@ SPECULATING = "speculating"
 ACCEPTANCE_LENGTH = "acceptance_length"
 STEP_MS = "step_ms"
 TOKENS_PER_S = "tokens_per_s"
+BATCH_GATE = "batch_gate"  # added by the replica: its current gate, for the router
 
 # Prometheus metric names (Ray prefixes them with `ray_`).
 METRIC_DRAFT_TOKENS = "spec_draft_tokens_total"

@@ -1,0 +1,69 @@
+"""`build_app(args)`: the Serve application `serve run deploy.yaml` imports.
+
+Two deployments: `Ingress` (HTTP, OpenAI API, tokenization, limits) -> `Replica` (one
+engine each, routed by the speculation-gate router). The speculation settings become
+the Replica's `user_config`, so changing them in deploy.yaml (or through the Serve REST
+API) reconfigures live replicas without a restart.
+
+No `from __future__ import annotations` here: Serve validates `args` into `AppArgs` by
+reading the builder's annotation, which must be the class itself, not a string.
+"""
+
+from typing import Callable
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deploy.config import AppArgs, IngressConfig
+from deploy.engine_factory import engine_factory
+from deploy.ingress import Ingress
+from replicas.engine import Engine, SpeculationConfig
+from replicas.replica import Replica
+
+ROUTER_CLASS = "deploy.router:SpeculationGateRouter"
+INGRESS_MAX_ONGOING_REQUESTS = 1000  # the ingress only waits on replicas; it must not throttle
+
+
+def replica_deployment(args: AppArgs):
+    """The Replica deployment with its Serve options (sizing, router, health checks)."""
+    opts = args.replica
+    router = RequestRouterConfig(request_routing_stats_period_s=opts.routing_stats_period_s)
+    if opts.gate_router:
+        router = RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                     request_routing_stats_period_s=opts.routing_stats_period_s)
+    return serve.deployment(Replica).options(
+        name="Replica",
+        num_replicas=opts.num_replicas,
+        # The engine batches: admit a full batch plus a batch waiting, queue the rest in
+        # Serve (bounded by max_queued_requests, then 503 + Retry-After).
+        max_ongoing_requests=opts.max_ongoing_requests or 2 * args.engine.max_batch_size,
+        max_queued_requests=opts.max_queued_requests,
+        user_config=args.speculation.model_dump(),
+        ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
+        health_check_period_s=opts.health_check_period_s,
+        health_check_timeout_s=opts.health_check_timeout_s,
+        request_router_config=router,
+    )
+
+
+def ingress_deployment(args: AppArgs):
+    return serve.deployment(serve.ingress()(Ingress)).options(
+        name="Ingress",
+        num_replicas=args.ingress_replicas,
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0},
+    )
+
+
+def compose_app(args: AppArgs, factory: Callable[[SpeculationConfig], Engine]) -> Application:
+    """Ingress.bind(Replica.bind(factory)): the application around any engine."""
+    replica = replica_deployment(args).bind(factory, args.speculation.model_dump())
+    return ingress_deployment(args).bind(replica, IngressConfig.from_args(args))
+
+
+def build_app(args: AppArgs) -> Application:
+    """The application `deploy.yaml` names; `args` is its `args:` (validated strictly)."""
+    if not isinstance(args, AppArgs):  # called directly with a dict
+        args = AppArgs.model_validate(args)
+    return compose_app(args, engine_factory(args.engine))

@@ -1,0 +1,50 @@
+"""Optional bearer-token API keys, read once from an environment variable.
+
+When the variable is unset or empty the server is open; when it holds comma-separated
+keys, every route but `/healthz` needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Mapping, Optional
+
+from deploy.errors import ApiError
+
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def load_keys(env_var: str, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    return tuple(key.strip() for key in environ.get(env_var, "").split(",") if key.strip())
+
+
+def check_bearer(keys: tuple[str, ...], path: str, authorization: Optional[str]) -> None:
+    """Raise a 401 ApiError unless the request may pass."""
+    if not keys or path in OPEN_PATHS:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    # compare against every key so timing does not reveal which prefix matched
+    if not any([hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys]):
+        raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+
+class BearerAuth:
+    """ASGI middleware applying `check_bearer` to every HTTP request."""
+
+    def __init__(self, app, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.keys:
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+            try:
+                check_bearer(self.keys, scope.get("path", ""), authorization)
+            except ApiError as exc:
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

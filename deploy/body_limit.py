@@ -1,0 +1,47 @@
+"""An ASGI middleware that refuses request bodies over a byte limit with a 413.
+
+It reads the body itself (declared length first, then counted bytes, for chunked
+uploads), so the application never buffers more than the limit, and replays it.
+"""
+
+from __future__ import annotations
+
+from deploy.errors import ApiError
+
+
+class BodyLimit:
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        too_large = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await too_large.response()(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await too_large.response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls: wait for the disconnect
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,133 @@
+"""Typed arguments of the Serve application: what `deploy.yaml`'s `args:` may say.
+
+Every model forbids unknown keys (Serve's own schema drops them silently) and is frozen.
+Each component is handed its own sub-config: the engine factory gets `EngineArgs`, the
+ingress `IngressConfig`, the replica's `user_config` is `SpeculationArgs` as a dict.
+Standard library + pydantic only: importing this never loads torch.
+"""
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from replicas.torch_engine.loader import DEFAULT_MODEL
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeculationArgs(_Strict):
+    """Server-wide speculation settings; the Replica's `user_config`, changeable live."""
+
+    mode: Literal["hybrid", "sa", "mtp", "off"] = "hybrid"
+    max_draft_len: int = Field(8, ge=1, le=64)
+    sa_threshold: int = Field(4, ge=1)
+    batch_gate: int = Field(4, ge=0, description="no speculation in a step with more running requests")
+
+    def as_config(self):
+        from replicas.engine import SpeculationConfig
+
+        return SpeculationConfig(**self.model_dump())
+
+
+class EngineArgs(_Strict):
+    """What the replica's engine is built from (the engine factory's whole input)."""
+
+    kind: Literal["torch", "trtllm"] = "torch"
+    model: str = DEFAULT_MODEL  # the embedded default or a checkpoint directory
+    max_batch_size: int = Field(8, ge=1)
+    max_seq_len: int = Field(4096, ge=16)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+    mtp_weights: Optional[str] = "default"  # None disables MTP drafting
+    sa_global_pool_tokens: int = Field(1 << 20, ge=0)
+    # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,
+    # tensor_parallel_size, ...); checked by building the real config in AppArgs below
+    trtllm: Optional[dict[str, Any]] = None
+
+
+class LimitArgs(_Strict):
+    """Edge limits, checked by the ingress before any work is queued."""
+
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="default: max_seq_len - 1")
+    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1, description="when a request gives none")
+    stream_idle_timeout_s: float = Field(300.0, gt=0, description="longest wait for the next token")
+
+
+class ReplicaArgs(_Strict):
+    """Serve options of the engine deployment."""
+
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: Optional[int] = Field(None, ge=1, description="default: 2 x max_batch_size")
+    max_queued_requests: int = Field(64, ge=1, description="past this, 503 + Retry-After")
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(60.0, gt=0)
+    gate_router: bool = True  # the speculation-gate router; False = Serve's power-of-two
+    routing_stats_period_s: float = Field(1.0, gt=0)
+
+
+class AppArgs(_Strict):
+    """`build_app`'s whole input."""
+
+    engine: EngineArgs = EngineArgs()
+    served_model_name: Optional[str] = None  # default: the engine's model name
+    speculation: SpeculationArgs = SpeculationArgs()
+    limits: LimitArgs = LimitArgs()
+    replica: ReplicaArgs = ReplicaArgs()
+    ingress_replicas: int = Field(1, ge=1)
+    api_keys_env: str = Field("SPECSERVE_API_KEYS", min_length=1,
+                              description="env var with comma-separated bearer tokens; unset = open")
+
+    @model_validator(mode="after")
+    def _engine_builds(self) -> "AppArgs":
+        if self.engine.kind != "trtllm":
+            if self.engine.trtllm is not None:
+                raise ValueError("engine.trtllm: only with engine.kind trtllm")
+            return self
+        from deploy.engine_factory import trtllm_config  # the real config's own validation
+
+        trtllm_config(self.engine, self.speculation.as_config())
+        return self
+
+    @model_validator(mode="after")
+    def _limits_fit(self) -> "AppArgs":
+        prompt_limit = self.limits.max_prompt_tokens
+        if prompt_limit is not None and prompt_limit >= self.engine.max_seq_len:
+            raise ValueError(f"limits.max_prompt_tokens: must be < engine.max_seq_len ({self.engine.max_seq_len})")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+
+class IngressConfig(_Strict):
+    """What the ingress needs: names and limits, never the engine itself."""
+
+    model_name: str
+    max_seq_len: int
+    max_prompt_tokens: int
+    max_tokens: int
+    default_max_tokens: int
+    max_body_bytes: int
+    stream_idle_timeout_s: float
+    api_keys_env: str
+
+    @classmethod
+    def from_args(cls, args: AppArgs) -> "IngressConfig":
+        limits = args.limits
+        return cls(
+            model_name=args.model_name,
+            max_seq_len=args.engine.max_seq_len,
+            max_prompt_tokens=limits.max_prompt_tokens or args.engine.max_seq_len - 1,
+            max_tokens=limits.max_tokens,
+            default_max_tokens=limits.default_max_tokens,
+            max_body_bytes=limits.max_body_bytes,
+            stream_idle_timeout_s=limits.stream_idle_timeout_s,
+            api_keys_env=args.api_keys_env,
+        )

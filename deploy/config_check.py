@@ -1,0 +1,121 @@
+"""Strict validation of a Serve config file (deploy.yaml and friends).
+
+Serve's own schema silently drops keys it does not know, so a typo in deploy.yaml
+(`max_ongoing_request`, `batch_gates`) would deploy with defaults. This walks the file
+against Serve's pydantic models, and against our own `AppArgs` (an application's `args`)
+and `SpeculationArgs` (the Replica's `user_config`), reporting every unknown key by its
+path, then validates the values. `python -m deploy.config_check deploy.yaml` runs it.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from typing import Any, Iterable, Optional
+
+from pydantic import BaseModel
+
+from deploy.config import AppArgs, SpeculationArgs
+
+DEPLOYMENT_NAMES = ("Ingress", "Replica")
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """Pydantic models anywhere inside a (possibly nested) type annotation."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def unknown_keys(data: Any, model: type[BaseModel], path: str,
+                 overrides: Optional[dict[str, type[BaseModel]]] = None) -> list[str]:
+    """Paths of keys in `data` that `model` (recursively) does not define.
+
+    `overrides` maps a field name to the model that checks its free-form dict
+    (e.g. `args` -> AppArgs), at this level only.
+    """
+    if isinstance(data, list):
+        return [p for i, item in enumerate(data) for p in unknown_keys(item, model, f"{path}[{i}]", overrides)]
+    if not isinstance(data, dict):
+        return []
+    by_key = {}
+    for name, info in model.model_fields.items():
+        by_key[name] = (name, info)
+        if info.alias:
+            by_key[info.alias] = (name, info)
+    problems = []
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in by_key:
+            problems.append(where)
+            continue
+        name, info = by_key[key]
+        nested = (overrides or {}).get(name)
+        candidates = [nested] if nested else _models_in(info.annotation)
+        if candidates:
+            problems += unknown_keys(value, candidates[0], where, _child_overrides(candidates[0], value))
+    return problems
+
+
+def _child_overrides(model: type[BaseModel], value: Any) -> Optional[dict[str, type[BaseModel]]]:
+    from ray.serve.schema import DeploymentSchema, ServeApplicationSchema
+
+    if model is ServeApplicationSchema:
+        return {"args": AppArgs}
+    if model is DeploymentSchema and isinstance(value, dict) and value.get("name") == "Replica":
+        return {"user_config": SpeculationArgs}
+    return None
+
+
+def check_serve_config(document: dict[str, Any]) -> list[str]:
+    """Every problem found, as readable lines; an empty list means the file is sound."""
+    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+    from deploy.app import build_app
+
+    problems = [f"unknown key: {p}" for p in unknown_keys(document, ServeDeploySchema, "")]
+    if problems:
+        return problems
+    try:
+        ServeDeploySchema.model_validate(document)
+    except Exception as exc:  # noqa: BLE001 - report, don't raise
+        return [f"serve schema: {exc}"]
+    for i, app in enumerate(document.get("applications", [])):
+        parsed = ServeApplicationSchema.model_validate(app)
+        if parsed.import_path != "deploy.app:build_app":
+            problems.append(f"applications[{i}].import_path: expected deploy.app:build_app")
+            continue
+        try:
+            build_app(AppArgs.model_validate(app.get("args") or {}))
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"applications[{i}].args: {exc}")
+        for j, deployment in enumerate(app.get("deployments") or []):
+            where = f"applications[{i}].deployments[{j}]"
+            if deployment.get("name") not in DEPLOYMENT_NAMES:
+                problems.append(f"{where}.name: {deployment.get('name')!r} is not one of {DEPLOYMENT_NAMES}")
+            elif deployment.get("user_config") is not None:
+                if deployment["name"] != "Replica":
+                    problems.append(f"{where}.user_config: only the Replica takes one")
+                else:
+                    try:
+                        SpeculationArgs.model_validate(deployment["user_config"])
+                    except Exception as exc:  # noqa: BLE001
+                        problems.append(f"{where}.user_config: {exc}")
+    return problems
+
+
+def main(paths: Iterable[str]) -> int:
+    import yaml
+
+    failed = 0
+    for path in paths:
+        with open(path) as f:
+            problems = check_serve_config(yaml.safe_load(f))
+        for problem in problems:
+            print(f"{path}: {problem}")
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or ["deploy.yaml"]))

@@ -1,0 +1,88 @@
+"""OpenAI-style errors: one exception type, one body shape, every failure mapped to it.
+
+The body is `{"error": {"message", "type", "param", "code"}}`, the shape the official
+`openai` client parses into `APIError.message` / `.param` / `.code`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    503: "service_unavailable", 504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An HTTP failure with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, retry_after_s: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def param_from_loc(loc: Sequence[Any]) -> Optional[str]:
+    """`("body", "messages", 0, "role")` -> `"messages[0].role"`; type tags from unions dropped."""
+    name = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in ("str", "int", "list", "bool"):
+            name += f".{part}" if name else part
+    return name or None
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's validation failure -> a 400 naming the first offending field."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = param_from_loc(first.get("loc", ()))
+    message = first["msg"].removeprefix("Value error, ")
+    if param is None:
+        named, sep, _ = message.partition(":")
+        if sep and named.isidentifier():  # a model-level validator naming its field first
+            return ApiError(400, message, named)
+        # the body itself: missing, not JSON, or not an object
+        return ApiError(400, f"request body must be a JSON object ({message})")
+    return ApiError(400, f"{param}: {message}", param)
+
+
+def http_error(exc: StarletteHTTPException) -> ApiError:
+    return ApiError(exc.status_code, str(exc.detail))
+
+
+def install_error_handlers(app) -> None:
+    """Every error the app can raise leaves as an OpenAI error body."""
+
+    async def on_api_error(_request, exc: ApiError):
+        return exc.response()
+
+    async def on_validation(_request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    async def on_http(_request, exc: StarletteHTTPException):
+        return http_error(exc).response()
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI on Serve's ingress).
+
+`/v1/completions` and `/v1/chat/completions` (SSE when `stream`, JSON otherwise),
+`/v1/models`, `/healthz`. The ingress validates and tokenizes at the edge, streams the
+request from a Replica through the speculation-gate router, and turns every failure
+into an OpenAI error: before the first token as an HTTP status, after it as an SSE
+error event followed by `data: [DONE]`, so a client never hangs. When the client goes
+away, the replica stream is cancelled, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Union
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deploy import openai_format as fmt
+from deploy.auth import BearerAuth, load_keys
+from deploy.body_limit import BodyLimit
+from deploy.config import IngressConfig
+from deploy.errors import ApiError, install_error_handlers
+from deploy.prompts import generation_request
+from deploy.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
+    ModelCard, ModelList,
+)
+from replicas.engine import GenerationDelta, GenerationRequest
+from replicas.replica import RequestRejected
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1.0
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+_STREAM_DOC = {"content": {"text/event-stream": {}}, "description": "SSE chunks ending with data: [DONE]"}
+
+
+def _server_error(exc: BaseException) -> ApiError:
+    """Map a failure from the Serve handle (or the stream) to an HTTP error."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    cause = getattr(exc, "cause", None)
+    for candidate in (exc, cause):
+        if isinstance(candidate, BackPressureError):
+            return ApiError(503, "server overloaded: too many queued requests, retry later",
+                            code="overloaded", retry_after_s=RETRY_AFTER_S)
+        if isinstance(candidate, DeploymentUnavailableError):
+            return ApiError(503, "no engine replica is available yet, retry later", retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, asyncio.TimeoutError):
+        return ApiError(504, "the engine produced no token within the idle timeout")
+    summary = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+    return ApiError(500, f"engine failure: {type(exc).__name__}: {summary}"[:500])
+
+
+def _cancel(stream) -> None:
+    """Cancel a replica stream; best effort (Serve's cancel re-raises a failed assignment)."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - the request already failed; nothing left to stop
+        pass
+
+
+class Ingress:
+    """Serve ingress deployment; `deploy/app.py` wraps it with `serve.ingress()`."""
+
+    def __init__(self, replica: Any, config: IngressConfig) -> None:
+        self._replica = replica  # DeploymentHandle to Replica
+        self._streams = replica.options(stream=True)
+        self._config = config
+        self._keys = load_keys(config.api_keys_env)
+        self._tokenizer = None
+        self._created = int(time.time())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self)
+
+    # -- tokenizer, fetched lazily from a replica ---------------------------------------------
+    async def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = await self._replica.tokenizer.remote()
+            except Exception as exc:  # noqa: BLE001
+                raise _server_error(exc) from exc
+        return self._tokenizer
+
+    # -- generation -----------------------------------------------------------------------------
+    async def handle(self, kind: fmt.Kind, body: Union[CompletionRequest, ChatCompletionRequest]):
+        if body.model != self._config.model_name:
+            raise ApiError(404, f"model: {body.model!r} is not served here; try {self._config.model_name!r}",
+                           "model", code="model_not_found")
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        request = generation_request(request_id, await self.tokenizer(), body, self._config)
+        stream, first = await self._open(request)
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(kind, request_id, created, stream, first, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        acc = await self._collect(stream, first)
+        return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, acc))
+
+    async def _open(self, request: GenerationRequest):
+        """Start the replica stream and wait for its first item (errors are still HTTP statuses)."""
+        stream = None
+        try:
+            stream = self._streams.generate.remote(request)  # may raise BackPressureError here
+            first = await self._next(stream)
+        except BaseException as exc:
+            if stream is not None:
+                _cancel(stream)
+            if isinstance(exc, StopAsyncIteration):
+                raise ApiError(500, "the engine stream ended before any output") from None
+            if isinstance(exc, Exception):
+                raise _server_error(exc) from exc
+            raise
+        if isinstance(first, RequestRejected):
+            raise ApiError(400, first.message, first.param)
+        return stream, first
+
+    async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
+        return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
+
+    async def _collect(self, stream, delta: GenerationDelta) -> fmt.Accumulated:
+        acc, done = fmt.Accumulated(), False
+        try:
+            while True:
+                if delta.finish_reason in ("error", "abort"):
+                    raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
+                acc.add(delta)
+                if delta.finish_reason is not None:
+                    done = True
+                    return acc
+                try:
+                    delta = await self._next(stream)
+                except StopAsyncIteration:
+                    raise ApiError(500, "the engine stream ended without a finish reason") from None
+                except Exception as exc:  # noqa: BLE001
+                    raise _server_error(exc) from exc
+        finally:
+            if not done:  # error or client disconnect: stop the request in the engine
+                _cancel(stream)
+
+    async def _sse(self, kind: fmt.Kind, request_id: str, created: int, stream, delta: GenerationDelta,
+                   include_usage: bool) -> AsyncIterator[str]:
+        model, acc, done = self._config.model_name, fmt.Accumulated(), False
+        try:
+            try:
+                if kind == "chat":
+                    yield fmt.sse(fmt.chunk(kind, request_id, created, model, "", role=True))
+                while True:
+                    if delta.finish_reason in ("error", "abort"):
+                        raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
+                    acc.add(delta)
+                    if delta.text:
+                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, delta.text))
+                    if delta.finish_reason is not None:
+                        done = True
+                        text = None if kind == "chat" else ""
+                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, text, delta.finish_reason))
+                        if include_usage:
+                            yield fmt.sse(fmt.usage_chunk(kind, request_id, created, model, acc))
+                        break
+                    try:
+                        delta = await self._next(stream)
+                    except StopAsyncIteration:
+                        raise ApiError(500, "the engine stream ended without a finish reason") from None
+            except ApiError as exc:
+                yield fmt.sse({"error": {**exc.body()["error"], "code": exc.status}})
+            except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
+                logger.warning("stream %s failed: %r", request_id, exc)
+                err = _server_error(exc)
+                yield fmt.sse({"error": {**err.body()["error"], "code": err.status}})
+            yield fmt.DONE
+        finally:
+            if not done:  # error or client disconnect: stop the request in the engine
+                _cancel(stream)
+
+    # -- models ---------------------------------------------------------------------------------
+    def model_card(self) -> dict[str, Any]:
+        return ModelCard(id=self._config.model_name, created=self._created).model_dump()
+
+
+def build_api(ingress: Ingress) -> FastAPI:
+    """The FastAPI app, its routes bound to one Ingress instance."""
+    config = ingress._config
+    app = FastAPI(title="specserve", version="0.1.0",
+                  description="OpenAI-compatible LLM serving with hybrid speculative decoding")
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BearerAuth, keys=ingress._keys)  # outermost: auth before reading bodies
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _STREAM_DOC})
+    async def completions(body: CompletionRequest):
+        return await ingress.handle("completion", body)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, 200: _STREAM_DOC})
+    async def chat_completions(body: ChatCompletionRequest):
+        return await ingress.handle("chat", body)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models():
+        return {"object": "list", "data": [ingress.model_card()]}
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model: str):
+        if model != config.model_name:
+            raise ApiError(404, f"model: {model!r} is not served here", "model", code="model_not_found")
+        return ingress.model_card()
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,53 @@
+"""The speculation-gate request router: a thin Serve adapter over `deploy/ranking.py`.
+
+Configured on the Replica deployment as
+`request_router_config: {request_router_class: "deploy.router:SpeculationGateRouter"}`.
+Each routing attempt reads every candidate's last `record_routing_stats()` (one period
+stale) and Serve's live queue-length cache, ranks them with `rank_replicas`, and returns
+one replica per rank so Serve tries them best first (skipping full ones). A `generate`
+call routed while every candidate is above its gate gets `speculate=False`.
+
+Imports Ray's router API, the ranking and the stats names only: never torch.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from deploy.ranking import ReplicaLoad, all_above_gate, rank_replicas
+
+GENERATE_METHOD = "generate"  # Replica.generate
+SPECULATE_KWARG = "speculate"  # Replica.generate's keyword that narrows a request to no speculation
+
+
+class SpeculationGateRouter(RequestRouter):
+    """Requests go where speculation is still on; when it is on nowhere, they say so.
+
+    No FIFOMixin on purpose: Serve then hands the chosen replica to exactly the request
+    being routed, so the `speculate` flag set here travels with the right request.
+    """
+
+    def replica_loads(self, candidates: List[RunningReplica]) -> List[ReplicaLoad]:
+        cache = self.replica_queue_len_cache
+        return [
+            ReplicaLoad.from_stats(r.replica_id.unique_id, r.routing_stats or {}, cache.get(r.replica_id))
+            for r in candidates
+        ]
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        loads = self.replica_loads(candidate_replicas)
+        if pending_request is not None and pending_request.metadata.call_method == GENERATE_METHOD:
+            if all_above_gate(loads):
+                pending_request.kwargs[SPECULATE_KWARG] = False
+            else:  # a retried request may have been marked on an earlier attempt
+                pending_request.kwargs.pop(SPECULATE_KWARG, None)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        return [[by_id[load.replica_id]] for load in rank_replicas(loads)]

@@ -1,0 +1,218 @@
+"""The Serve deployment that owns one engine.
+
+A plain class: `deploy/app.py` turns it into a deployment with `serve.deployment(Replica)`,
+so it has no import-time Serve side effects. The engine comes from an injected factory,
+so the Serve parts run with any `Engine`. Speculation settings arrive as `user_config`
+through `reconfigure` and change live; stats go to the router (`record_routing_stats`),
+the autoscaling policy (`record_autoscaling_stats`) and Prometheus (`ray.serve.metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from replicas.engine import (
+    Engine, GenerationDelta, GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig,
+)
+from replicas.speculation.gate import speculate_this_step
+from replicas.stats import (
+    METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS,
+    BATCH_GATE, METRIC_GATE_OPEN, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
+)
+
+logger = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine stats
+STALLED_CHECKS = 3  # health checks in a row with live requests and no new token = unhealthy
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """Yielded instead of deltas when the engine refuses a request (a client error)."""
+
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def from_error(cls, exc: ValueError) -> "RequestRejected":
+        text = str(exc)
+        head, sep, _ = text.partition(":")
+        param = head if sep and head.replace(".", "").replace("_", "").isalnum() else None
+        return cls(text, param)
+
+
+def speculation_config(user_config: dict[str, Any]) -> SpeculationConfig:
+    """`user_config` -> SpeculationConfig; unknown keys and bad values raise ValueError."""
+    fields = {f.name for f in dataclasses.fields(SpeculationConfig)}
+    unknown = sorted(set(user_config) - fields)
+    if unknown:
+        raise ValueError(f"user_config: unknown keys {unknown}; allowed {sorted(fields)}")
+    return SpeculationConfig(**user_config)
+
+
+class _Metrics:
+    """The DESIGN.md Prometheus metrics; counters follow the engine's monotonic totals."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.draft = metrics.Counter(METRIC_DRAFT_TOKENS, "draft tokens proposed", tag_keys=("source",))
+        self.accepted = metrics.Counter(METRIC_ACCEPTED_TOKENS, "draft tokens accepted", tag_keys=("source",))
+        self.acceptance = metrics.Histogram(
+            METRIC_ACCEPTANCE_LENGTH, "tokens emitted per verify step (bonus included)",
+            boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 17, 33, 65])
+        self.gate_open = metrics.Gauge(METRIC_GATE_OPEN, "1 if a new request would be speculated")
+        self.batch = metrics.Gauge(METRIC_BATCH_SIZE, "requests decoding in the engine")
+        self.ttft = metrics.Histogram(METRIC_TTFT, "time to first token",
+                                      boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64])
+        self.tpot = metrics.Histogram(METRIC_TPOT, "time per output token after the first",
+                                      boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2])
+        self._last = {source: (0, 0) for source in SOURCES}
+
+    def refresh(self, stats: EngineStats, batch_gate: int) -> None:
+        for source in SOURCES:
+            draft, accepted = stats.draft_tokens.get(source, 0), stats.accepted_tokens.get(source, 0)
+            last_draft, last_accepted = self._last[source]
+            if draft > last_draft:
+                self.draft.inc(draft - last_draft, tags={"source": source})
+            if accepted > last_accepted:
+                self.accepted.inc(accepted - last_accepted, tags={"source": source})
+            self._last[source] = (draft, accepted)
+        self.batch.set(stats.batch_size)
+        self.gate_open.set(1.0 if speculate_this_step(stats.batch_size + 1, batch_gate) else 0.0)
+
+    def finished(self, usage: dict[str, float], ttft_s: float | None, tpot_s: float | None) -> None:
+        # One observation per verify step at the request's mean, so the histogram's
+        # _sum / _count is exactly the acceptance length (the engine reports no per-step figure).
+        for _ in range(int(usage.get("steps", 0))):
+            self.acceptance.observe(usage["acceptance_length"])
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+
+class Replica:
+    """Owns one engine: streams requests through it and reports its stats."""
+
+    async def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine],
+                       speculation: dict[str, Any] | None = None, metrics: bool = True) -> None:
+        # the engine is built with the deployment's speculation settings (an engine such as
+        # TensorRT-LLM fixes them at build); Serve then calls reconfigure with user_config
+        self._speculation = speculation_config(speculation or {})
+        self._engine = engine_factory(self._speculation)
+        await self._engine.start()
+        self._metrics = _Metrics() if metrics else None
+        self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress signal
+        self._live = 0
+        self._stalled_checks = 0
+        self._last_progress = 0
+        self._stats_task = asyncio.create_task(self._refresh_metrics_forever())
+
+    # -- configuration and stats ------------------------------------------------------------
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Hot-swap gate, SA threshold, draft length and mode (next engine step)."""
+        config = speculation_config(user_config or {})
+        self._engine.configure(config)
+        self._speculation = config
+        logger.info("speculation reconfigured: %s", config)
+
+    async def stats(self) -> dict[str, float]:
+        """`EngineStats.as_metrics()` plus the gate, the live request count and the mode."""
+        flat = self._engine.stats().as_metrics()
+        flat[BATCH_GATE] = float(self._speculation.batch_gate)
+        flat["max_draft_len"] = float(self._speculation.max_draft_len)
+        flat["sa_threshold"] = float(self._speculation.sa_threshold)
+        flat["live_requests"] = float(getattr(self._engine, "num_live_requests", self._live))
+        return flat
+
+    async def record_routing_stats(self) -> dict[str, float]:
+        return await self.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return await self.stats()
+
+    async def pid(self) -> int:
+        """The replica's process id (tells a live reconfigure from a restart)."""
+        return os.getpid()
+
+    async def tokenizer(self) -> Any:
+        """The engine's HF tokenizer (pickled to the ingress, which renders chats and counts)."""
+        tokenizer = getattr(self._engine, "tokenizer", None)
+        if tokenizer is None:
+            raise RuntimeError(f"{type(self._engine).__name__} exposes no tokenizer")
+        return tokenizer
+
+    async def _refresh_metrics_forever(self) -> None:
+        while self._metrics is not None:
+            try:
+                self._metrics.refresh(self._engine.stats(), self._speculation.batch_gate)
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.exception("metrics refresh failed")
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    # -- requests -----------------------------------------------------------------------------
+    async def generate(
+        self, request: GenerationRequest, speculate: bool = True,
+    ) -> AsyncIterator[GenerationDelta | RequestRejected]:
+        """Stream one request. `speculate=False` (set by the router when every replica is
+        above its gate) narrows the request to no speculation. Cancelling the stream (the
+        client went away) closes the engine stream, which aborts the request there."""
+        if not speculate:
+            request = dataclasses.replace(request, speculation=RequestSpeculation(mode="off"))
+        started = time.monotonic()
+        try:
+            stream = self._engine.generate(request)
+        except ValueError as exc:
+            yield RequestRejected.from_error(exc)
+            return
+        first_token_at = None
+        self._live += 1
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    if delta.token_ids:
+                        self._tokens_out += 1
+                        first_token_at = first_token_at or time.monotonic()
+                    yield delta
+                    if delta.finish_reason is not None:
+                        self._observe(delta, started, first_token_at)
+        finally:
+            self._live -= 1
+
+    def _observe(self, last: GenerationDelta, started: float, first_token_at: float | None) -> None:
+        if self._metrics is None:
+            return
+        ttft = tpot = None
+        if first_token_at is not None:
+            ttft = first_token_at - started
+            if last.completion_tokens > 1:
+                tpot = (time.monotonic() - first_token_at) / (last.completion_tokens - 1)
+        self._metrics.finished(last.speculation, ttft, tpot)
+
+    async def check_health(self) -> None:
+        """Raise unless the engine serves: live requests must make progress; an idle
+        engine must answer a one-token probe."""
+        await self._engine.check_health()
+        if self._live:
+            progressed = self._tokens_out != self._last_progress
+            self._last_progress = self._tokens_out
+            self._stalled_checks = 0 if progressed else self._stalled_checks + 1
+            if self._stalled_checks >= STALLED_CHECKS:
+                raise RuntimeError(f"engine made no progress over {STALLED_CHECKS} health checks")
+            return
+        probe = GenerationRequest(
+            request_id=f"health-{uuid.uuid4().hex}", prompt="ok",
+            sampling=SamplingParams(max_tokens=1), speculation=RequestSpeculation(mode="off"),
+        )
+        async for delta in self._engine.generate(probe):
+            if delta.finish_reason == "error":
+                raise RuntimeError(f"health probe failed: {delta.error}")

@@ -1,0 +1,102 @@
+"""A fake engine and tokenizer for the Serve-layer tests (fast, deterministic, scriptable).
+
+FakeEngine implements the Engine protocol the way TorchEngine behaves at its edges
+(eager ValueError naming the field, abort on close, stats); FakeTokenizer is byte-level
+with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
+"FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfig
+from replicas.stats import EngineStats
+
+ALPHABET = "abcdefghij"
+
+
+class FakeTokenizer:
+    """Token id = UTF-8 byte."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode(errors="replace")
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True,
+                            continue_final_message=False) -> str:
+        if any(m["role"] == "tool" for m in messages):
+            raise ValueError("tool messages are not supported by this template")
+        text = ""
+        for i, m in enumerate(messages):
+            text += f"<{m['role']}>{m['content']}"
+            if not (continue_final_message and i == len(messages) - 1):
+                text += "</>"
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    def __init__(self, speculation: SpeculationConfig, max_seq_len: int = 256) -> None:
+        self.speculation = speculation
+        self.max_seq_len = max_seq_len
+        self.tokenizer = FakeTokenizer()
+        self.live: set[str] = set()
+        self.started = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        ids = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+        if len(ids) + request.sampling.max_tokens > self.max_seq_len:
+            raise ValueError(f"max_tokens: {request.sampling.max_tokens} + {len(ids)} prompt tokens exceed "
+                             f"the context window of {self.max_seq_len}")
+        return self._stream(request, self.tokenizer.decode(ids), len(ids))
+
+    async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):
+        self.live.add(request.request_id)
+        spec = {"draft_tokens": 2, "accepted_tokens": 1, "acceptance_length": 2.0, "steps": 1}
+        try:
+            for i in range(request.sampling.max_tokens):
+                await asyncio.sleep(0.05 if "SLOW" in prompt else 0)
+                if i == 2 and "FAIL_RAISE" in prompt:
+                    raise RuntimeError("fake engine exploded")
+                if i == 2 and "FAIL_DELTA" in prompt:
+                    yield GenerationDelta(request.request_id, (), "", "error", "fake step failure")
+                    return
+                last = i + 1 == request.sampling.max_tokens
+                char = ALPHABET[i % len(ALPHABET)]
+                yield GenerationDelta(
+                    request.request_id, (ord(char),), char, "length" if last else None, None,
+                    prompt_tokens, i + 1, spec if last else {},
+                )
+        finally:
+            self.live.discard(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.live.discard(request_id)
+
+    def configure(self, speculation: SpeculationConfig) -> None:
+        self.speculation = speculation
+
+    def stats(self) -> EngineStats:
+        return EngineStats(batch_size=len(self.live), speculating=int(len(self.live) <= self.speculation.batch_gate),
+                           acceptance_length=2.0)
+
+    async def check_health(self) -> None:
+        if not self.started:
+            raise RuntimeError("not started")
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.live)
+
+
+def fake_engine_factory(speculation: SpeculationConfig) -> FakeEngine:
+    return FakeEngine(speculation)

@@ -1,0 +1,110 @@
+"""deploy.yaml validated strictly: an unknown key anywhere fails, values are checked."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.config_check import check_serve_config, unknown_keys
+
+DEPLOY_YAML = Path(__file__).resolve().parents[2] / "deploy.yaml"
+
+
+@pytest.fixture(scope="module")
+def document():
+    return yaml.safe_load(DEPLOY_YAML.read_text())
+
+
+def test_deploy_yaml_is_sound(document):
+    assert check_serve_config(document) == []
+
+
+def test_speculation_is_the_replicas_hot_user_config(document):
+    from deploy.config import SpeculationArgs
+
+    replica = next(d for d in document["applications"][0]["deployments"] if d["name"] == "Replica")
+    assert SpeculationArgs.model_validate(replica["user_config"]) == SpeculationArgs()
+
+
+def _dict_paths(node, path=()):
+    """Every mapping in the document, as a path of keys and list indices."""
+    if isinstance(node, dict):
+        yield path
+        for key, value in node.items():
+            yield from _dict_paths(value, path + (key,))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _dict_paths(item, path + (i,))
+
+
+def _with_extra_key(document, path):
+    doc = copy.deepcopy(document)
+    node = doc
+    for part in path:
+        node = node[part]
+    node["bogus_key"] = 1
+    return doc
+
+
+def test_an_unknown_key_at_every_level_is_reported(document):
+    paths = list(_dict_paths(document))
+    assert len(paths) >= 8  # top, http_options, app, args and its five sections
+    for path in paths:
+        problems = check_serve_config(_with_extra_key(document, path))
+        assert problems and all("bogus_key" in p for p in problems), (path, problems)
+
+
+OVERRIDES = [
+    ("a valid Replica override", {"name": "Replica", "max_ongoing_requests": 24,
+                                  "user_config": {"batch_gate": 2}}, True),
+    ("autoscaling with a policy", {"name": "Replica", "autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 2,
+        "policy": {"policy_function": "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"}}},
+     True),
+    ("typo in a Serve option", {"name": "Replica", "max_ongoing_request": 24}, False),
+    ("typo in autoscaling", {"name": "Replica", "autoscaling_config": {"max_replica": 2}}, False),
+    ("typo in the router config", {"name": "Replica", "request_router_config": {"request_router_clas": "x"}},
+     False),
+    ("typo in user_config", {"name": "Replica", "user_config": {"batch_gates": 2}}, False),
+    ("bad user_config value", {"name": "Replica", "user_config": {"mode": "turbo"}}, False),
+    ("unknown deployment", {"name": "Engine", "num_replicas": 2}, False),
+    ("user_config on the ingress", {"name": "Ingress", "user_config": {"batch_gate": 2}}, False),
+]
+
+
+@pytest.mark.parametrize("name,override,ok", OVERRIDES, ids=[row[0] for row in OVERRIDES])
+def test_deployment_overrides(document, name, override, ok):
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["deployments"] = [override]
+    assert (check_serve_config(doc) == []) is ok, check_serve_config(doc)
+
+
+BAD_VALUES = [
+    ("engine.kind", "tensorflow"),
+    ("engine.max_batch_size", 0),
+    ("engine.max_seq_len", 4),
+    ("limits.max_tokens", 0),
+    ("limits.max_prompt_tokens", 999999),
+    ("replica.num_replicas", "two"),
+]
+
+
+@pytest.mark.parametrize("dotted,value", BAD_VALUES)
+def test_bad_values_in_args(document, dotted, value):
+    doc = copy.deepcopy(document)
+    section, key = dotted.split(".")
+    doc["applications"][0]["args"][section][key] = value
+    problems = check_serve_config(doc)
+    assert problems and key in problems[0], problems
+
+
+def test_unknown_keys_walks_lists_and_unions():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = {"applications": [{"import_path": "x:y", "deployments": [
+        {"name": "Replica", "autoscaling_config": {"policy": {"policy_function": "a:b", "nope": 1}}}]}]}
+    assert unknown_keys(doc, ServeDeploySchema, "") == [
+        "applications[0].deployments[0].autoscaling_config.policy.nope"]

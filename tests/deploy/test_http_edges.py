@@ -1,0 +1,198 @@
+"""The HTTP edge against a fake engine on a real Serve cluster: bad input, API keys,
+mid-stream failures, backpressure and a schemathesis run over the served OpenAPI schema."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from deploy.app import compose_app
+from deploy.config import AppArgs
+from tests.deploy.fakes import FakeEngine
+
+KEY = "sk-test-key"
+SERVE_ENV = {"SPECSERVE_TEST_KEYS": f"{KEY}, sk-second"}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ENGINE_WINDOW = 100  # the fake engine's own window, smaller than the ingress's, to test its ValueErrors
+
+
+small_window_engine = partial(FakeEngine, max_seq_len=ENGINE_WINDOW)
+
+
+def fake_args(**replica) -> AppArgs:
+    return AppArgs(
+        engine={"max_seq_len": 256}, served_model_name="fake", api_keys_env="SPECSERVE_TEST_KEYS",
+        limits={"max_body_bytes": 8192, "max_prompt_tokens": 200, "max_tokens": 64},
+        replica={"num_cpus": 0, **replica},
+    )
+
+
+@pytest.fixture(scope="module")
+def url(serve_url):
+    from ray import serve
+
+    serve.run(compose_app(fake_args(), small_window_engine), name="default", route_prefix="/")
+    # a second app, tiny admission limits, for the backpressure test
+    serve.run(compose_app(fake_args(max_ongoing_requests=1, max_queued_requests=1), small_window_engine),
+              name="tight", route_prefix="/tight")
+    return serve_url
+
+
+def completion(**kw):
+    return {"model": "fake", "prompt": "hello", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+BAD_INPUT = [
+    # (name, path, body or raw bytes, headers, status, param)
+    ("malformed json", "/v1/completions", b'{"model": "fake",', {}, 400, None),
+    ("body not an object", "/v1/completions", b"[1, 2]", {}, 400, None),
+    ("wrong type", "/v1/completions", completion(max_tokens="many"), {}, 400, "max_tokens"),
+    ("missing prompt", "/v1/completions", {"model": "fake"}, {}, 400, "prompt"),
+    ("unknown model", "/v1/completions", completion(model="gpt-9"), {}, 404, "model"),
+    ("unknown model, chat", "/v1/chat/completions", chat(model="gpt-9"), {}, 404, "model"),
+    ("empty messages", "/v1/chat/completions", chat(messages=[]), {}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", chat(messages=[{"role": "robot", "content": "x"}]), {}, 400,
+     "messages[0].role"),
+    ("template refuses", "/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), {}, 400,
+     "messages"),
+    ("negative max_tokens", "/v1/completions", completion(max_tokens=-5), {}, 400, "max_tokens"),
+    ("zero max_tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "max_tokens"),
+    ("huge max_tokens", "/v1/completions", completion(max_tokens=10**9), {}, 400, "max_tokens"),
+    ("huge max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=10**6), {}, 400,
+     "max_completion_tokens"),
+    ("prompt too long", "/v1/completions", completion(prompt="x" * 201), {}, 400, "prompt"),
+    ("chat too long", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 300}]), {},
+     400, "messages"),
+    ("over the engine window", "/v1/completions", completion(prompt="x" * 60, max_tokens=50), {}, 400,
+     "max_tokens"),
+    ("token id out of range", "/v1/completions", completion(prompt=[1, 999]), {}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", completion(prompt=""), {}, 400, "prompt"),
+    ("body too large", "/v1/completions", completion(prompt="x" * 20000), {}, 413, None),
+    ("bad speculation mode", "/v1/completions", completion(speculation={"mode": "fast"}), {}, 400,
+     "speculation.mode"),
+    ("bad speculation draft", "/v1/completions", completion(speculation={"max_draft_len": 0}), {}, 400,
+     "speculation.max_draft_len"),
+    ("unknown speculation key", "/v1/completions", completion(speculation={"gate": 3}), {}, 400,
+     "speculation.gate"),
+    ("unknown field", "/v1/completions", completion(temprature=0.5), {}, 400, "temprature"),
+    ("negative temperature", "/v1/completions", completion(temperature=-1), {}, 400, "temperature"),
+    ("n > 1", "/v1/completions", completion(n=2), {}, 400, "n"),
+    ("too many stops", "/v1/completions", completion(stop=list("abcde")), {}, 400, "stop"),
+    ("continue without assistant", "/v1/chat/completions",
+     chat(continue_final_message=True, add_generation_prompt=False), {}, 400, "continue_final_message"),
+    ("missing key", "/v1/completions", completion(), {"Authorization": ""}, 401, None),
+    ("wrong key", "/v1/completions", completion(), {"Authorization": "Bearer sk-wrong"}, 401, None),
+    ("not bearer", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, None),
+    ("unknown route", "/v1/embeddings", {"model": "fake", "input": "x"}, {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,param", BAD_INPUT, ids=[row[0] for row in BAD_INPUT])
+def test_bad_input(url, name, path, body, headers, status, param):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        if body is None:
+            response = client.get(path, headers=headers)
+        elif isinstance(body, bytes):
+            response = client.post(path, content=body, headers={"Content-Type": "application/json", **headers})
+        else:
+            response = client.post(path, json=body, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param, error
+
+
+def test_healthz_needs_no_key_and_everything_else_does(url):
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-second"}).json()
+    assert [m["id"] for m in models["data"]] == ["fake"]
+
+
+def test_openai_client_with_key(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+    out = client.completions.create(model="fake", prompt="hi", max_tokens=5, temperature=0)
+    assert out.choices[0].text == "abcde" and out.usage.completion_tokens == 5
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope").models.list()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="other", prompt="hi", max_tokens=5)
+    assert err.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
+def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        response = client.post("/v1/completions", json=completion(prompt=prompt, max_tokens=10, stream=True))
+    assert response.status_code == 200
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert '"error"' in events[-2] and '"code": 500' in events[-2]
+    assert len(events) == 4  # two tokens, the error, [DONE]
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.completions.create(model="fake", prompt=prompt, max_tokens=10, stream=True):
+            pass
+
+
+def test_replica_failure_without_stream_is_a_500(url):
+    response = httpx.post(f"{url}/v1/completions", headers=AUTH, json=completion(prompt="FAIL_RAISE"), timeout=30)
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
+
+
+def test_backpressure_answers_503_with_retry_after(url):
+    async def one(client):
+        return await client.post("/tight/v1/completions", json=completion(prompt="SLOW", max_tokens=20))
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as client:
+            return await asyncio.gather(*[one(client) for _ in range(8)])
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 503 in statuses, statuses
+    assert set(statuses) <= {200, 503}
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert int(rejected.headers["Retry-After"]) >= 1
+    assert rejected.json()["error"]["code"] == "overloaded"
+
+
+class _NoReplica:
+    """Stands in for the Replica handle: the OpenAPI document needs no engine."""
+
+    def options(self, **_):
+        return self
+
+
+def _openapi_document() -> dict:
+    from deploy.config import IngressConfig
+    from deploy.ingress import Ingress, build_api
+
+    return build_api(Ingress(_NoReplica(), IngressConfig.from_args(fake_args()))).openapi()
+
+
+schema = schemathesis.openapi.from_dict(_openapi_document())
+
+
+def test_served_schema_is_the_fuzzed_one(url):
+    served, built = httpx.get(f"{url}/openapi.json", headers=AUTH).json(), _openapi_document()
+    assert served["paths"] == built["paths"]
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_schemathesis_finds_no_server_error(case, url):
+    response = case.call(base_url=url, headers=AUTH, timeout=30)
+    assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])

@@ -1,0 +1,240 @@
+"""The real application (TorchEngine on CPU) deployed from deploy.yaml's document through
+Serve's config path, driven over HTTP with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+
+DEPLOY_YAML = Path(__file__).resolve().parents[2] / "deploy.yaml"
+MODEL = "smollm2-135m-instruct"
+APP = "specserve"
+CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+REPEAT_PROMPT = "\n".join(f"item_{i} = compute(item_{i - 1}, {i})" for i in range(1, 12)) + "\n"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+PREFILL_CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."},
+                {"role": "assistant", "content": "Here is the function:\n```python\ndef add("}]
+
+
+def test_config(batch_gate: int = 4) -> dict:
+    """deploy.yaml's document, sized for a 2-core test machine."""
+    doc = yaml.safe_load(DEPLOY_YAML.read_text())
+    doc.pop("http_options"), doc.pop("proxy_location")  # the fixture's cluster owns HTTP
+    args = doc["applications"][0]["args"]
+    args["engine"].update(max_batch_size=8, max_seq_len=1024, num_threads=1, mtp_weights=None)
+    replica = next(d for d in doc["applications"][0]["deployments"] if d["name"] == "Replica")
+    replica["user_config"]["batch_gate"] = batch_gate
+    replica.pop("autoscaling_config", None)  # one replica: these tests are about one engine
+    args["replica"].update(num_cpus=1, health_check_period_s=5)
+    return doc
+
+
+def deploy(config: dict) -> None:
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config), _blocking=False)
+    deadline = time.monotonic() + 240  # first deploy loads the model (and may convert it once)
+    from ray import serve
+
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(APP)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(status.message)
+        time.sleep(0.5)
+    raise TimeoutError(f"{APP} did not become RUNNING")
+
+
+@pytest.fixture(scope="module")
+def url(serve_url):
+    deploy(test_config())
+    return serve_url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def replica_handle(url):
+    from ray import serve
+
+    return serve.get_deployment_handle("Replica", APP)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The engine itself, in this process, without speculation: the output oracle."""
+    from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+
+    loop = asyncio.new_event_loop()
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=2, max_seq_len=1024, num_threads=1, mtp_weights=None,
+                                           speculation=SpeculationConfig(mode="off")))
+    loop.run_until_complete(engine.start())
+
+    def generate(prompt, max_tokens: int) -> str:
+        async def run():
+            request = GenerationRequest(f"ref-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens),
+                                        RequestSpeculation(mode="off"))
+            return "".join([d.text async for d in engine.generate(request)])
+        return loop.run_until_complete(run())
+
+    generate.tokenizer = engine.tokenizer
+    yield generate
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+def stream_text(stream, chat: bool) -> tuple[str, list]:
+    text, chunks = "", []
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.choices:
+            piece = chunk.choices[0].delta.content if chat else chunk.choices[0].text
+            text += piece or ""
+    return text, chunks
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_streamed_equals_plain_equals_engine(client, reference):
+    plain = client.completions.create(model=MODEL, prompt=CODE_PROMPT, max_tokens=24, temperature=0)
+    streamed, chunks = stream_text(client.completions.create(
+        model=MODEL, prompt=CODE_PROMPT, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}), chat=False)
+    assert plain.choices[0].text == streamed == reference(CODE_PROMPT, 24)
+    assert plain.choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert plain.usage.prompt_tokens == len(reference.tokenizer.encode(CODE_PROMPT, add_special_tokens=False))
+
+
+def test_chat_streamed_equals_plain_equals_engine(client, reference):
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    streamed, chunks = stream_text(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True), chat=True)
+    rendered = reference.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert plain.choices[0].message.content == streamed == reference(rendered, 24)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_chat_continues_a_prefilled_answer(client, reference):
+    out = client.chat.completions.create(
+        model=MODEL, messages=PREFILL_CHAT, max_tokens=16, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    rendered = reference.tokenizer.apply_chat_template(
+        PREFILL_CHAT, tokenize=False, continue_final_message=True, add_generation_prompt=False)
+    assert rendered.endswith("def add(")
+    assert out.choices[0].message.content == reference(rendered, 16)
+
+
+def test_usage_reports_speculation_and_the_request_can_turn_it_off(client):
+    spec = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=32, temperature=0)
+    usage = spec.usage.model_extra["speculation"]
+    assert usage["steps"] > 0 and usage["draft_tokens"] > 0 and usage["acceptance_length"] >= 1
+    off = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=32, temperature=0,
+                                    extra_body={"speculation": {"mode": "off"}})
+    assert off.usage.model_extra["speculation"]["steps"] == 0
+    assert off.choices[0].text == spec.choices[0].text  # greedy speculation is exact
+
+
+def test_32_concurrent_streams_all_complete(url, client):
+    prompts = [f"Count from {i} to {i + 20}:" for i in range(4)]
+    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                for p in prompts}
+    async_client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def one(prompt):
+        text = ""
+        async for chunk in await async_client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True):
+            text += chunk.choices[0].text if chunk.choices else ""
+        return prompt, text
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*[one(prompts[i % len(prompts)]) for i in range(32)])
+        finally:
+            await async_client.close()
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 32
+    assert all(text == expected[prompt] for prompt, text in results)
+
+
+def _live_requests(replica_handle) -> int:
+    return int(replica_handle.stats.remote().result()["live_requests"])
+
+
+def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [line for line, _ in zip(lines, range(8)) if line.startswith("data: ")]
+            assert received
+            assert _live_requests(replica_handle) >= 1
+    # 900 tokens take minutes on this machine; an abort takes one engine step
+    deadline = time.monotonic() + 60
+    while _live_requests(replica_handle) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_requests(replica_handle) == 0
+
+
+def test_reconfigure_moves_the_gate_live(client, replica_handle):
+    from ray import serve
+
+    def replica_ids():
+        return serve.status().applications[APP].deployments["Replica"].replica_states
+
+    before = replica_handle.stats.remote().result()
+    assert before["batch_gate"] == 4
+    pid = replica_handle.pid.remote().result()
+    deploy(test_config(batch_gate=0))  # only user_config changes: Serve reconfigures in place
+    deadline = time.monotonic() + 60
+    while replica_handle.stats.remote().result()["batch_gate"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert replica_handle.stats.remote().result()["batch_gate"] == 0
+    assert replica_handle.pid.remote().result() == pid, "the replica restarted instead of reconfiguring"
+    closed = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=16, temperature=0)
+    assert closed.usage.model_extra["speculation"]["steps"] == 0, closed.usage  # gate 0: no step speculates
+
+    deploy(test_config(batch_gate=4))
+    deadline = time.monotonic() + 60
+    while replica_handle.stats.remote().result()["batch_gate"] != 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # the router's copy of the replica stats is a routing-stats period or two behind: until
+    # it sees the new gate it still marks requests non-speculative
+    for _ in range(10):
+        reopened = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=16, temperature=0)
+        if reopened.usage.model_extra["speculation"]["steps"] > 0:
+            break
+        time.sleep(1.0)
+    assert reopened.usage.model_extra["speculation"]["steps"] > 0, reopened.usage
+    assert reopened.choices[0].text == closed.choices[0].text, (reopened.choices[0].text, closed.choices[0].text)
+
+
+def test_engine_errors_are_400s_naming_the_field(url):
+    body = {"model": MODEL, "prompt": "hello " * 50, "max_tokens": 1000}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    body = {"model": MODEL, "prompt": [0, 10**6], "max_tokens": 4}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"

@@ -1,0 +1,135 @@
+"""The speculation-gate routing decisions as tables of plain data (no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from deploy import ranking
+from deploy.ranking import UNKNOWN_GATE, ReplicaLoad, all_above_gate, rank_replicas
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def R(rid, batch=0, waiting=0, gate=4, acc=0.0, queue=None):
+    return ReplicaLoad(rid, batch, waiting, gate, acc, queue)
+
+
+RANKING = [
+    # (name, replicas, expected order)
+    ("below the gate first", [R("a", batch=4), R("b", batch=1)], ["b", "a"]),
+    ("then higher acceptance", [R("a", batch=1, acc=1.5), R("b", batch=2, acc=3.0)], ["b", "a"]),
+    ("then shorter queue", [R("a", batch=3, acc=2.0), R("b", batch=1, acc=2.0)], ["b", "a"]),
+    ("acceptance noise is a tie", [R("a", batch=3, acc=2.05), R("b", batch=1, acc=2.0)], ["b", "a"]),
+    ("waiting counts as load", [R("a", batch=1, waiting=3), R("b", batch=2)], ["b", "a"]),
+    ("live queue beats stale stats", [R("a", batch=0, queue=4), R("b", batch=2)], ["b", "a"]),
+    ("stale stats beat a short queue", [R("a", batch=4, queue=1), R("b", batch=2, queue=2)], ["b", "a"]),
+    ("above the gate: shorter queue first", [R("a", batch=9, acc=3.0), R("b", batch=6, acc=1.0)], ["b", "a"]),
+    ("the gate is per replica", [R("a", batch=5, gate=8), R("b", batch=2, gate=2)], ["a", "b"]),
+    ("gate 0 never speculates", [R("a", gate=0), R("b", batch=3)], ["b", "a"]),
+    ("unreported replica is assumed open", [ReplicaLoad("new"), R("b", batch=4)], ["new", "b"]),
+    ("ties keep input order", [R("a", batch=1), R("b", batch=1), R("c", batch=1)], ["a", "b", "c"]),
+    ("empty", [], []),
+]
+
+
+@pytest.mark.parametrize("name,replicas,expected", RANKING, ids=[row[0] for row in RANKING])
+def test_rank_replicas(name, replicas, expected):
+    assert [r.replica_id for r in rank_replicas(replicas)] == expected
+
+
+ABOVE_GATE = [
+    ("all full", [R("a", batch=4), R("b", batch=7)], True),
+    ("one has room", [R("a", batch=4), R("b", batch=3)], False),
+    ("room by the live queue only", [R("a", batch=4, queue=2)], True),
+    ("exactly at the gate after adding", [R("a", batch=3, gate=4)], False),
+    ("gate 0 everywhere", [R("a", gate=0), R("b", gate=0)], True),
+    ("unreported replica", [ReplicaLoad("new"), R("b", batch=9)], False),
+    ("no candidates", [], False),
+]
+
+
+@pytest.mark.parametrize("name,replicas,expected", ABOVE_GATE, ids=[row[0] for row in ABOVE_GATE])
+def test_all_above_gate(name, replicas, expected):
+    assert all_above_gate(replicas) is expected
+
+
+def test_from_stats_reads_the_replica_keys():
+    stats = {"batch_size": 3.0, "waiting": 1.0, "batch_gate": 6.0, "acceptance_length": 2.5, "step_ms": 9.0}
+    assert ReplicaLoad.from_stats("x", stats, 2) == ReplicaLoad("x", 3, 1, 6, 2.5, 2)
+    assert ReplicaLoad.from_stats("x", {}) == ReplicaLoad("x", 0, 0, UNKNOWN_GATE, 0.0, None)
+
+
+def test_names_shared_with_the_replica_agree():
+    from deploy.router import SPECULATE_KWARG
+    from replicas.replica import Replica
+
+    assert SPECULATE_KWARG in inspect.signature(Replica.generate).parameters
+
+
+@dataclass(frozen=True)
+class _ReplicaId:
+    unique_id: str
+
+
+def _router_with_replicas(stats_by_id, queue_by_id=None):
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    from deploy.router import SpeculationGateRouter
+
+    router = SpeculationGateRouter.__new__(SpeculationGateRouter)  # no Serve machinery needed
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    replicas = []
+    for rid, stats in stats_by_id.items():
+        replica = SimpleNamespace(replica_id=_ReplicaId(rid), routing_stats=stats)
+        replicas.append(replica)
+        if queue_by_id and rid in queue_by_id:
+            router._replica_queue_len_cache.update(replica.replica_id, queue_by_id[rid])
+    return router, replicas
+
+
+def _pending(method="generate"):
+    return SimpleNamespace(metadata=SimpleNamespace(call_method=method), kwargs={})
+
+
+def test_router_adapter_ranks_and_marks():
+    router, replicas = _router_with_replicas({
+        "busy": {"batch_size": 4, "batch_gate": 4, "acceptance_length": 3.0},
+        "idle": {"batch_size": 1, "batch_gate": 4, "acceptance_length": 2.0},
+    })
+    pending = _pending()
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["idle"], ["busy"]]
+    assert "speculate" not in pending.kwargs
+
+    router, replicas = _router_with_replicas({"a": {"batch_size": 4, "batch_gate": 4}}, {"a": 6})
+    pending = _pending()
+    asyncio.run(router.choose_replicas(replicas, pending))
+    assert pending.kwargs == {"speculate": False}
+
+    other = _pending("tokenizer")  # only generate calls carry the flag
+    asyncio.run(router.choose_replicas(replicas, other))
+    assert other.kwargs == {}
+
+
+def test_retried_request_loses_a_stale_mark():
+    router, replicas = _router_with_replicas({"a": {"batch_size": 0, "batch_gate": 4}})
+    pending = _pending()
+    pending.kwargs["speculate"] = False
+    asyncio.run(router.choose_replicas(replicas, pending))
+    assert pending.kwargs == {}
+
+
+@pytest.mark.parametrize("module", ["deploy.router", "deploy.ranking"])
+def test_importing_the_router_does_not_import_torch(module):
+    code = (f"import sys, {module}; "
+            "bad = [m for m in ('torch', 'transformers', 'replicas.speculation._sa_native') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
