@@ -1,0 +1,5 @@
+"""The TensorRT-LLM adapter's parts: import surface, config, translation, outputs, stats.
+
+`replicas/trtllm_engine.py` is the entry point; nothing here imports `tensorrt_llm` at
+import time.
+"""

@@ -1,0 +1,117 @@
+"""Upstream streaming outputs -> GenerationDelta, one tracker per request.
+
+TensorRT-LLM streams snapshots (`outputs[0].text`, `.token_ids`, `.finish_reason`); a stop
+string is matched on token ids and trimmed only from the final snapshot, so its first
+tokens may already sit in earlier text. The tracker therefore releases text itself: it
+holds back any tail that could still grow into a stop string and an incomplete UTF-8
+character, and cuts a stop string it sees even if upstream tokenized it differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from replicas.engine import FinishReason, GenerationDelta
+from replicas.stats import acceptance_length
+
+# CompletionOutput.finish_reason: 'stop' | 'length' | 'timeout' | 'cancelled'
+# (tensorrt_llm/executor/result.py).
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "error"}
+
+
+def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: bool) -> tuple[str, int, bool]:
+    """(text with any stop string cut, how much of it may be sent, whether a stop string hit)."""
+    if stops:
+        start = max(0, sent_chars - max(map(len, stops)))
+        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            text = text[: min(hits)]
+            return text, len(text), True
+    end = len(text)
+    if not finished:
+        end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
+        for s in stops:  # a tail that may be the start of a stop string
+            for n in range(min(len(s) - 1, end), 0, -1):
+                if text[end - n : end] == s[:n]:
+                    end -= n
+                    break
+    return text, end, False
+
+
+def request_usage(perf_metrics: Any, decoding_iter: int, completion_tokens: int) -> dict[str, float]:
+    """usage.speculation from `request_perf_metrics.speculative_decoding` (0s when absent).
+
+    Upstream reports draft and accepted totals per request, not verify steps. The result's
+    `decoding_iter` counts its iterations, the first being the prefill, so the generation
+    steps are decoding_iter - 1; without it, every step after the first token emits its
+    accepted drafts plus one: steps = (completion_tokens - 1) - accepted. Either way steps
+    with no draft (gate closed) are counted too.
+    """
+    spec = getattr(perf_metrics, "speculative_decoding", None)
+    draft = int(getattr(spec, "total_draft_tokens", 0) or 0)
+    accepted = int(getattr(spec, "total_accepted_draft_tokens", 0) or 0)
+    steps = 0
+    if draft:
+        steps = decoding_iter - 1 if decoding_iter > 1 else completion_tokens - 1 - accepted
+        steps = max(0, steps)
+    return {
+        "draft_tokens": draft,
+        "accepted_tokens": accepted,
+        "acceptance_length": round(acceptance_length(accepted + steps, steps), 4),
+        "steps": steps,
+    }
+
+
+@dataclass
+class OutputTracker:
+    request_id: str
+    prompt_tokens: int
+    stops: tuple[str, ...] = ()
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    completion_tokens: int = 0
+    usage: dict[str, float] = field(default_factory=dict)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, text: str, token_ids: Sequence[int], upstream_finish: str | None,
+               usage: dict[str, float]) -> GenerationDelta | None:
+        """The delta for one upstream snapshot (None: nothing new to send)."""
+        if self.done:
+            return None
+        finish = FINISH_REASONS.get(upstream_finish) if upstream_finish else None
+        if upstream_finish and finish is None:
+            finish = "error"
+        text, end, hit = releasable_text(text, self.sent_chars, self.stops, finish is not None)
+        if hit:
+            finish = "stop"
+        ids = list(token_ids)
+        new_ids = tuple(ids[self.sent_tokens :])  # empty once upstream trims a stop sequence
+        new_text = text[self.sent_chars : end]
+        self.sent_tokens = max(self.sent_tokens, len(ids))
+        self.sent_chars = max(self.sent_chars, end)
+        self.completion_tokens = len(ids)
+        self.usage = usage
+        if not new_text and not new_ids and finish is None:
+            return None
+        self.finish_reason = finish
+        error = f"request ended upstream with {upstream_finish!r}" if finish == "error" else None
+        return self._delta(new_ids, new_text, finish, error)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> GenerationDelta | None:
+        """End the request here (abort, failure); None if it already ended."""
+        if self.done:
+            return None
+        self.finish_reason = reason
+        return self._delta((), "", reason, error)
+
+    def _delta(self, ids, text, finish, error) -> GenerationDelta:
+        return GenerationDelta(
+            request_id=self.request_id, token_ids=ids, text=text, finish_reason=finish, error=error,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            speculation=dict(self.usage),
+        )

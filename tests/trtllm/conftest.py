@@ -1,0 +1,51 @@
+"""Shared builders for the TensorRT-LLM adapter tests: the fake's API surface and engines."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+from replicas.trtllm.api import TrtllmApi, api_from_modules
+from replicas.trtllm.config import TrtllmEngineConfig
+from replicas.trtllm_engine import TrtllmEngine
+from tests.trtllm.fake_tensorrt_llm import build
+
+EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+
+def fake_api(generation: str = "sa_config", cuda_graph_class: str = "DecodeCudaGraphConfig") -> TrtllmApi:
+    module = build(generation, cuda_graph_class)
+    return api_from_modules(module, module.llmapi)
+
+
+def engine_config(mode: str = "hybrid", drafter: str = "eagle3", **overrides) -> TrtllmEngineConfig:
+    spec = SpeculationConfig(mode=mode, max_draft_len=overrides.pop("max_draft_len", 4),
+                             sa_threshold=overrides.pop("sa_threshold", 4),
+                             batch_gate=overrides.pop("batch_gate", 4))
+    base = TrtllmEngineConfig(model="meta-llama/Llama-3.1-8B-Instruct", drafter=drafter,
+                              draft_model=EAGLE3_HEAD if drafter == "eagle3" else None,
+                              max_batch_size=8, max_seq_len=512, stats_timeout_s=0.05,
+                              stats_poll_interval_s=0.01, speculation=spec)
+    return dataclasses.replace(base, **overrides)
+
+
+def request(prompt, max_tokens: int = 24, rid: str = "r1", **sampling) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt=prompt,
+                             sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+                             speculation=RequestSpeculation())
+
+
+async def started(config: TrtllmEngineConfig, generation: str = "sa_config") -> TrtllmEngine:
+    engine = TrtllmEngine(config, api=fake_api(generation))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: TrtllmEngine, req: GenerationRequest):
+    """All deltas of one request."""
+    return [delta async for delta in engine.generate(req)]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))

@@ -1,0 +1,242 @@
+"""Fake `tensorrt_llm.LLM` / `SamplingParams`: the pinned call surface on a toy model.
+
+Surface mirrored (tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_params.py):
+  LLM(**kwargs) rejects keywords TorchLlmArgs lacks (upstream raises ValueError);
+  generate_async(inputs, sampling_params, streaming=True) -> a result that is async-iterable,
+    yields itself with .outputs[0].{text, token_ids, finish_reason, request_perf_metrics},
+    has .finished, .abort() (final output then has finish_reason 'cancelled');
+  stop strings are matched on token ids and trimmed from the final output only;
+  get_stats_async(timeout) -> async iterable of iteration rows, ending after `timeout` idle,
+    empty until a request was submitted; shutdown(); _check_health(); .tokenizer.
+
+The toy model repeats its prompt (token t+1 = prompt[len(output) % len(prompt)]), so the
+output does not depend on speculation. Drafting follows the speculative_config: none above
+max_concurrency / past the draft_len_schedule, SA drafts accepted in full once the output is
+`threshold` long, learned drafts accepted half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import List, Optional, Union
+
+from tests.trtllm.fake_tensorrt_llm.llmapi import TorchLlmArgs
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    max_tokens: int = 32
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: Optional[int] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    temperature: Optional[float] = None
+    min_tokens: Optional[int] = None
+    return_perf_metrics: bool = False
+    ignore_eos: bool = False
+    detokenize: bool = True
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+
+
+class FakeTokenizer:
+    """A stand-in HF tokenizer: one token per character; id 0 is EOS."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i)
+
+
+class TransformersTokenizer:
+    """Upstream's wrapper: the HF tokenizer is its `.tokenizer`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, *args, **kwargs) -> list[int]:
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def decode(self, ids, *args, **kwargs) -> str:
+        return self.tokenizer.decode(ids, *args, **kwargs)
+
+
+@dataclass
+class CompletionOutput:
+    index: int = 0
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    request_perf_metrics: object = None
+
+
+class FakeRequestOutput:
+    def __init__(self, llm: "LLM", prompt: list[int], params: SamplingParams) -> None:
+        self._llm, self.prompt_token_ids, self.params = llm, prompt, params
+        self.outputs = [CompletionOutput()]
+        self.finished = False
+        self.aborted = False
+        self.iterations = 0
+        self.decoding_iter = 0  # upstream GenerationResultBase.decoding_iter
+        self.draft_total = self.accepted_total = 0
+        self._ids: list[int] = []  # the engine's view of the output
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self._llm.abort_calls.append(self)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        snapshot, self.decoding_iter = await self._queue.get()
+        self.outputs = [snapshot]
+        return self
+
+
+class LLM:
+    def __init__(self, **kwargs) -> None:
+        unknown = sorted(set(kwargs) - set(TorchLlmArgs.model_fields))
+        if unknown:
+            raise ValueError(f"Invalid argument(s): {unknown}")
+        self.args = TorchLlmArgs(**kwargs)
+        self.tokenizer = TransformersTokenizer(FakeTokenizer())
+        self.stats_as_json = False
+        self.iteration_latency_ms = 10.0
+        self.abort_calls: list[FakeRequestOutput] = []
+        self.fatal = False
+        self._active: list[FakeRequestOutput] = []
+        self._rows: Optional[asyncio.Queue] = None
+        self._loop_task: Optional[asyncio.Task] = None
+        self.shut_down = False
+
+    def generate_async(self, inputs, sampling_params=None, streaming=False) -> FakeRequestOutput:
+        assert streaming and isinstance(inputs, list) and isinstance(inputs[0], int)
+        result = FakeRequestOutput(self, list(inputs), sampling_params or SamplingParams())
+        if self._rows is None:
+            self._rows = asyncio.Queue()
+        self._active.append(result)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        return result
+
+    async def get_stats_async(self, timeout: float = 2):
+        if self._rows is None:
+            return
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    row = await self._rows.get()
+            except TimeoutError:
+                return
+            yield json.dumps(row) if self.stats_as_json else row
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+    def _check_health(self) -> bool:
+        return not self.fatal
+
+    # -- the toy engine loop ----------------------------------------------------------------
+    def _draft_len(self, batch: int) -> int:
+        spec = self.args.speculative_config
+        if spec is None:
+            return 0
+        if spec.draft_len_schedule:
+            return next((d for b, d in sorted(spec.draft_len_schedule.items()) if batch <= b), 0)
+        if spec.max_concurrency is not None and batch > spec.max_concurrency:
+            return 0
+        return spec.max_draft_len
+
+    def _accepted(self, req: FakeRequestOutput, k: int) -> int:
+        spec = self.args.speculative_config
+        sa = getattr(spec, "sa_config", None)
+        threshold = sa.threshold if sa is not None else getattr(spec, "sa_spec_threshold", 4)
+        sa_on = spec.decoding_type == "SA" or sa is not None or getattr(spec, "use_sa_spec", False)
+        if sa_on and len(req._ids) >= threshold:
+            return k
+        return 0 if spec.decoding_type == "SA" else k // 2
+
+    async def _run(self) -> None:
+        while self._active:
+            batch = self._active[: self.args.max_batch_size or len(self._active)]
+            gen = [r for r in batch if r.iterations > 0 and not r.aborted]
+            k = self._draft_len(len(batch))
+            drafts = accepted = 0
+            for req in batch:
+                if req.aborted:
+                    self._finish(req, "cancelled")
+                    continue
+                acc = self._accepted(req, k) if req.iterations and k else 0
+                acc = max(0, min(acc, req.params.max_tokens - len(req._ids) - 1))  # no drafts past max_tokens
+                if req.iterations and k:
+                    drafts += k
+                    accepted += acc
+                    req.draft_total += k
+                    req.accepted_total += acc
+                self._emit(req, 1 + acc)
+            with_drafts = len(gen) if k else 0
+            self._rows.put_nowait({
+                "iter": 0, "iterLatencyMS": self.iteration_latency_ms,
+                "numActiveRequests": len(batch), "numQueuedRequests": len(self._active) - len(batch),
+                "inflightBatchingStats": {"numScheduledRequests": len(batch), "numContextRequests": len(batch) - len(gen),
+                                          "numGenRequests": len(gen), "numPausedRequests": 0},
+                "specDecodingStats": {"numDraftTokens": drafts, "numAcceptedTokens": accepted,
+                                      "numRequestsWithDraftTokens": with_drafts,
+                                      "acceptanceLength": (accepted + with_drafts) / with_drafts if with_drafts else 0.0,
+                                      "iterLatencyMS": 1.0, "draftOverhead": 0.1},
+            })
+            await asyncio.sleep(0)
+
+    def _emit(self, req: FakeRequestOutput, count: int) -> None:
+        p = req.params
+        ids = list(req._ids)
+        stop_words = [self.tokenizer.encode(s) for s in ([p.stop] if isinstance(p.stop, str) else p.stop or [])]
+        reason = None
+        for _ in range(count):
+            ids.append(req.prompt_token_ids[len(ids) % len(req.prompt_token_ids)])
+            if ids[-1] in (p.stop_token_ids or []):
+                reason = "stop"
+            elif any(ids[-len(w):] == w for w in stop_words):
+                word = next(w for w in stop_words if ids[-len(w):] == w)
+                ids, reason = ids[: len(ids) - len(word)], "stop"
+            elif len(ids) >= p.max_tokens:
+                reason = "length"
+            if reason:
+                break
+        req.iterations += 1
+        self._snapshot(req, ids, reason)
+
+    def _finish(self, req: FakeRequestOutput, reason: str) -> None:
+        self._snapshot(req, list(req._ids), reason)
+
+    def _snapshot(self, req: FakeRequestOutput, ids: list, reason: Optional[str]) -> None:
+        perf = None
+        if req.params.return_perf_metrics:
+            perf = SimpleNamespace(speculative_decoding=SimpleNamespace(
+                acceptance_rate=req.accepted_total / req.draft_total if req.draft_total else 0.0,
+                total_accepted_draft_tokens=req.accepted_total, total_draft_tokens=req.draft_total))
+        snapshot = CompletionOutput(text=self.tokenizer.decode(ids), token_ids=ids, finish_reason=reason,
+                                    request_perf_metrics=perf)
+        req._ids = ids
+        req._queue.put_nowait((snapshot, req.iterations))
+        if reason:
+            req.finished = True
+            self._active.remove(req)

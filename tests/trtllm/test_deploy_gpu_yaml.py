@@ -1,0 +1,93 @@
+"""deploy-gpu.yaml validated strictly, with the same validator as deploy.yaml.
+
+`deploy/config_check.py` checks every key against Serve's schema and our AppArgs, which
+builds the `engine.trtllm` block through `TrtllmEngineConfig.from_mapping` (strict too).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.config_check import check_serve_config
+from replicas.engine import SpeculationConfig
+from replicas.trtllm.config import TrtllmEngineConfig
+from tests.trtllm.conftest import EAGLE3_HEAD, fake_api, run
+
+DEPLOY_GPU_YAML = Path(__file__).resolve().parents[2] / "deploy-gpu.yaml"
+TRTLLM_PATH = ("applications", 0, "args", "engine", "trtllm")
+
+
+@pytest.fixture(scope="module")
+def document():
+    return yaml.safe_load(DEPLOY_GPU_YAML.read_text())
+
+
+def engine_config(document) -> TrtllmEngineConfig:
+    """The TrtllmEngineConfig the yaml describes: shared engine keys + the trtllm block."""
+    args = document["applications"][0]["args"]
+    engine = args["engine"]
+    return TrtllmEngineConfig.from_mapping({
+        "model": engine["model"], "max_batch_size": engine["max_batch_size"],
+        "max_seq_len": engine["max_seq_len"], **engine["trtllm"],
+        "speculation": SpeculationConfig(**args["speculation"]),
+    })
+
+
+def _dict_paths(node, path=()):
+    if isinstance(node, dict):
+        yield path
+        for key, value in node.items():
+            yield from _dict_paths(value, path + (key,))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _dict_paths(item, path + (i,))
+
+
+def test_deploy_gpu_yaml_is_sound(document):
+    assert check_serve_config(document) == []
+
+
+def test_an_unknown_key_at_every_level_is_rejected(document):
+    paths = list(_dict_paths(document))
+    assert TRTLLM_PATH in paths and len(paths) >= 9
+    for path in paths:
+        doc = copy.deepcopy(document)
+        node = doc
+        for part in path:
+            node = node[part]
+        node["bogus_key"] = 1
+        if path[: len(TRTLLM_PATH)] == TRTLLM_PATH:
+            with pytest.raises(ValueError, match="bogus_key"):
+                engine_config(doc)
+        else:
+            problems = check_serve_config(doc)
+            assert problems and all("bogus_key" in p for p in problems), (path, problems)
+
+
+def test_the_trtllm_block_builds_the_hybrid_engine(document):
+    from replicas.trtllm_engine import TrtllmEngine
+
+    config = engine_config(document)
+    assert (config.drafter, config.draft_model, config.tensor_parallel_size) == ("eagle3", EAGLE3_HEAD, 1)
+
+    async def go():
+        engine = TrtllmEngine(config, api=fake_api())
+        await engine.start()
+        args = engine._llm.args
+        await engine.shutdown()
+        return args
+
+    args = run(go())
+    spec = args.speculative_config
+    assert args.model == "meta-llama/Llama-3.1-8B-Instruct" and args.max_batch_size == 64
+    assert spec.decoding_type == "Eagle3" and spec.speculative_model == EAGLE3_HEAD
+    assert spec.sa_config.threshold == 4 and spec.max_concurrency == 16 and spec.max_draft_len == 4
+
+
+def test_the_replica_requests_one_gpu(document):
+    replica = document["applications"][0]["args"]["replica"]
+    assert replica["num_gpus"] == 1 and replica["num_replicas"] == 1

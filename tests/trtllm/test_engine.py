@@ -1,0 +1,332 @@
+"""TrtllmEngine against the contract fake: streaming, finish reasons, abort, stats, settings."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from replicas.engine import Engine
+from replicas.trtllm.outputs import FINISH_REASONS, OutputTracker, releasable_text, request_usage
+from replicas.trtllm.translate import UnsupportedRelease
+from replicas.trtllm_engine import TrtllmEngine
+from tests.trtllm.conftest import collect, engine_config, fake_api, request, run, started
+
+PROMPT = "def f(x):\n    return x\n"
+
+
+def joined(deltas):
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
+
+
+def test_implements_the_engine_protocol():
+    assert isinstance(TrtllmEngine(engine_config(), api=fake_api()), Engine)
+
+
+@pytest.mark.parametrize("mode", ["off", "sa", "mtp", "hybrid"])
+def test_stream_maps_to_deltas(mode):
+    async def go():
+        engine = await started(engine_config(mode))
+        deltas = await collect(engine, request(PROMPT, max_tokens=30))
+        await engine.shutdown()
+        return deltas
+
+    deltas = run(go())
+    text, tokens = joined(deltas)
+    expected = (PROMPT * 3)[:30]  # the toy model repeats its prompt, speculating or not
+    assert text == expected and tokens == [ord(c) for c in expected]
+    last = deltas[-1]
+    assert last.finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    assert (last.prompt_tokens, last.completion_tokens) == (len(PROMPT), 30)
+    usage = last.speculation
+    if mode == "off":
+        assert usage["draft_tokens"] == 0 and usage["steps"] == 0
+    else:
+        # every generation step verified a draft: emitted = accepted + steps after the first token
+        assert usage["accepted_tokens"] + usage["steps"] == 29
+        assert usage["acceptance_length"] == pytest.approx(29 / usage["steps"], abs=1e-3)
+    if mode in ("sa", "hybrid"):  # SA copies the repeated prompt: whole drafts accepted
+        assert usage["acceptance_length"] > 3
+
+
+def test_token_id_prompts_and_stop_token_ids():
+    async def go():
+        engine = await started(engine_config())
+        deltas = await collect(engine, request([ord(c) for c in "abcdef"], max_tokens=20, stop_token_ids=(ord("d"),)))
+        await engine.shutdown()
+        return deltas
+
+    deltas = run(go())
+    assert deltas[-1].finish_reason == "stop"
+    assert joined(deltas)[0] == "abcd"  # upstream keeps a stop token id in the output
+
+
+def test_stop_string_is_never_streamed():
+    async def go():
+        engine = await started(engine_config("hybrid"))
+        deltas = await collect(engine, request("one two. three ", max_tokens=60, stop=("o. t",)))
+        await engine.shutdown()
+        return deltas
+
+    deltas = run(go())
+    text, _ = joined(deltas)
+    assert text == "one tw" and deltas[-1].finish_reason == "stop"
+    assert all("o." not in d.text for d in deltas)
+
+
+def test_a_stop_string_upstream_missed_is_cut_and_aborted_upstream():
+    async def go():
+        engine = await started(engine_config("off"))
+        # stop strings are matched upstream on token ids; pass one only to our tracker
+        req = request("xyz", max_tokens=40)
+        stream = engine.generate(req)
+        live_tracker = None
+        deltas = []
+        async for d in stream:
+            if live_tracker is None:
+                live_tracker = engine._live["r1"].tracker
+                live_tracker.stops = ("zx",)
+            deltas.append(d)
+        aborts = len(engine._llm.abort_calls)
+        await engine.shutdown()
+        return deltas, aborts
+
+    deltas, aborts = run(go())
+    assert joined(deltas)[0] == "xy" and deltas[-1].finish_reason == "stop" and aborts == 1
+
+
+def test_abort_mid_stream():
+    async def go():
+        engine = await started(engine_config("off"))
+        deltas = []
+        async for d in engine.generate(request(PROMPT, max_tokens=200)):
+            deltas.append(d)
+            if len(deltas) == 2:
+                await engine.abort("r1")
+        await engine.abort("r1")  # finished: a no-op
+        await engine.abort("unknown")
+        state = (len(engine._llm.abort_calls), engine.num_live_requests)
+        await engine.shutdown()
+        return deltas, state
+
+    deltas, (aborts, live) = run(go())
+    assert deltas[-1].finish_reason == "abort" and len(deltas) == 3
+    assert aborts == 1 and live == 0
+
+
+def test_closing_the_stream_aborts_upstream():
+    async def go():
+        engine = await started(engine_config())
+        stream = engine.generate(request(PROMPT, max_tokens=200))
+        await anext(stream)
+        await stream.aclose()
+        state = (len(engine._llm.abort_calls), engine.num_live_requests)
+        await engine.shutdown()
+        return state
+
+    assert run(go()) == (1, 0)
+
+
+def test_not_iterating_submits_nothing():
+    async def go():
+        engine = await started(engine_config())
+        engine.generate(request(PROMPT))
+        await asyncio.sleep(0.05)
+        active = len(engine._llm._active)
+        await engine.shutdown()
+        return active
+
+    assert run(go()) == 0
+
+
+@pytest.mark.parametrize("req,match", [
+    (request(""), "prompt"),
+    (request([]), "prompt"),
+    (request([1, -2]), "prompt"),
+    (request("x" * 500, max_tokens=100), "max_tokens"),
+])
+def test_bad_requests_fail_before_streaming(req, match):
+    async def go():
+        engine = await started(engine_config())
+        try:
+            with pytest.raises(ValueError, match=match):
+                engine.generate(req)
+        finally:
+            await engine.shutdown()
+
+    run(go())
+
+
+def test_duplicate_ids_and_not_started():
+    engine = TrtllmEngine(engine_config(), api=fake_api())
+    with pytest.raises(RuntimeError, match="not started"):
+        engine.generate(request(PROMPT))
+
+    async def go():
+        await engine.start()
+        stream = engine.generate(request(PROMPT, max_tokens=100))
+        await anext(stream)
+        with pytest.raises(ValueError, match="request_id"):
+            engine.generate(request(PROMPT))
+        await stream.aclose()
+        await engine.shutdown()
+
+    run(go())
+
+
+@pytest.mark.parametrize("upstream,ours", [("stop", "stop"), ("length", "length"),
+                                           ("cancelled", "abort"), ("timeout", "error"), ("weird", "error")])
+def test_finish_reason_mapping(upstream, ours):
+    tracker = OutputTracker("r", 3)
+    delta = tracker.update("ab", [1, 2], upstream, {})
+    assert delta.finish_reason == ours and delta.text == "ab"
+    assert (delta.error is None) == (ours != "error")
+    assert tracker.update("abc", [1, 2, 3], None, {}) is None  # nothing after the end
+    assert FINISH_REASONS.get(upstream, "error") == ours
+
+
+@pytest.mark.parametrize("text,sent,stops,finished,expected", [
+    ("hello wo", 0, ("wor",), False, ("hello wo", 6, False)),  # "wo" may grow into "wor"
+    ("hello wor", 0, ("wor",), False, ("hello ", 6, True)),
+    ("hello wo", 0, ("wor",), True, ("hello wo", 8, False)),
+    ("caf\ufffd", 0, (), False, ("caf\ufffd", 3, False)),  # an incomplete UTF-8 character
+])
+def test_releasable_text(text, sent, stops, finished, expected):
+    assert releasable_text(text, sent, stops, finished) == expected
+
+
+def test_request_usage():
+    perf = type("P", (), {"speculative_decoding": type("S", (), {
+        "total_draft_tokens": 12, "total_accepted_draft_tokens": 9})()})()
+    assert request_usage(perf, 4, 13) == {"draft_tokens": 12, "accepted_tokens": 9, "acceptance_length": 4.0, "steps": 3}
+    assert request_usage(perf, 0, 13)["steps"] == 3  # without decoding_iter: from token counts
+    assert request_usage(None, 5, 13) == {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_length": 0.0, "steps": 0}
+
+
+@pytest.mark.parametrize("mode,source", [("hybrid", "mtp"), ("sa", "sa"), ("off", None)])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_stats_from_iteration_rows(mode, source, as_json):
+    async def go():
+        engine = await started(engine_config(mode))
+        engine._llm.stats_as_json = as_json
+        await asyncio.gather(*(collect(engine, request(PROMPT, max_tokens=40, rid=f"r{i}")) for i in range(3)))
+        await asyncio.sleep(0.2)  # a few stats polls
+        stats = engine.stats()
+        await engine.shutdown()
+        return stats
+
+    stats = run(go())
+    assert stats.step_ms == pytest.approx(10.0) and stats.tokens_per_s > 0
+    if source is None:
+        assert sum(stats.draft_tokens.values()) == 0 and stats.acceptance_length == 0
+        return
+    other = "sa" if source == "mtp" else "mtp"
+    assert stats.draft_tokens[source] > 0 and stats.draft_tokens[other] == 0
+    assert 0 < stats.accepted_tokens[source] <= stats.draft_tokens[source]
+    assert 1 < stats.acceptance_length <= 5
+
+
+@pytest.mark.parametrize("mode,gate,live,speculating", [
+    ("hybrid", 1, 1, 1), ("hybrid", 1, 2, 0), ("hybrid", 8, 8, 1), ("off", 8, 1, 0), ("hybrid", 0, 1, 0),
+])
+def test_speculating_follows_our_gate(mode, gate, live, speculating):
+    async def go():
+        engine = await started(engine_config(mode, batch_gate=gate))
+        streams = [engine.generate(request(PROMPT, max_tokens=200, rid=f"r{i}")) for i in range(live)]
+        for s in streams:
+            await anext(s)
+        stats = engine.stats()
+        for s in streams:
+            await s.aclose()
+        await engine.shutdown()
+        return stats
+
+    stats = run(go())
+    assert (stats.batch_size, stats.waiting, stats.speculating) == (live, 0, speculating)
+
+
+def test_configure_stages_and_restart_applies():
+    async def go():
+        engine = await started(engine_config("hybrid", batch_gate=4))
+        spec = engine.config.speculation
+        engine.configure(spec)
+        assert engine.restart_required == ()
+        engine.configure(dataclasses.replace(spec, max_draft_len=2, batch_gate=2))
+        assert engine.restart_required == ("max_draft_len", "batch_gate")
+        assert engine._llm.args.speculative_config.max_draft_len == 4  # the running LLM keeps its build
+        old_llm = engine._llm
+        await engine.restart()
+        built = engine._llm.args.speculative_config
+        state = (old_llm.shut_down, built.max_draft_len, built.max_concurrency, engine.restart_required)
+        deltas = await collect(engine, request(PROMPT, max_tokens=10))
+        await engine.shutdown()
+        return state, deltas[-1].finish_reason
+
+    (was_shut, k, gate, pending), finish = run(go())
+    assert was_shut and (k, gate, pending) == (2, 2, ()) and finish == "length"
+
+
+def test_settings_the_release_cannot_build_fail_fast():
+    with pytest.raises(UnsupportedRelease, match="global pool"):  # at construction
+        TrtllmEngine(engine_config("hybrid", "mtp", sa_global_pool=True), api=fake_api("use_sa_spec"))
+    engine = TrtllmEngine(engine_config("sa", draft_model=None), api=fake_api())
+    with pytest.raises(ValueError, match="draft_model"):  # at configure, not at restart
+        engine.configure(dataclasses.replace(engine.config.speculation, mode="hybrid"))
+    assert engine.restart_required == ()
+
+
+def test_health_and_tokenizer():
+    async def go():
+        engine = TrtllmEngine(engine_config(), api=fake_api())
+        with pytest.raises(RuntimeError, match="not started"):
+            await engine.check_health()
+        await engine.start()
+        await engine.check_health()
+        hf = type(engine.tokenizer).__name__
+        engine._llm.fatal = True
+        with pytest.raises(RuntimeError, match="fatal"):
+            await engine.check_health()
+        await engine.shutdown()
+        return hf
+
+    assert run(go()) == "FakeTokenizer"  # the raw tokenizer, not upstream's wrapper
+
+
+def test_a_failed_submission_is_an_error_delta():
+    async def go():
+        engine = await started(engine_config())
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("executor is shut down")
+
+        engine._llm.generate_async = broken
+        deltas = await collect(engine, request(PROMPT))
+        await engine.shutdown()
+        return deltas
+
+    (delta,) = run(go())
+    assert delta.finish_reason == "error" and "executor is shut down" in delta.error
+
+
+def test_an_upstream_failure_mid_stream_is_an_error_delta(monkeypatch):
+    from tests.trtllm.fake_tensorrt_llm.llm import FakeRequestOutput
+
+    original = FakeRequestOutput.__anext__
+
+    async def flaky(self):
+        if self.decoding_iter >= 2:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return await original(self)
+
+    monkeypatch.setattr(FakeRequestOutput, "__anext__", flaky)
+
+    async def go():
+        engine = await started(engine_config("off"))
+        deltas = await collect(engine, request(PROMPT, max_tokens=50))
+        await engine.shutdown()
+        return deltas
+
+    deltas = run(go())
+    assert deltas[-1].finish_reason == "error" and "illegal memory access" in deltas[-1].error
+    assert len(deltas) == 3
