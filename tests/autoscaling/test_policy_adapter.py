@@ -1,0 +1,138 @@
+"""The Serve adapter fed real `AutoscalingContext`s, called the way Serve 2.60 calls it."""
+
+import math
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.autoscaling_state import _resolve_policy_callable  # noqa: E402
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue  # noqa: E402
+from ray.serve.autoscaling_policy import (  # noqa: E402
+    _apply_autoscaling_config,
+    replica_queue_length_autoscaling_policy,
+)
+from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy  # noqa: E402
+
+from autoscaling.policy import STATE_DECISION, STATE_SPREADING, AcceptanceAwarePolicy  # noqa: E402
+
+DEP = DeploymentID(name="Replica", app_name="default")
+NOW = 1_000.0
+
+
+def serve_config(**policy_kwargs) -> AutoscalingConfig:
+    return AutoscalingConfig(
+        min_replicas=1, max_replicas=20, target_ongoing_requests=8, upscale_delay_s=0, downscale_delay_s=0,
+        policy=AutoscalingPolicy(policy_function="autoscaling.policy:AcceptanceAwarePolicy",
+                                 policy_kwargs={"batch_gate": 4, "gate_fill": 1.0, "min_acceptance_length": 2.0,
+                                                **policy_kwargs}),
+    )
+
+
+def context(config, total_requests, per_replica, policy_state=None, reported_at=NOW - 1.0):
+    """per_replica: one dict of record_autoscaling_stats() figures per running replica (None: silent)."""
+    replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=DEP) for i in range(len(per_replica))]
+    aggregated, raw = {}, {}
+    for rid, stats in zip(replicas, per_replica):
+        for name, value in (stats or {}).items():
+            aggregated.setdefault(name, {})[rid] = value
+            raw.setdefault(name, {})[rid] = [TimeStampedValue(reported_at - 1.0, value),
+                                             TimeStampedValue(reported_at, value)]
+    return AutoscalingContext(
+        deployment_id=DEP, deployment_name=DEP.name, app_name=DEP.app_name,
+        current_num_replicas=len(replicas), target_num_replicas=len(replicas), running_replicas=replicas,
+        total_num_requests=lambda: total_requests, total_queued_requests=0.0,
+        aggregated_metrics=lambda: aggregated, raw_metrics=lambda: raw,
+        capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
+        policy_state=dict(policy_state or {}), last_scale_up_time=None, last_scale_down_time=None,
+        current_time=NOW, config=config,
+    )
+
+
+def stats(acceptance, batch=4.0):
+    """A replica's record_autoscaling_stats() dict (EngineStats.as_metrics() keys)."""
+    return {"batch_size": batch, "waiting": 0.0, "speculating": 1.0, "acceptance_length": acceptance,
+            "step_ms": 100.0, "tokens_per_s": 30.0, "draft_tokens_sa": 10.0, "accepted_tokens_sa": 5.0}
+
+
+def serve_policy(config):
+    """What Serve's controller builds: the class instantiated with policy_kwargs, then wrapped
+    with the delays, factors and bounds."""
+    return _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+
+
+def test_serve_instantiates_the_class_with_policy_kwargs():
+    instance = _resolve_policy_callable(serve_config(min_acceptance_length=2.75).policy)
+    assert isinstance(instance, AcceptanceAwarePolicy)
+    assert instance.config.min_acceptance_length == 2.75 and instance.config.batch_gate == 4
+
+
+def test_spreads_when_acceptance_pays():
+    config = serve_config()
+    replicas, state = serve_policy(config)(context(config, 18, [stats(3.1), stats(2.9), None]))
+    assert replicas == 5
+    assert state[STATE_SPREADING] is True and state[STATE_DECISION] == "spread"
+
+
+def test_packs_when_it_does_not():
+    config = serve_config()
+    replicas, state = serve_policy(config)(context(config, 40, [stats(1.3), stats(1.2)]))
+    assert replicas == 5  # ceil(40 / 8)
+    assert state[STATE_DECISION] == "pack"
+
+
+def test_mode_hysteresis_rides_in_policy_state():
+    config = serve_config()
+    policy = serve_policy(config)
+    _, state = policy(context(config, 16, [stats(3.0)] * 4))
+    replicas, state = policy(context(config, 16, [stats(1.9)] * 4, policy_state=state))
+    assert replicas == 4 and state[STATE_SPREADING] is True  # 1.9 is inside the band
+
+
+@pytest.mark.parametrize("per_replica", [[None, None, None], [{"batch_size": 4.0}] * 3, [stats(0.0)] * 3])
+def test_missing_metrics_match_serves_default(per_replica):
+    config = serve_config()
+    ctx = context(config, 18, per_replica)
+    ours, state = serve_policy(config)(ctx)
+    default, _ = replica_queue_length_autoscaling_policy(context(config, 18, per_replica))
+    assert ours == math.ceil(default) == 3
+    assert state[STATE_DECISION] == "queue_length"
+
+
+def test_stale_reports_count_as_missing():
+    config = serve_config()
+    ctx = context(config, 18, [stats(3.0)] * 3, reported_at=NOW - 120.0)
+    replicas, state = serve_policy(config)(ctx)
+    assert replicas == 3 and state[STATE_DECISION] == "queue_length"
+
+
+def test_serve_delays_still_apply():
+    config = serve_config()
+    config.upscale_delay_s = 30.0
+    replicas, state = serve_policy(config)(context(config, 18, [stats(3.0)] * 3))
+    assert replicas == 3  # wanted 5, but the upscale delay has not elapsed
+    assert state[STATE_SPREADING] is True
+
+
+def test_target_from_policy_kwargs_overrides_serve():
+    config = serve_config(target_ongoing_requests=4)
+    replicas, _ = serve_policy(config)(context(config, 18, [None] * 3))
+    assert replicas == 5  # ceil(18 / 4)
+
+
+def test_unknown_policy_kwargs_fail_at_instantiation():
+    with pytest.raises(ValueError, match="unknown keys"):
+        _resolve_policy_callable(serve_config(gate=3).policy)
+
+
+def test_gate_comes_from_the_replicas_unless_pinned():
+    config = AutoscalingConfig(
+        min_replicas=1, max_replicas=20, target_ongoing_requests=8, upscale_delay_s=0, downscale_delay_s=0,
+        policy=AutoscalingPolicy(policy_function="autoscaling.policy:AcceptanceAwarePolicy",
+                                 policy_kwargs={"gate_fill": 1.0}))
+    per_replica = [stats(3.0) | {"batch_gate": 2.0}] * 3
+    replicas, _ = serve_policy(config)(context(config, 18, per_replica))
+    assert replicas == 9  # ceil(18 / 2): the replicas' gate, not PolicyConfig's default 4
+    pinned = serve_config()  # batch_gate: 4 in policy_kwargs
+    replicas, _ = serve_policy(pinned)(context(pinned, 18, per_replica))
+    assert replicas == 5
