@@ -84,11 +84,36 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """
     if probs.dim() != 2:
         raise ValueError(f"probs: expected [T, V], got shape {tuple(probs.shape)}")
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [T, V]; float64 so the tail keeps its mass
     # float32 uniforms are at most 1 - 2**-24, so u * total stays strictly below total in
     # float64 and the search never runs off the end.
-    uniform = torch.rand(probs.shape[0], 1, generator=generator).to(cdf)  # [T, 1]
+    return sample_at(probs, torch.rand(probs.shape[0], generator=generator).double())
+
+
+def sample_at(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Inverse-CDF sampling of `probs [T, V]` at given points `uniforms [T]` in [0, 1)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [T, V]; float64 so the tail keeps its mass
     # First index whose CDF exceeds the point: a zero-mass token has the same CDF as its
     # predecessor, so it can never be the first to exceed it.
-    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # [T, 1]
+    points = uniforms.to(cdf).reshape(-1, 1) * cdf[:, -1:]  # [T, 1]
+    token_ids = torch.searchsorted(cdf, points, right=True)  # [T, 1]
     return token_ids.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniforms(seed: int, first_position: int, count: int) -> Tensor:
+    """Uniforms in [0, 1) for output positions [first, first + count) of a seeded request.
+
+    A counter-based stream (splitmix64 of seed and position): the number used at output
+    position t depends on nothing else, not on how many draws drafts consumed before it,
+    so a seeded request samples the same tokens with any draft, batch or gate.
+    """
+    values = []
+    for position in range(first_position, first_position + count):
+        z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+        values.append((z >> 11) * 2.0**-53)  # 53 random bits: a double in [0, 1)
+    return torch.tensor(values, dtype=torch.float64)

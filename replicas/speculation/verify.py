@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from replicas.speculation.sampling import sample
+from replicas.speculation.sampling import sample, sample_at
 
 # Below this residual mass, max(0, p - q) is rounding noise rather than a distribution.
 _RESIDUAL_EPS = 1e-6
@@ -105,6 +105,27 @@ def verify_sampling(
         residual = p_row
     tokens.append(int(sample(residual[None, :], generator)[0]))
     return Verdict(num_accepted=num_accepted, tokens=tokens)
+
+
+def verify_point_mass(draft: Sequence[int], target_probs: Tensor, uniforms: Tensor) -> Verdict:
+    """Exact speculative sampling of point-mass drafts, reproducible per output position.
+
+    `uniforms [K+1]` belong to the output positions, not to the draft. Position i samples
+    y_i = inverse_cdf(p_i, u_i) and the draft survives while y_i == x_i. That accepts x_i
+    with probability p_i(x_i) and otherwise emits y_i ~ p_i restricted to y != x_i, i.e.
+    renormalised max(0, p - q) for q a point mass at x_i: exactly the rule of
+    `verify_sampling`. Since y_i never depends on the draft, a seeded request emits the same
+    tokens with speculation on or off.
+    """
+    num_draft = len(draft)
+    _check_shapes(num_draft, target_probs, None)
+    if uniforms.shape != (num_draft + 1,):
+        raise ValueError(f"uniforms: expected [{num_draft + 1}], got {tuple(uniforms.shape)}")
+    sampled = sample_at(target_probs, uniforms).tolist()  # [K+1] the target's own tokens
+    num_accepted = 0
+    while num_accepted < num_draft and int(draft[num_accepted]) == sampled[num_accepted]:
+        num_accepted += 1
+    return Verdict(num_accepted=num_accepted, tokens=sampled[: num_accepted + 1])
 
 
 def _check_shapes(num_draft: int, target_probs: Tensor, draft_probs: Tensor | None) -> None:

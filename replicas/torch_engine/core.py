@@ -18,11 +18,11 @@ import torch
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import DraftPlan, effective_settings, plan_draft
-from replicas.speculation.verify import Verdict, verify_greedy, verify_sampling
+from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import SOURCES, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import LlamaModel, SeqSpan
-from replicas.speculation.sampling import sample, sampling_probs
+from replicas.speculation.sampling import position_uniforms, sampling_probs
 from replicas.torch_engine.sequence import Sequence, release_text
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,7 @@ class EngineCore:
         self._emit(seq, [token])
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
-        if seq.generator is None:
-            return int(logits[0].argmax())
-        p = seq.sampling
-        return int(sample(sampling_probs(logits, p.temperature, p.top_p, p.top_k), seq.generator)[0])
+        return self._verify(seq, [], logits).tokens[0]
 
     def _plan(self, seq: Sequence, speculate: bool) -> tuple[DraftPlan, list[int]]:
         cfg = self.speculation
@@ -184,10 +181,12 @@ class EngineCore:
                 self._fail(seq, exc)
 
     def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
-        if seq.generator is None:
+        """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts)."""
+        if seq.seed is None:
             return verify_greedy(draft, logits.argmax(dim=-1).tolist())
         p = seq.sampling
-        return verify_sampling(draft, sampling_probs(logits, p.temperature, p.top_p, p.top_k), seq.generator)
+        uniforms = position_uniforms(seq.seed, len(seq.output_ids), len(draft) + 1)
+        return verify_point_mass(draft, sampling_probs(logits, p.temperature, p.top_p, p.top_k), uniforms)
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         """Append tokens (cut at a stop) and feed them to the SA, which then drafts anew."""

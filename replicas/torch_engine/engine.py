@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import os
+import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -21,7 +22,6 @@ from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfi
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
 from replicas.torch_engine.loader import DEFAULT_MODEL, resolve_model_dir
-from replicas.speculation.sampling import make_generator
 from replicas.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,8 @@ class TorchEngine:
             prompt_ids=prompt_ids,
             sampling=sampling,
             speculation=request.speculation,
-            generator=make_generator(sampling.seed) if sampling.temperature > 0 else None,
+            seed=None if sampling.temperature == 0 else
+            sampling.seed if sampling.seed is not None else random.getrandbits(63),
             eos_ids=self._eos_ids,
         )
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams
 from replicas.stats import SpecCounters
 
@@ -22,7 +20,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     speculation: RequestSpeculation  # narrows the server's setting, re-read every step
-    generator: torch.Generator | None  # None when greedy
+    seed: int | None  # keys the sampling stream by output position; None when greedy
     eos_ids: frozenset[int]
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)

@@ -369,3 +369,51 @@ def test_seeded_generators_repeat_and_unseeded_differ():
     assert not torch.equal(sample(probs, make_generator(42)), sample(probs, make_generator(43)))
     assert not torch.equal(sample(probs, make_generator(None)), sample(probs, make_generator(None)))
     assert make_generator(0).device.type == "cpu"
+
+
+# --- verify_point_mass: sampling keyed by output position --------------------------------
+
+def test_position_uniforms_are_keyed_by_seed_and_position_only():
+    from replicas.speculation.sampling import position_uniforms
+
+    whole = position_uniforms(3, 0, 10)
+    assert torch.equal(whole[4:7], position_uniforms(3, 4, 3))
+    assert not torch.equal(whole, position_uniforms(4, 0, 10))
+    many = position_uniforms(11, 0, 20000)
+    assert 0.0 <= float(many.min()) and float(many.max()) < 1.0
+    counts = torch.histc(many.float(), bins=10, min=0.0, max=1.0)
+    assert float((counts - 2000).abs().max()) < 200  # ~4.5 sigma for a uniform stream
+
+
+def test_point_mass_verdict_keeps_the_target_tokens_whatever_the_draft():
+    from replicas.speculation.sampling import position_uniforms, sample_at
+    from replicas.speculation.verify import verify_point_mass
+
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(5, 6, generator=gen) * 2, dim=-1)  # [K+1, V]
+    uniforms = position_uniforms(9, 0, 5)
+    target = sample_at(probs, uniforms).tolist()
+    for draft in ([], target[:4], target[:2] + [(target[2] + 1) % 6, target[3]], [(target[0] + 1) % 6] * 4):
+        k = len(draft)
+        verdict = verify_point_mass(draft, probs[: k + 1], uniforms[: k + 1])
+        agree = next((i for i, (d, t) in enumerate(zip(draft, target)) if d != t), k)
+        assert verdict.num_accepted == agree
+        assert verdict.tokens == target[: agree + 1]
+
+
+def test_point_mass_verification_is_exact_in_distribution():
+    """Over seeds, the first emitted token follows p and the draft is accepted w.p. p(x)."""
+    from replicas.speculation.sampling import position_uniforms
+    from replicas.speculation.verify import verify_point_mass
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    n = 20000
+    first, accepted = torch.zeros(4), 0
+    for seed in range(n):
+        verdict = verify_point_mass([1], probs, position_uniforms(seed, 0, 2))
+        first[verdict.tokens[0]] += 1
+        accepted += verdict.num_accepted
+    expected = probs[0] * n
+    chi2 = float(((first - expected) ** 2 / expected).sum())
+    assert chi2 < 21.1  # chi-square, 3 degrees of freedom, alpha 1e-4
+    assert abs(accepted / n - 0.3) < 0.015

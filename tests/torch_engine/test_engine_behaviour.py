@@ -76,12 +76,17 @@ def test_consumer_going_away_frees_resources(engine, loop):
     assert loop.run_until_complete(run())
 
 
-def test_seeded_sampling_is_deterministic(engine, loop):
-    prompt = chat_prompt(engine, POEM)
-    runs = [loop.run_until_complete(collect(engine, request(prompt, max_tokens=24, mode="auto",
-                                                            temperature=0.8, top_p=0.95, seed=7)))[0]
-            for _ in range(2)]
-    assert runs[0] == runs[1] and len(runs[0]) > 0
+def test_seeded_sampling_is_the_same_with_and_without_speculation(engine, loop):
+    """Sampling is keyed by output position, so drafts (and the cross-request SA pool, which
+    changes them between runs) never change what a seed produces."""
+    prompt = chat_prompt(engine, "Repeat after me: the cat sat on the mat. The cat sat on the mat.")
+    runs = {mode: loop.run_until_complete(collect(engine, request(prompt, max_tokens=32, mode=mode, temperature=0.8,
+                                                                  top_p=0.95, seed=7)))
+            for mode in ("off", "auto", "sa")}
+    assert runs["auto"][0] == runs["off"][0] == runs["sa"][0] and len(runs["off"][0]) > 0
+    assert runs["sa"][2].speculation["draft_tokens"] > 0
+    other = loop.run_until_complete(collect(engine, request(prompt, max_tokens=32, temperature=0.8, top_p=0.95, seed=8)))
+    assert other[0] != runs["off"][0]
 
 
 def test_failure_in_one_request_leaves_others_running(engine, loop, monkeypatch):

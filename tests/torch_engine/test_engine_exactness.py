@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from replicas.engine import SpeculationConfig
-from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect, request
+from tests.torch_engine.engine_util import assert_same_greedy, chat_prompt, code_edit_prompts, collect, request
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_greedy_speculation_equals_off(engine, loop, prompts, reference, mode):
     drafted = 0
     for prompt, expected in zip(prompts, reference):
         tokens, _, last = loop.run_until_complete(collect(engine, request(prompt, mode=mode)))
-        assert tokens == expected
+        assert_same_greedy(engine, prompt, expected, tokens)
         drafted += last.speculation["draft_tokens"]
     assert drafted > 0, f"mode {mode} never speculated"
 
@@ -60,7 +60,7 @@ def test_gate_closing_and_reopening_mid_request(engine, loop, prompts, reference
         return tokens
 
     try:
-        assert loop.run_until_complete(run()) == expected
+        assert_same_greedy(engine, prompt, expected, loop.run_until_complete(run()))
     finally:
         engine.configure(engine.config.speculation)
 
@@ -71,7 +71,8 @@ def test_concurrent_requests_equal_alone(engine, loop, prompts, reference):
         return await asyncio.gather(*(collect(engine, r) for r in reqs))
 
     results = loop.run_until_complete(run_all())
-    assert [r[0] for r in results] == reference + reference[:2]
+    for prompt, expected, (tokens, _, _) in zip(prompts + prompts[:2], reference + reference[:2], results):
+        assert_same_greedy(engine, prompt, expected, tokens)
 
 
 def test_request_cannot_widen_server_setting(engine, loop, prompts):
