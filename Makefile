@@ -102,3 +102,4 @@ clean:
 .PHONY: bench-autoscaling
 bench-autoscaling: $(VENV)/.installed
 	$(PY) -m autoscaling.simulate
+k8s-manifests: $(VENV)/.installed ; $(PY) -m k8s.generate

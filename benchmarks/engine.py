@@ -98,7 +98,6 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
             groups = [texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1 else [
                 (texts * batch)[:batch]]
             for group in groups:
-                t0 = time.perf_counter()
                 res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
                 walls += max(r["decode_s"] for r in res) if batch > 1 else res[0]["decode_s"]
                 results += res
@@ -188,11 +187,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the gated-step comparison")
+    parser.add_argument("--mtp-weights", default="default", help="'none' runs without MTP heads")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine.json")
     args = parser.parse_args()
 
     loop = asyncio.new_event_loop()
-    engine = TorchEngine(TorchEngineConfig(max_batch_size=8, max_seq_len=4096, speculation=SpeculationConfig()))
+    mtp_weights = None if args.mtp_weights == "none" else args.mtp_weights
+    # No cross-request SA pool: every mode replays the same prompts, and a pool would
+    # draft each answer from its earlier run (benchmarks/drafters.py measures the pool).
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=8, max_seq_len=4096, mtp_weights=mtp_weights,
+                                           sa_global_pool_tokens=0, speculation=SpeculationConfig()))
     loop.run_until_complete(engine.start())
     prompts = workloads(engine.tokenizer, args.prompts)
     result = {"settings": vars(args) | {"out": str(args.out)}, "machine": platform.processor() or platform.machine(),

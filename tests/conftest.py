@@ -12,7 +12,8 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if "gpu" in item.keywords]
+    # by marker, not keyword: a test or parameter merely named "gpu" must still run
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in gpu_items:
