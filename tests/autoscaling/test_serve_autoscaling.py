@@ -10,15 +10,14 @@ The replicas' autoscaling metrics are pushed every 0.5 s.
 
 from __future__ import annotations
 
-import copy
-import os
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.serve_support import deploy_config, local_serve
 
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
@@ -51,45 +50,14 @@ def scaled_document() -> dict:
     return doc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_url():
-    os.environ.update(PUSH_ENV)  # the raylet and every worker inherit these
-    import ray
-    from ray import serve
-
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **PUSH_ENV}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
-             log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(PUSH_ENV) as url:
+        yield url
 
 
 def _deploy(doc: dict) -> None:
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(doc), _blocking=False)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(status.message)
-        time.sleep(0.5)
-    raise TimeoutError(f"{APP} did not become RUNNING")
+    deploy_config(doc, APP, timeout_s=120)
 
 
 def _running_replicas() -> int:

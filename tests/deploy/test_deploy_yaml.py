@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from deploy.config_check import check_serve_config, unknown_keys
+from tests.serve_support import dict_paths
 
 DEPLOY_YAML = Path(__file__).resolve().parents[2] / "deploy.yaml"
 
@@ -29,17 +30,6 @@ def test_speculation_is_the_replicas_hot_user_config(document):
     assert SpeculationArgs.model_validate(replica["user_config"]) == SpeculationArgs()
 
 
-def _dict_paths(node, path=()):
-    """Every mapping in the document, as a path of keys and list indices."""
-    if isinstance(node, dict):
-        yield path
-        for key, value in node.items():
-            yield from _dict_paths(value, path + (key,))
-    elif isinstance(node, list):
-        for i, item in enumerate(node):
-            yield from _dict_paths(item, path + (i,))
-
-
 def _with_extra_key(document, path):
     doc = copy.deepcopy(document)
     node = doc
@@ -50,7 +40,7 @@ def _with_extra_key(document, path):
 
 
 def test_an_unknown_key_at_every_level_is_reported(document):
-    paths = list(_dict_paths(document))
+    paths = list(dict_paths(document))
     assert len(paths) >= 8  # top, http_options, app, args and its five sections
     for path in paths:
         problems = check_serve_config(_with_extra_key(document, path))

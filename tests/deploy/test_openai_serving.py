@@ -4,7 +4,6 @@ Serve's config path, driven over HTTP with the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+from tests.serve_support import deploy_config
 
 DEPLOY_YAML = Path(__file__).resolve().parents[2] / "deploy.yaml"
 MODEL = "smollm2-135m-instruct"
@@ -39,21 +39,7 @@ def test_config(batch_gate: int = 4) -> dict:
 
 
 def deploy(config: dict) -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config), _blocking=False)
-    deadline = time.monotonic() + 240  # first deploy loads the model (and may convert it once)
-    from ray import serve
-
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(status.message)
-        time.sleep(0.5)
-    raise TimeoutError(f"{APP} did not become RUNNING")
+    deploy_config(config, APP, timeout_s=240)  # the first deploy loads the model (may convert it once)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy import ranking
 from deploy.ranking import UNKNOWN_GATE, ReplicaLoad, all_above_gate, rank_replicas
 
 REPO = Path(__file__).resolve().parents[2]

