@@ -37,11 +37,13 @@ class StepResult:
 class EngineCore:
     """Owns the model, the KV cache, the SA pool and the MTP drafter; not thread-safe."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, sa_pool, mtp, decode, speculation: SpeculationConfig):
+    def __init__(self, model: LlamaModel, cache: KVCache, sa_pool, mtp, decode, speculation: SpeculationConfig,
+                 mtp_min_confidence: float = 0.0):
         self.model = model
         self.cache = cache
         self.sa_pool = sa_pool
         self.mtp = mtp  # MTPDrafter or None
+        self.mtp_min_confidence = mtp_min_confidence
         self.decode = decode  # token ids -> text
         self.speculation = speculation
         self.waiting: list[Sequence] = []
@@ -116,13 +118,14 @@ class EngineCore:
 
     def _prefill(self, seq: Sequence) -> None:
         seq.slot = self.cache.allocate()
+        if self.mtp is not None:
+            self.mtp.add(seq.slot)  # with the KV slot, so releasing one always releases both
         ids = torch.tensor(seq.prompt_ids, dtype=torch.long)
         hidden = self.model(ids, [SeqSpan(seq.slot, 0, len(ids))], self.cache)  # [P, d]
         seq.num_cached = len(ids)
         token = self._sample_one(seq, self.model.logits(hidden[-1:]))
         self.sa_pool.add_request(seq.sa_id, np.asarray(seq.prompt_ids, dtype=np.int32))
         if self.mtp is not None:
-            self.mtp.add(seq.slot)
             next_ids = torch.tensor(seq.prompt_ids[1:] + [token], dtype=torch.long)
             self.mtp.observe(seq.slot, hidden, next_ids)
         seq.first_token_s = time.monotonic()
@@ -146,7 +149,8 @@ class EngineCore:
         plans = [self._plan(s, speculate) for s in seqs]
         mtp_seqs = [(i, s) for i, s in enumerate(seqs) if plans[i][0].source == "mtp"]
         if mtp_seqs:
-            proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs])
+            proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs],
+                                         self.mtp_min_confidence)
             for (i, _), draft in zip(mtp_seqs, proposals):
                 plans[i] = (plans[i][0], list(draft))
         self.last_speculated = any(draft for _, draft in plans)

@@ -189,3 +189,36 @@ def test_simulated_serving_emits_every_generated_token(tiny):
     steps, emitted = simulate_greedy(drafter, sample, num_draft=3)
     assert emitted == len(tokens) - 1 - sample.prompt_len  # positions prompt_len .. L-2 each emitted once
     assert 1 <= steps <= emitted
+
+
+# Held-out by mtp_train's split (Spec-Bench turn 39 is every-10th; HumanEval/140 is in the
+# last 20%): never trained on. The target continues each greedily; the drafter replays it.
+_CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                "<|im_start|>user\nCome up with a proposal to convince the deforesters to stop cutting you down "
+                "and other trees.<|im_end|>\n<|im_start|>assistant\n")
+# Measured with the shipped weights: 1.35 (chat) and 1.48 (code) tokens per verify step at
+# K=4 on these two prompts; the floors sit below that and well above the 1.0 of no drafting.
+_FLOORS = {"chat": 1.25, "code": 1.35}
+
+
+@pytest.mark.slow
+def test_shipped_weights_accept_on_held_out_text(real):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from replicas.speculation.mtp_eval import generate_greedy, simulate_greedy
+    from replicas.speculation.mtp_train import humaneval_tasks
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    target, drafter = real
+    tok = Tokenizer.from_file(str(resolve_model_dir() / "tokenizer.json"))
+    prompts = {"chat": tok.encode(_CHAT_PROMPT, add_special_tokens=False).ids,
+               "code": tok.encode(humaneval_tasks()[140]["prompt"], add_special_tokens=False).ids}
+    generated = generate_greedy(target, list(prompts.values()), new_tokens=64, eos_id=2)
+    for (domain, prompt), (gen, hidden, greedy) in zip(prompts.items(), generated):
+        assert len(gen) > 16
+        sample = SimpleNamespace(tokens=torch.tensor(prompt + gen[:-1]), hidden=hidden, greedy=greedy,
+                                 prompt_len=len(prompt))
+        steps, emitted = simulate_greedy(drafter, sample, num_draft=4)
+        assert emitted / steps >= _FLOORS[domain], (domain, emitted / steps)
