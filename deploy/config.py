@@ -21,7 +21,7 @@ class SpeculationArgs(_Strict):
     """Server-wide speculation settings; the Replica's `user_config`, changeable live."""
 
     mode: Literal["hybrid", "sa", "mtp", "off"] = "hybrid"
-    max_draft_len: int = Field(8, ge=1, le=64)
+    max_draft_len: int = Field(16, ge=1, le=64)
     sa_threshold: int = Field(4, ge=1)
     batch_gate: int = Field(4, ge=0, description="no speculation in a step with more running requests")
 

@@ -91,6 +91,7 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
             problems.append(f"applications[{i}].args: {exc}")
         for j, deployment in enumerate(app.get("deployments") or []):
             where = f"applications[{i}].deployments[{j}]"
+            problems += _policy_problems(deployment, where)
             if deployment.get("name") not in DEPLOYMENT_NAMES:
                 problems.append(f"{where}.name: {deployment.get('name')!r} is not one of {DEPLOYMENT_NAMES}")
             elif deployment.get("user_config") is not None:
@@ -102,6 +103,20 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
                     except Exception as exc:  # noqa: BLE001
                         problems.append(f"{where}.user_config: {exc}")
     return problems
+
+
+def _policy_problems(deployment: dict[str, Any], where: str) -> list[str]:
+    """Our autoscaling policy's `policy_kwargs`, checked as the policy will read them at start."""
+    policy = (deployment.get("autoscaling_config") or {}).get("policy") or {}
+    if not str(policy.get("policy_function", "")).startswith("autoscaling.policy:"):
+        return []
+    from autoscaling.decision import PolicyConfig
+
+    try:
+        PolicyConfig.from_kwargs(policy.get("policy_kwargs") or {})
+    except (TypeError, ValueError) as exc:
+        return [f"{where}.autoscaling_config.policy.policy_kwargs: {exc}"]
+    return []
 
 
 def main(paths: Iterable[str]) -> int:

@@ -35,7 +35,7 @@ class SpeculationConfig:
     """Server-wide speculation settings; hot-swappable through `Engine.configure`."""
 
     mode: ServerMode = "hybrid"
-    max_draft_len: int = 8
+    max_draft_len: int = 16  # SA drafts grow with their match up to this; MTP stops when unsure
     sa_threshold: int = 4  # SA draft when its match is at least this long, else MTP
     batch_gate: int = 4  # no speculation in a step with more running requests than this
 

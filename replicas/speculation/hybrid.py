@@ -18,6 +18,13 @@ from replicas.engine import RequestSpeculation, SpeculationConfig
 
 # The sources each server mode runs; a request can only pick among these.
 _SERVER_SOURCES = {"hybrid": ("sa", "mtp"), "sa": ("sa",), "mtp": ("mtp",), "off": ()}
+# An SA match shorter than this is noise: replaying engine outputs (code edits and chat),
+# drafting on 1-token matches verified more rows than it gained. It bounds "sa" mode, where
+# no other drafter takes over below `sa_threshold`.
+SA_MIN_MATCH = 2
+# An SA draft runs at most this many times its match length: a copy that has matched m
+# tokens rarely goes on for more than ~2m, and every drafted row costs verify time.
+SA_DRAFT_PER_MATCHED_TOKEN = 2
 
 
 @dataclass(frozen=True)
@@ -70,19 +77,18 @@ def plan_draft(
     verdict; `sa_match_len` is the suffix automaton's current match length; `tokens_left` is
     how many tokens the request may still emit. A verify step emits up to num_draft + 1
     tokens, so drafting stops one short of `tokens_left` and never runs past max_tokens.
+
+    SA drafts need a match of `sa_threshold` tokens in hybrid mode (below it MTP drafts)
+    and of `SA_MIN_MATCH` in "sa" mode; they are at most `SA_DRAFT_PER_MATCHED_TOKEN` x the match long.
     """
     if mode not in _SERVER_SOURCES:
         raise ValueError(f"mode: must be one of {tuple(_SERVER_SOURCES)}, got {mode!r}")
     num_draft = min(max_draft_len, tokens_left - 1)
     if not speculate or mode == "off" or num_draft <= 0:
         return NO_DRAFT
-    if mode == "hybrid":
-        if sa_match_len >= sa_threshold:
-            source = "sa"
-        else:
-            source = "mtp" if mtp_available else None
-    elif mode == "sa":
-        source = "sa" if sa_match_len >= 1 else None
-    else:  # "mtp"
-        source = "mtp" if mtp_available else None
-    return NO_DRAFT if source is None else DraftPlan(source=source, num_draft=num_draft)
+    if mode == "hybrid" and sa_match_len >= sa_threshold \
+            or mode == "sa" and sa_match_len >= SA_MIN_MATCH:
+        return DraftPlan(source="sa", num_draft=min(num_draft, SA_DRAFT_PER_MATCHED_TOKEN * sa_match_len))
+    if mode in ("hybrid", "mtp") and mtp_available:
+        return DraftPlan(source="mtp", num_draft=num_draft)
+    return NO_DRAFT

@@ -45,7 +45,7 @@ EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
 # largest share; "self_chat" is the target's own greedy answers to training-split chat
 # prompts, i.e. the text the head drafts at serving time (a first run trained on corpus
 # text alone reached 0.67 top-1 on training text but 0.27 on the target's own chat).
-MIX = {"sharegpt": 0.30, "self_chat": 0.25, "spec_bench": 0.05, "humaneval": 0.10, "code_edits": 0.30}
+MIX = {"sharegpt": 0.20, "self_chat": 0.40, "spec_bench": 0.05, "humaneval": 0.10, "code_edits": 0.25}
 SELF_CHAT_BATCH = 16
 SELF_CHAT_NEW_TOKENS = 192
 

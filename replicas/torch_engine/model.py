@@ -121,13 +121,17 @@ def _onednn_linear_available() -> bool:
 class Linear(nn.Linear):
     """nn.Linear (no bias) that can run inference through oneDNN with prepacked weights.
 
-    Why: MKL's fp32 sgemm is 2-3x slower per row at 2-17 rows (a verify step) than at 1
-    row, while oneDNN's blocked weight layout keeps a 9-row matmul near the 1-row cost
-    (measured, 30 gate/up matmuls, 1 core: 1 row 12.7 ms; 9 rows 41 ms MKL vs 21 ms
-    oneDNN). For a single fp32 row MKL's gemv is ~30% faster, so those stay on MKL; bf16
-    always takes oneDNN (AMX). The packed copy is inference-only (grad mode uses the plain
-    weight), is dropped by `.to()`/`.float()`, and must be redone after changing weights.
+    Why: MKL's fp32 sgemm slows down sharply from 4 rows on, while oneDNN's blocked weight
+    layout keeps a 9-row matmul near the 1-row cost (measured, 30 gate/up matmuls, 1 core:
+    1 row 12.7 ms; 9 rows 41 ms MKL vs 21 ms oneDNN). Up to `MKL_MAX_ROWS` fp32 rows MKL is
+    the faster one (whole model, 2 threads, 700 cached tokens, step cost over a 1-row step:
+    2 rows 1.03-1.11x MKL vs 1.13-1.24x oneDNN; 3 rows 1.10-1.15x vs 1.16-1.28x; 4 rows
+    1.37-1.45x vs 1.17-1.23x), so small steps stay on MKL; bf16 always takes oneDNN (AMX).
+    The packed copy is inference-only (grad mode uses the plain weight), is dropped by
+    `.to()`/`.float()`, and must be redone after changing weights.
     """
+
+    MKL_MAX_ROWS = 3
 
     packed: Tensor | None = None
 
@@ -141,7 +145,8 @@ class Linear(nn.Linear):
         return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32) and not torch.is_grad_enabled():
+        if self.packed is not None and (x.shape[0] > self.MKL_MAX_ROWS or x.dtype != torch.float32) \
+                and not torch.is_grad_enabled():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 

@@ -54,6 +54,12 @@ OVERRIDES = [
         "min_replicas": 1, "max_replicas": 2,
         "policy": {"policy_function": "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"}}},
      True),
+    ("our policy's kwargs", {"name": "Replica", "autoscaling_config": {"policy": {
+        "policy_function": "autoscaling.policy:AcceptanceAwarePolicy", "policy_kwargs": {"gate_fill": 0.75}}}}, True),
+    ("a typo in our policy's kwargs", {"name": "Replica", "autoscaling_config": {"policy": {
+        "policy_function": "autoscaling.policy:AcceptanceAwarePolicy", "policy_kwargs": {"gate_fil": 0.75}}}}, False),
+    ("a bad value in our policy's kwargs", {"name": "Replica", "autoscaling_config": {"policy": {
+        "policy_function": "autoscaling.policy:AcceptanceAwarePolicy", "policy_kwargs": {"gate_fill": 2}}}}, False),
     ("typo in a Serve option", {"name": "Replica", "max_ongoing_request": 24}, False),
     ("typo in autoscaling", {"name": "Replica", "autoscaling_config": {"max_replica": 2}}, False),
     ("typo in the router config", {"name": "Replica", "request_router_config": {"request_router_clas": "x"}},

@@ -25,7 +25,7 @@ PREFILL_CHAT = [{"role": "user", "content": "Write a Python function that adds t
                 {"role": "assistant", "content": "Here is the function:\n```python\ndef add("}]
 
 
-def test_config(batch_gate: int = 4) -> dict:
+def serving_config(batch_gate: int = 4) -> dict:
     """deploy.yaml's document, sized for a 2-core test machine."""
     doc = yaml.safe_load(DEPLOY_YAML.read_text())
     doc.pop("http_options"), doc.pop("proxy_location")  # the fixture's cluster owns HTTP
@@ -44,7 +44,7 @@ def deploy(config: dict) -> None:
 
 @pytest.fixture(scope="module")
 def url(serve_url):
-    deploy(test_config())
+    deploy(serving_config())
     return serve_url
 
 
@@ -192,7 +192,7 @@ def test_reconfigure_moves_the_gate_live(client, replica_handle):
     before = replica_handle.stats.remote().result()
     assert before["batch_gate"] == 4
     pid = replica_handle.pid.remote().result()
-    deploy(test_config(batch_gate=0))  # only user_config changes: Serve reconfigures in place
+    deploy(serving_config(batch_gate=0))  # only user_config changes: Serve reconfigures in place
     deadline = time.monotonic() + 60
     while replica_handle.stats.remote().result()["batch_gate"] != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -201,7 +201,7 @@ def test_reconfigure_moves_the_gate_live(client, replica_handle):
     closed = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=16, temperature=0)
     assert closed.usage.model_extra["speculation"]["steps"] == 0, closed.usage  # gate 0: no step speculates
 
-    deploy(test_config(batch_gate=4))
+    deploy(serving_config(batch_gate=4))
     deadline = time.monotonic() + 60
     while replica_handle.stats.remote().result()["batch_gate"] != 4 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -7,7 +7,9 @@ import itertools
 import pytest
 
 from replicas.engine import REQUEST_MODES, SERVER_MODES, RequestSpeculation, SpeculationConfig
-from replicas.speculation.hybrid import DraftPlan, effective_settings, plan_draft
+from replicas.speculation.hybrid import (
+    SA_DRAFT_PER_MATCHED_TOKEN, SA_MIN_MATCH, DraftPlan, effective_settings, plan_draft,
+)
 
 # (server mode, request mode) -> effective mode. Requests narrow; they never add a source.
 MODE_TABLE = {
@@ -70,8 +72,9 @@ def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_ava
         (dict(sa_match_len=4, mtp_available=False), "sa"),
         (dict(sa_match_len=1, sa_threshold=1), "sa"),
         (dict(sa_match_len=0, sa_threshold=1), "mtp"),
-        # sa: any match at all, regardless of the threshold; never MTP.
-        (dict(mode="sa", sa_match_len=1), "sa"),
+        # sa: a match of SA_MIN_MATCH tokens, regardless of the threshold; never MTP.
+        (dict(mode="sa", sa_match_len=SA_MIN_MATCH), "sa"),
+        (dict(mode="sa", sa_match_len=SA_MIN_MATCH - 1), None),
         (dict(mode="sa", sa_match_len=0), None),
         (dict(mode="sa", sa_match_len=2, sa_threshold=10), "sa"),
         # mtp: whenever the heads exist, whatever the SA match.
@@ -87,7 +90,18 @@ def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_ava
 def test_plan_source(kwargs, source):
     result = plan(**kwargs)
     assert result.source == source
-    assert result.num_draft == (0 if source is None else 8)
+    if source is None:
+        assert result.num_draft == 0
+    elif source == "mtp":
+        assert result.num_draft == 8
+    else:
+        assert result.num_draft == min(8, SA_DRAFT_PER_MATCHED_TOKEN * kwargs["sa_match_len"])
+
+
+@pytest.mark.parametrize("match_len, num_draft", [(2, 4), (3, 6), (4, 8), (5, 10), (8, 16), (40, 16)])
+def test_sa_draft_grows_with_the_match(match_len, num_draft):
+    assert plan(mode="sa", max_draft_len=16, sa_match_len=match_len) == DraftPlan("sa", num_draft)
+    assert plan(mode="hybrid", max_draft_len=16, sa_threshold=2, sa_match_len=match_len) == DraftPlan("sa", num_draft)
 
 
 @pytest.mark.parametrize(

@@ -196,9 +196,9 @@ def test_simulated_serving_emits_every_generated_token(tiny):
 _CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                 "<|im_start|>user\nCome up with a proposal to convince the deforesters to stop cutting you down "
                 "and other trees.<|im_end|>\n<|im_start|>assistant\n")
-# Measured with the shipped weights: 1.35 (chat) and 1.48 (code) tokens per verify step at
+# Measured with the shipped weights: 1.59 (chat) and 1.48 (code) tokens per verify step at
 # K=4 on these two prompts; the floors sit below that and well above the 1.0 of no drafting.
-_FLOORS = {"chat": 1.25, "code": 1.35}
+_FLOORS = {"chat": 1.45, "code": 1.35}
 
 
 @pytest.mark.slow
