@@ -33,6 +33,7 @@ class DraftPlan:
 
     source: str | None  # "sa", "mtp", or None: no speculation this step
     num_draft: int  # tokens to draft; 0 exactly when source is None
+    sa_fallback: int = 0  # hybrid, MTP planned: SA tokens to draft instead if MTP proposes none
 
 
 NO_DRAFT = DraftPlan(source=None, num_draft=0)
@@ -80,15 +81,18 @@ def plan_draft(
 
     SA drafts need a match of `sa_threshold` tokens in hybrid mode (below it MTP drafts)
     and of `SA_MIN_MATCH` in "sa" mode; they are at most `SA_DRAFT_PER_MATCHED_TOKEN` x the match long.
+    In hybrid mode a shorter match of at least `SA_MIN_MATCH` is the fallback for a step where
+    the MTP head is too unsure to propose anything (`sa_fallback`).
     """
     if mode not in _SERVER_SOURCES:
         raise ValueError(f"mode: must be one of {tuple(_SERVER_SOURCES)}, got {mode!r}")
     num_draft = min(max_draft_len, tokens_left - 1)
     if not speculate or mode == "off" or num_draft <= 0:
         return NO_DRAFT
-    if mode == "hybrid" and sa_match_len >= sa_threshold \
-            or mode == "sa" and sa_match_len >= SA_MIN_MATCH:
-        return DraftPlan(source="sa", num_draft=min(num_draft, SA_DRAFT_PER_MATCHED_TOKEN * sa_match_len))
+    sa_draft = min(num_draft, SA_DRAFT_PER_MATCHED_TOKEN * sa_match_len)
+    if mode == "hybrid" and sa_match_len >= sa_threshold or mode == "sa" and sa_match_len >= SA_MIN_MATCH:
+        return DraftPlan(source="sa", num_draft=sa_draft)
+    fallback = sa_draft if mode == "hybrid" and sa_match_len >= SA_MIN_MATCH else 0
     if mode in ("hybrid", "mtp") and mtp_available:
-        return DraftPlan(source="mtp", num_draft=num_draft)
-    return NO_DRAFT
+        return DraftPlan(source="mtp", num_draft=num_draft, sa_fallback=fallback)
+    return DraftPlan(source="sa", num_draft=fallback) if fallback else NO_DRAFT

@@ -151,8 +151,12 @@ class EngineCore:
         if mtp_seqs:
             proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs],
                                          self.mtp_min_confidence)
-            for (i, _), draft in zip(mtp_seqs, proposals):
-                plans[i] = (plans[i][0], list(draft))
+            for (i, seq), draft in zip(mtp_seqs, proposals):
+                plan = plans[i][0]
+                if not draft and plan.sa_fallback:  # the head is unsure: a short SA match instead
+                    plans[i] = (DraftPlan("sa", plan.sa_fallback), seq.sa_draft[: plan.sa_fallback])
+                else:
+                    plans[i] = (plan, list(draft))
         self.last_speculated = any(draft for _, draft in plans)
 
         input_ids, spans = [], []

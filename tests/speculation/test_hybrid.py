@@ -68,7 +68,8 @@ def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_ava
         (dict(sa_match_len=50), "sa"),
         (dict(sa_match_len=3), "mtp"),
         (dict(sa_match_len=0), "mtp"),
-        (dict(sa_match_len=3, mtp_available=False), None),
+        (dict(sa_match_len=3, mtp_available=False), "sa"),  # the fallback, with no head to ask
+        (dict(sa_match_len=1, mtp_available=False), None),
         (dict(sa_match_len=4, mtp_available=False), "sa"),
         (dict(sa_match_len=1, sa_threshold=1), "sa"),
         (dict(sa_match_len=0, sa_threshold=1), "mtp"),
@@ -122,6 +123,20 @@ def test_plan_never_drafts_past_max_tokens(max_draft_len, tokens_left, num_draft
                       tokens_left=tokens_left)
         assert result.num_draft == num_draft
         assert (result.source is None) == (num_draft == 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fallback",
+    [
+        (dict(sa_match_len=3), 6),  # under the threshold: MTP, with the short match behind it
+        (dict(sa_match_len=SA_MIN_MATCH - 1), 0),  # too short to fall back on
+        (dict(sa_match_len=3, max_draft_len=4), 4),
+        (dict(mode="mtp", sa_match_len=3), 0),  # a pinned MTP never drafts from SA
+    ],
+)
+def test_sa_fallback_behind_mtp(kwargs, fallback):
+    result = plan(**kwargs)
+    assert result.source == "mtp" and result.sa_fallback == fallback
 
 
 def test_no_speculation_plan_is_the_empty_plan():
