@@ -35,6 +35,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 FALLBACK_CPU_FORWARD_MS = {(1, 1): 165.0, (1, 2): 304.0, (1, 9): 338.0, (1, 17): 384.0,
                            (8, 1): 340.0, (8, 9): 790.0}
 FALLBACK_ACCEPTANCE = {"code_edit": 3.5, "chat": 1.8}  # assumed when engine.json is absent
+FALLBACK_DRAFT_LEN = {"code_edit": 8, "chat": 3}
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,22 @@ def acceptance_lengths(results: Path = RESULTS) -> tuple[dict[str, float], str]:
     return dict(FALLBACK_ACCEPTANCE), "fallback: assumed (engine.json and drafters.json absent)"
 
 
+def draft_lengths(results: Path = RESULTS) -> dict[str, int]:
+    """Per workload: tokens drafted per verify step by the engine's hybrid mode at batch 1
+    (engine.json; steps = accepted / (MAT - 1)), else the assumed figures. SA drafts run up
+    to twice their match and MTP drafts stop when unsure, so this is well under the cap."""
+    lengths = dict(FALLBACK_DRAFT_LEN)
+    engine = results / "engine.json"
+    if engine.exists():
+        batch1 = json.loads(engine.read_text()).get("batch1", {})
+        for workload in lengths:
+            row = batch1.get(f"{workload}/hybrid", {})
+            if row.get("mat", 1.0) > 1.0 and row.get("accepted_tokens"):
+                steps = row["accepted_tokens"] / (row["mat"] - 1.0)
+                lengths[workload] = max(1, round(row["draft_tokens"] / steps))
+    return lengths
+
+
 def gpu_h100_llama8b() -> StepTime:
     bandwidth = 3.35e12 * 0.70  # bytes/s achieved
     flops = 989e12 * 0.50
@@ -212,9 +229,10 @@ def _levels(mean: float) -> tuple[float, ...]:
 
 def mixes(results: Path = RESULTS) -> tuple[dict[str, Mix], str]:
     acc, source = acceptance_lengths(results)
-    edit = RequestClass("code_edit", 0.8, _levels(acc["code_edit"]), draft_len=8, output_tokens=600,
+    k = draft_lengths(results)
+    edit = RequestClass("code_edit", 0.8, _levels(acc["code_edit"]), draft_len=k["code_edit"], output_tokens=600,
                         output_sigma=0.5, prompt_tokens=900)
-    chat = RequestClass("chat", 0.2, _levels(acc["chat"]), draft_len=3, output_tokens=300, output_sigma=0.7,
+    chat = RequestClass("chat", 0.2, _levels(acc["chat"]), draft_len=k["chat"], output_tokens=300, output_sigma=0.7,
                         prompt_tokens=150)
     prose = RequestClass("chat", 1.0, chat.acceptance_levels, chat.draft_len, chat.output_tokens,
                          chat.output_sigma, chat.prompt_tokens)

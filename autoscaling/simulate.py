@@ -175,9 +175,12 @@ class Simulation:
         self.measure_from_s = 0.0 if sc.trace else sc.warmup_s
         self.end_s = self.measure_from_s + sc.duration_s
         self.records = Records(self.p.tpot_slo_ms / 1e3, self.p.ttft_slo_s, self.measure_from_s)
-        self.policy_config = PolicyConfig(batch_gate=self.p.batch_gate, target_ongoing_requests=self.p.pack_target,
-                                          gate_fill=self.p.gate_fill,
-                                          min_acceptance_length=round(self.p.break_even_acceptance(8), 2))
+        # the break-even at the mix's own draft length (weighted over its classes) and at the
+        # fill the policy spreads to: below it, spreading would cost replica-hours
+        draft_len = round(sum(c.weight * c.draft_len for c in sc.mix.classes) / sum(c.weight for c in sc.mix.classes))
+        self.policy_config = PolicyConfig(
+            batch_gate=self.p.batch_gate, target_ongoing_requests=self.p.pack_target, gate_fill=self.p.gate_fill,
+            min_acceptance_length=round(self.p.break_even_acceptance(draft_len, self.p.gate_fill), 2))
         if sc.policy_overrides:
             self.policy_config = replace(self.policy_config, **sc.policy_overrides)
         initial = max(1, math.ceil(sc.scale * base_level(sc, 0.0)))

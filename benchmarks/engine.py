@@ -186,7 +186,7 @@ def plot(result: dict, path: Path) -> None:
                 values.append(result[batch][f"{workload}/{mode}"]["tokens_per_s"])
                 colors.append("#999" if mode == "off" else "#4a7")
         for name in ("hf_plain", "hf_prompt_lookup"):
-            names.append(name.replace("hf_", "HF ").replace("_", " ") + "\nb1")
+            names.append({"hf_plain": "HF plain", "hf_prompt_lookup": "HF lookup"}[name] + "\nb1")
             values.append(result["transformers"][f"{workload}/{name}"]["tokens_per_s"])
             colors.append("#c66")
         ax.bar(range(len(values)), values, color=colors)

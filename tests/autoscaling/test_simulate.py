@@ -94,14 +94,17 @@ def test_profiles_are_calibrated_from_results_when_present(tmp_path):
     rows = [{"threads": 2, "batch": b, "new_tokens": t, "ours_ms": 10.0 + 2.0 * b + 0.5 * b * t}
             for b, t in ((1, 1), (1, 9), (8, 1), (8, 9))]
     (tmp_path / "forward.json").write_text(json.dumps({"rows": rows}))
-    (tmp_path / "engine.json").write_text(json.dumps({"batch1": {"code_edit/hybrid": {"mat": 4.2},
-                                                                 "chat/hybrid": {"mat": 1.5}}}))
+    (tmp_path / "engine.json").write_text(json.dumps({"batch1": {
+        "code_edit/hybrid": {"mat": 4.2, "accepted_tokens": 320, "draft_tokens": 600},  # 100 steps, 6 drafted each
+        "chat/hybrid": {"mat": 1.5}}}))
     cpu = profiles(tmp_path)["cpu"]
     assert "forward.json" in cpu.source
     assert cpu.step.step_ms(8, 72) == pytest.approx(10.0 + 16.0 + 36.0)
     found, source = mixes(tmp_path)
     assert "engine.json" in source
     assert found["code_edit"].classes[0].acceptance_levels[1] == 4.2
+    assert found["code_edit"].classes[0].draft_len == 6
+    assert found["code_edit"].classes[1].draft_len == 3  # no counts for chat: the assumed length
     fallback_profiles, fallback_mixes = profiles(tmp_path / "none"), mixes(tmp_path / "none")
     assert "fallback" in fallback_profiles["cpu"].source and "fallback" in fallback_mixes[1]
 
