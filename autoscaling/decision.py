@@ -151,7 +151,10 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
        is Serve's ongoing request count with the batches of replicas above the gate counted
        at speculating speed (`spread_equivalent_load`). Hysteresis: grow at once; shrink
        only as far as the fleet still carries the load under `(1 - downscale_tolerance)`
-       of the per-replica target.
+       of the per-replica target. Floor: never fewer than ceil(ongoing / batch_gate)
+       replicas, the raw count: a fleet tipped over the gate decodes several times slower,
+       and without room to get back under it its backlog only grows (the simulator saw a
+       10-replica fleet shrink into that state and stay there).
     2. Pack (speculation not paying, or throughput mode): Serve's default rule exactly,
        ceil(load / target_ongoing_requests), so where speculation does not pay this policy
        is the default, by construction.
@@ -175,11 +178,14 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
     load = max(0.0, float(signals.total_requests))
     if spread_pays(signals, config):
         per_replica = config.gate_fill * config.batch_gate
-        load = spread_equivalent_load(signals)
-        wanted = math.ceil(load / per_replica)
+        equivalent = spread_equivalent_load(signals)
+        wanted = math.ceil(equivalent / per_replica)
         if wanted < current_replicas:
-            keep = math.ceil(load / (per_replica * (1.0 - config.downscale_tolerance)))
+            keep = math.ceil(equivalent / (per_replica * (1.0 - config.downscale_tolerance)))
             wanted = min(current_replicas, max(wanted, keep))
+        # ... but never fewer than hold today's requests at the gate: a fleet tipped over it
+        # decodes several times slower, so without room its backlog never drains
+        wanted = max(wanted, math.ceil(load / config.batch_gate))
     else:  # packing, or metrics missing: exactly Serve's default rule
         wanted = math.ceil(load / target_ongoing)
     return max(signals.min_replicas, min(signals.max_replicas, wanted))

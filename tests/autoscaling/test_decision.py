@@ -16,6 +16,7 @@ from autoscaling.decision import (
 
 CFG = PolicyConfig(batch_gate=4, gate_fill=1.0, target_ongoing_requests=8.0, min_acceptance_length=2.0,
                    acceptance_band=0.25, downscale_tolerance=0.2, min_reporting_fraction=0.5)
+HALF = dataclasses.replace(CFG, gate_fill=0.5)
 
 
 def fleet(*acceptance):
@@ -60,12 +61,15 @@ CASES = [
     ("queue-length grows", sig(40, fleet(None, None)), 2, CFG, 5),
     ("queue-length has no dead band", sig(13, fleet(None,) * 5), 5, CFG, 2),
     ("no replicas yet", sig(18, ()), 0, CFG, 3),
-    # above the gate, batches count at speculating speed: 2 replicas of 12 (gate closed),
-    # acceptance 3: 24 - 2 * 12 * (1 - 1/3) = 8 equivalent, ceil(8 / 4) = 2, not ceil(24 / 4) = 6
-    ("closed gates do not inflate the spread",
-     sig(24, (ReplicaSignals(batch_size=12, acceptance_length=3.0, speculating=0.0),) * 2), 2, CFG, 2),
+    # above the gate, batches count at speculating speed (gate_fill 0.5: 2 per replica): 2
+    # replicas of 12 with the gate open half the time, acceptance 3: 24 - 2 * 12 * 0.5 *
+    # (1 - 1/3) = 16 equivalent, ceil(16 / 2) = 8, not ceil(24 / 2) = 12
     ("half-closed gates count half",
-     sig(24, (ReplicaSignals(batch_size=12, acceptance_length=3.0, speculating=0.5),) * 2), 2, CFG, 4),
+     sig(24, (ReplicaSignals(batch_size=12, acceptance_length=3.0, speculating=0.5),) * 2), 2, HALF, 8),
+    # gates closed all the time: 8 equivalent would want ceil(8 / 2) = 4 replicas, but the 24
+    # requests there now need ceil(24 / 4) = 6 to get back under the gate and drain
+    ("a backlog over the gate gets room to drain",
+     sig(24, (ReplicaSignals(batch_size=12, acceptance_length=3.0, speculating=0.0),) * 2), 2, HALF, 6),
     ("packing counts raw load",
      sig(24, (ReplicaSignals(batch_size=12, acceptance_length=1.5, speculating=0.0),) * 2), 2, CFG, 3),
 ]
