@@ -7,7 +7,7 @@ Two pure decisions over plain data, so the scheduler only calls them and tests a
   draft length.
 - `plan_draft`: per step, given the gate's verdict and the suffix automaton's current match,
   pick SA (long matches: copying is nearly free and accepted at length), MTP (the steady
-  default), or nothing.
+  default, with a short SA match behind it for when the head is unsure), or nothing.
 """
 
 from __future__ import annotations
