@@ -82,3 +82,21 @@ def test_request_cannot_widen_server_setting(engine, loop, prompts):
         assert last.speculation["draft_tokens"] == 0
     finally:
         engine.configure(engine.config.speculation)
+
+
+def test_sa_fallback_behind_an_unsure_head_is_exact(engine, loop, prompts, reference):
+    # No SA match ever reaches the threshold, and the head is never sure enough (confidence
+    # is at most 1): every draft is the SA fallback behind an MTP plan that proposed nothing.
+    core = engine.core
+    engine.configure(dataclasses.replace(engine.config.speculation, sa_threshold=64))
+    core.mtp_min_confidence = 1.01
+    before = dict(core.totals.draft_tokens)
+    try:
+        for prompt, expected in zip(prompts, reference):
+            tokens, _, _ = loop.run_until_complete(collect(engine, request(prompt, mode="auto")))
+            assert_same_greedy(engine, prompt, expected, tokens)
+    finally:
+        core.mtp_min_confidence = engine.config.mtp_min_confidence
+        engine.configure(engine.config.speculation)
+    assert core.totals.draft_tokens["mtp"] == before["mtp"]
+    assert core.totals.draft_tokens["sa"] > before["sa"]
