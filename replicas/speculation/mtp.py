@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.model import DecoderLayer, LlamaModel, RMSNorm, SeqSpan
+from replicas.torch_engine.model import DecoderLayer, LlamaModel, RMSNorm, SeqSpan, apply_rope
 from replicas.torch_engine.model_config import ModelConfig
 
 DEFAULT_WEIGHTS_DIR = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
@@ -82,7 +82,7 @@ class MTPModule(nn.Module):
         for s in range(num_steps):
             x = self.fuse(h_in, embeds)
             qkv = attn.qkv_proj(layer.input_layernorm(x))
-            qk = _rotate(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
+            qk = apply_rope(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
             keys.append(qk[:, h:].transpose(0, 1))
             values.append(qkv[:, (h + kvh) * hd:].view(t, kvh, hd).transpose(0, 1))
             q = qk[:, :h].permute(1, 0, 2).reshape(kvh, g * t, hd)  # rows (query head in group, position)
@@ -294,9 +294,3 @@ def chain_mask(num_positions: int, step: int, device: torch.device | str = "cpu"
     ones = torch.ones(t, t, dtype=torch.bool, device=device)
     blocks = [ones.tril(-step)] + [ones.tril(-(step - i)).triu(-(step - i)) for i in range(1, step + 1)]
     return torch.cat(blocks, dim=1)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # Llama "rotate half" RoPE, as the target's attention applies it.
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

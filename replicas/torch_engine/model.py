@@ -107,7 +107,7 @@ def validate_spans(spans: Sequence[SeqSpan], num_tokens: int, cache: KVCache) ->
         raise ValueError(f"spans cover {total} tokens but input_ids has {num_tokens}")
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Llama's "rotate half" RoPE: pairs are (i, i + hd/2), not adjacent elements.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -182,7 +182,7 @@ class Attention(nn.Module):
         h, kvh, hd, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group_size
         qkv = self.qkv_proj(x)  # [N, (h + 2 kvh) * hd]
         # q and k rotate together: one RoPE pass over [N, h + kvh, hd].
-        qk = _rotate(qkv[:, : (h + kvh) * hd].view(num_tokens, h + kvh, hd), rope[0][:, None], rope[1][:, None])
+        qk = apply_rope(qkv[:, : (h + kvh) * hd].view(num_tokens, h + kvh, hd), rope[0][:, None], rope[1][:, None])
         q, k = qk[:, :h], qk[:, h:]                                  # [N, h, hd], [N, kvh, hd]
         v = qkv[:, (h + kvh) * hd:].view(num_tokens, kvh, hd)        # [N, kvh, hd]
         outs = []
