@@ -22,9 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-CODE_EDITS = SHARED_DATA / "code_edits" / "requests.jsonl"
-SPEC_BENCH = SHARED_DATA / "spec_bench" / "question.jsonl"
+from replicas.speculation.corpora import CODE_EDITS, SPEC_BENCH
+
 
 Pair = tuple[str, str]
 

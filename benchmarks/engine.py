@@ -25,13 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from replicas.speculation.corpora import EDIT_PREFILL, SPEC_BENCH, code_edits  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from replicas.torch_engine.loader import resolve_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
-EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
 MODES = ("off", "sa", "mtp", "hybrid")
 
 
@@ -42,13 +41,12 @@ def workloads(tokenizer, count: int) -> dict[str, list[str]]:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
 
     edits = []
-    for line in (SHARED / "code_edits" / "requests.jsonl").open():
-        row = json.loads(line)
+    for row in code_edits():
         if 1200 <= len(row["before"]) <= 2600:
             edits.append(chat(f"{row['instruction']}\n\n```python\n{row['before']}```\n"
                               "Apply the change and output the whole updated file.", EDIT_PREFILL))
     questions = []
-    for line in (SHARED / "spec_bench" / "question.jsonl").open():
+    for line in SPEC_BENCH.open():
         row = json.loads(line)
         if row["category"] in ("writing", "roleplay", "stem", "humanities", "qa", "reasoning"):
             questions.append(chat(row["turns"][0]))

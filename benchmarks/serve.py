@@ -32,16 +32,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = ROOT.parent / "shared" / "data"
+from replicas.speculation.corpora import CODE_EDITS, EDIT_PREFILL, SPEC_BENCH  # noqa: E402
+
 APP = "specserve"
-EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
 ALWAYS = 1 << 20  # a batch gate no batch reaches
 
 
 def workload(count: int, max_edit_chars: int = 1500) -> list[list[dict]]:
     """Chat message lists: code edits (prefilled answers) and open questions, interleaved."""
     edits, questions = [], []
-    path = SHARED / "code_edits" / "requests.jsonl"
+    path = CODE_EDITS
     if path.exists():  # real edits; long files cut at a line end to keep CPU prefill modest
         for line in path.open():
             row = json.loads(line)
@@ -49,7 +49,7 @@ def workload(count: int, max_edit_chars: int = 1500) -> list[list[dict]]:
             edits.append((row["instruction"], before[:before.rfind("\n") + 1] or before))
     if not edits:  # no shared data: edit this repository's own files
         edits = [("Add type hints.", p.read_text()[:max_edit_chars]) for p in sorted((ROOT / "deploy").glob("*.py"))]
-    path = SHARED / "spec_bench" / "question.jsonl"
+    path = SPEC_BENCH
     if path.exists():
         questions = [json.loads(line)["turns"][0] for line in path.open()]
     questions = questions or ["Explain how a hash map works.", "Write a short poem about the sea."]

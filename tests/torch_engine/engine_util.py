@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
+from replicas.speculation.corpora import CODE_EDITS, EDIT_PREFILL
 from replicas.torch_engine.engine import TorchEngine
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"
 
 
 def chat_prompt(engine: TorchEngine, user: str, prefill: str = "") -> str:
@@ -20,10 +19,9 @@ def chat_prompt(engine: TorchEngine, user: str, prefill: str = "") -> str:
 
 def code_edit_prompts(engine: TorchEngine, count: int, max_chars: int = 1500) -> list[str]:
     """Real edits from ../shared when present, else an edit of this repo's own source."""
-    path = SHARED / "data" / "code_edits" / "requests.jsonl"
     edits = []
-    if path.exists():
-        for line in path.open():
+    if CODE_EDITS.exists():
+        for line in CODE_EDITS.open():
             row = json.loads(line)
             if len(row["before"]) <= max_chars:
                 edits.append((row["instruction"], row["before"]))
