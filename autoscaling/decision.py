@@ -38,7 +38,9 @@ class PolicyConfig:
     `gate_fill` leaves headroom under the gate: just above it a replica stops speculating
     and its tokens/s fall several-fold, so a burst that tips replicas over the gate while
     new ones start (Serve's upscale delay plus model load) costs far more than the spare
-    batch slots. Half the gate absorbed the simulator's 1.3x bursts on a rising load.
+    batch slots. In the simulator, with the router's gate hold, half the gate absorbed
+    1.3x bursts on a rising load for replicas that take a minute to start (the default);
+    three quarters did for CPU replicas that start in 15 s (deploy.yaml's setting).
     """
 
     mode: Mode = "latency"

@@ -1,25 +1,30 @@
 """Plan autoscaling at scale: a fixed-increment discrete-event simulation of a Serve fleet.
 
-    .venv/bin/python -m autoscaling.simulate [--scales 10 100 1000] [--seed 0] [--quick]
+    .venv/bin/python -m autoscaling.simulate [--scales 10 100 1000] [--seeds 4] [--quick]
 
 Arrivals are Poisson with bursts (or a JSONL trace: {"t": s, "class": name,
-"output_tokens": n} per line; prompt length and acceptance come from the class); requests are routed by power of two
-choices to replicas that decode in fluid steps (`fleet.py`) on a step-time profile
+"output_tokens": n} per line; prompt length and acceptance come from the class); requests are
+routed as the project's router does (least loaded below the gate, held briefly when every
+replica is at it) to replicas that decode in fluid steps (`fleet.py`) on a step-time profile
 (`profiles.py`); every control period the policy under test sees what Serve would show it
 (ongoing requests averaged over the look-back window, each replica's acceptance EWMA once it
 has pushed metrics) and Serve's delays and bounds are applied (`serve_rules.py`). Compared:
 this package's acceptance-aware policy, Serve's default at the same `target_ongoing_requests`,
 and Serve's default with the target set to the gate (always spread, acceptance-blind).
-`scale` N sizes the load so that Serve's default wants about N replicas at the peak.
-Writes benchmarks/results/autoscaling.json and autoscaling.png, prints the table.
+`scale` N sizes the load so that Serve's default wants about N replicas at the peak. Each
+case runs on `--seeds` seeds (the same arrivals for every policy per seed), in `--workers`
+processes; the table gives medians over the seeds. Writes benchmarks/results/autoscaling.json
+and autoscaling.png, prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import math
+import os
 import random
 import time
 from collections import deque
@@ -31,6 +36,7 @@ from autoscaling.decision import PolicyConfig, ReplicaSignals, Signals, decide, 
 from autoscaling.fleet import DRAINING, READY, STARTING, STOPPED, Lane, Records, Replica
 from autoscaling.profiles import RESULTS, Mix, Profile, mixes, profiles
 from autoscaling.serve_rules import DelayState, apply_delays, queue_length_replicas
+from deploy.ranking import GATE_HOLD_S
 
 POLICIES = ("acceptance_aware", "serve_default", "serve_default_at_gate")
 SEGMENT_S = 10.0  # arrival-rate curve resolution
@@ -59,6 +65,10 @@ class Scenario:
     router: str = "gate_aware"  # the project's router; "power_of_two": Serve's default router
     policy_overrides: Optional[dict] = None  # PolicyConfig fields for the acceptance-aware policy
     trace: Optional[Path] = None
+    # the router's hold (deploy/ranking.py `hold_at_gate`): while every replica is at its gate
+    # and their acceptance is at least the policy's min_acceptance_length, a request waits in
+    # the handle queue up to this long for a slot under a gate before it tips a replica over
+    gate_hold_s: float = GATE_HOLD_S
 
 
 def mean_request_s(profile: Profile, mix: Mix) -> float:
@@ -175,12 +185,15 @@ class Simulation:
         self.measure_from_s = 0.0 if sc.trace else sc.warmup_s
         self.end_s = self.measure_from_s + sc.duration_s
         self.records = Records(self.p.tpot_slo_ms / 1e3, self.p.ttft_slo_s, self.measure_from_s)
-        # the break-even at the mix's own draft length (weighted over its classes) and at the
-        # fill the policy spreads to: below it, spreading would cost replica-hours
+        # spread from the break-even at the mix's own draft length (weighted over its classes)
+        # and at the fill the policy spreads to, plus the hysteresis band: spreading then stops
+        # where it would start to cost replica-hours, not a band below
         draft_len = round(sum(c.weight * c.draft_len for c in sc.mix.classes) / sum(c.weight for c in sc.mix.classes))
+        band = PolicyConfig.acceptance_band
         self.policy_config = PolicyConfig(
             batch_gate=self.p.batch_gate, target_ongoing_requests=self.p.pack_target, gate_fill=self.p.gate_fill,
-            min_acceptance_length=round(self.p.break_even_acceptance(draft_len, self.p.gate_fill), 2))
+            acceptance_band=band,
+            min_acceptance_length=round(self.p.break_even_acceptance(draft_len, self.p.gate_fill) + band, 2))
         if sc.policy_overrides:
             self.policy_config = replace(self.policy_config, **sc.policy_overrides)
         initial = max(1, math.ceil(sc.scale * base_level(sc, 0.0)))
@@ -208,10 +221,30 @@ class Simulation:
         if self.sc.router == "power_of_two":
             self._route_power_of_two(items, now_s, routable)
             return
+        if not (self.sc.gate_hold_s > 0 and self._gate_hold_pays(routable)):
+            self._fill(items, now_s, routable, self.p.max_ongoing)
+            return
+        # The router's gate hold: nobody goes over a gate, except requests that have waited
+        # `gate_hold_s` already (the queue is in arrival order, so they are at its front).
+        self._fill(items, now_s, routable, self.p.batch_gate)
+        held_long: deque = deque()
+        while self.queue and now_s - self.queue[0][0] >= self.sc.gate_hold_s:
+            held_long.append(self.queue.popleft())
+        if held_long:
+            rest, self.queue = self.queue, deque()
+            self._fill(held_long, now_s, routable, self.p.max_ongoing)
+            self.queue.extend(rest)
+
+    def _gate_hold_pays(self, routable: list[Replica]) -> bool:
+        """`hold_at_gate`'s acceptance test: the reporting replicas' mean is high enough."""
+        measured = [r.acceptance for r in routable if r.acceptance >= 1.0]
+        return bool(measured) and sum(measured) / len(measured) >= self.policy_config.min_acceptance_length
+
+    def _fill(self, items, now_s: float, routable: list[Replica], cap: int) -> None:
+        """Route the queue, then `items`, to replicas holding fewer than `cap`; the rest queue."""
         # The project's router (deploy/ranking.py) ranks every replica: below the gate first,
         # then by load. With the fleet's acceptance alike, that is join-the-shortest-queue:
         # replicas bucketed by ongoing count, the lowest bucket served first.
-        cap = self.p.max_ongoing
         buckets: list[list[Replica]] = [[] for _ in range(cap)]
         for r in routable:
             if r.ongoing < cap:
@@ -377,49 +410,57 @@ def run_scenario(sc: Scenario, with_timeline: bool = False) -> dict:
     return out
 
 
+def _run_job(job: tuple[Scenario, bool]) -> dict:
+    sc, with_timeline = job
+    return run_scenario(sc, with_timeline)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from autoscaling.report import print_table, target_check, write_png
+    from autoscaling.report import print_table, summarize, target_check, write_png
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--profiles", nargs="+", default=None, help="default: all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=4, help="runs per case (medians are reported)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     parser.add_argument("--duration-s", type=float, default=900.0)
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--shape", choices=("diurnal", "flat"), default="diurnal")
     parser.add_argument("--bursts", type=int, default=3)
     parser.add_argument("--burst-factor", type=float, default=1.3)
-    parser.add_argument("--quick", action="store_true", help="scales 10 100, 300 s: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="scales 10 100, 300 s, one seed: a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS / "autoscaling.json")
     args = parser.parse_args(argv)
     if args.quick:
-        args.scales, args.duration_s = [10, 100], 300.0
+        args.scales, args.duration_s, args.seeds = [10, 100], 300.0, 1
     all_profiles = profiles()
     all_mixes, acceptance_source = mixes()
-    rows = []
-    for name in args.profiles or list(all_profiles):
-        profile = all_profiles[name]
-        for scale in args.scales:
-            for mix in all_mixes.values():
-                for policy in POLICIES:
-                    sc = Scenario(profile, mix, scale, policy, seed=args.seed, duration_s=args.duration_s,
-                                  trace=args.trace, shape=args.shape, bursts=args.bursts,
-                                  burst_factor=args.burst_factor)
-                    row = run_scenario(sc, with_timeline=(scale == args.scales[0]))
-                    rows.append(row)
-                    print(f"  {name:17s} {scale:5d} {mix.name:15s} {policy:22s} {row['wall_s']:6.1f} s wall"
-                          f" {row['cpu_s']:6.1f} s CPU", flush=True)
+    jobs = [(Scenario(all_profiles[name], mix, scale, policy, seed=seed, duration_s=args.duration_s,
+                      trace=args.trace, shape=args.shape, bursts=args.bursts, burst_factor=args.burst_factor),
+             scale == args.scales[0] and seed == args.first_seed)
+            for name in args.profiles or list(all_profiles) for scale in args.scales for mix in all_mixes.values()
+            for policy in POLICIES for seed in range(args.first_seed, args.first_seed + args.seeds)]
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].scale)  # the longest first, for balance
+    rows: list[Optional[dict]] = [None] * len(jobs)
+    with concurrent.futures.ProcessPoolExecutor(max(1, args.workers)) as pool:
+        futures = {pool.submit(_run_job, jobs[i]): i for i in order}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            row = rows[futures[future]] = future.result()
+            print(f"  [{done:3d}/{len(jobs)}] {row['profile']:17s} {row['scale']:5d} {row['mix']:15s} "
+                  f"{row['policy']:22s} seed {row['seed']}  {row['cpu_s']:6.1f} s CPU", flush=True)
     result = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "scenario_defaults": {f.name: f.default for f in fields(Scenario)
                               if f.name not in ("profile", "mix", "scale", "policy", "trace", "duration_s",
-                                                "shape", "bursts", "burst_factor")},
+                                                "shape", "bursts", "burst_factor", "seed")},
         "profiles": {n: asdict(p) for n, p in all_profiles.items()},
         "break_even_acceptance": {n: {f"K={k}": round(p.break_even_acceptance(k), 3) for k in (3, 8)}
                                   | {f"K=8 at fill {p.gate_fill}": round(p.break_even_acceptance(8, p.gate_fill), 3)}
                                   for n, p in all_profiles.items()},
         "mixes": {n: asdict(m) | {"mean_acceptance": round(m.mean_acceptance(), 3)} for n, m in all_mixes.items()},
         "acceptance_source": acceptance_source,
+        "summary": summarize(rows),
         "rows": rows,
     }
     result["target"] = target_check(rows)

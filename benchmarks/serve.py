@@ -1,8 +1,9 @@
 """Serve benchmark: HTTP load against deploy.yaml's application, three speculation settings.
 
-For each setting -- the gate at deploy.yaml's value, the gate disabled (always speculate)
-and speculation off -- and each concurrency level, closed-loop clients stream chat
-requests (half code edits with the answer start prefilled, half open questions) and
+For each setting -- the gate at deploy.yaml's value, the same without the router's gate hold
+(`replica.gate_hold_s: 0`), the gate disabled (always speculate) and speculation off -- and
+each concurrency level, closed-loop clients stream chat requests (half code edits with the
+answer start prefilled, half open questions; `--workload code`: code edits only) and
 record tokens/s, TTFT and TPOT p50/p99, errors and acceptance length. Each setting (the
 Replica's user_config) gets a fresh replica and each level prompts of its own, so the
 cross-request suffix pool never replays an earlier answer. A short request alternates
@@ -11,6 +12,7 @@ per request (HTTP, proxy, ingress, router, replica hops) is the median paired di
 Writes benchmarks/results/serve.json and serve.png.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve.py [--concurrency 1 4 16 64] [--max-tokens 32]
+        [--settings gate no-hold always off] [--workload mixed|code]
 """
 
 from __future__ import annotations
@@ -36,10 +38,18 @@ from replicas.speculation.corpora import CODE_EDITS, EDIT_PREFILL, SPEC_BENCH  #
 
 APP = "specserve"
 ALWAYS = 1 << 20  # a batch gate no batch reaches
+# --settings key: (results name, Replica user_config change, args.replica change)
+SETTINGS = {
+    "gate": ("gate={gate}", {}, {}),
+    "no-hold": ("gate={gate}, no hold", {}, {"gate_hold_s": 0}),
+    "always": ("always", {"batch_gate": ALWAYS}, {}),
+    "off": ("off", {"mode": "off"}, {}),
+}
 
 
-def workload(count: int, max_edit_chars: int = 1500) -> list[list[dict]]:
-    """Chat message lists: code edits (prefilled answers) and open questions, interleaved."""
+def workload(count: int, max_edit_chars: int = 1500, code_only: bool = False) -> list[list[dict]]:
+    """Chat message lists: code edits (prefilled answers) and open questions, interleaved
+    (`code_only`: edits only)."""
     edits, questions = [], []
     path = CODE_EDITS
     if path.exists():  # real edits; long files cut at a line end to keep CPU prefill modest
@@ -55,8 +65,8 @@ def workload(count: int, max_edit_chars: int = 1500) -> list[list[dict]]:
     questions = questions or ["Explain how a hash map works.", "Write a short poem about the sea."]
     chats = []
     for i in range(count):
-        if i % 2 == 0:
-            instruction, before = edits[(i // 2) % len(edits)]
+        if code_only or i % 2 == 0:
+            instruction, before = edits[(i if code_only else i // 2) % len(edits)]
             chats.append([{"role": "user", "content": f"{instruction}\n\n```python\n{before}```\n"
                                                       "Apply the change and output the whole updated file."},
                           {"role": "assistant", "content": EDIT_PREFILL}])
@@ -233,6 +243,8 @@ def main() -> None:
     parser.add_argument("--overhead-pairs", type=int, default=8, help="direct/HTTP pairs for Ray's overhead")
     parser.add_argument("--edit-chars", type=int, default=1500, help="longest code-edit file, in characters")
     parser.add_argument("--mtp-weights", default=None, help="override deploy.yaml's (path, default or none)")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--workload", choices=("mixed", "code"), default="mixed")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve.json")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -245,7 +257,7 @@ def main() -> None:
     app_args = doc["applications"][0]["args"]
     gate = replica_config(doc)["batch_gate"]
     counts = [max(c, args.min_requests) for c in args.concurrency]
-    chats = workload(sum(counts) + 1, args.edit_chars)  # every level gets prompts of its own
+    chats = workload(sum(counts) + 1, args.edit_chars, args.workload == "code")  # each level its own prompts
     # Ray gives a replica as many torch threads as CPUs it reserves: the direct engine gets as many
     threads = app_args["engine"].get("num_threads") or int(app_args["replica"].get("num_cpus", 1)) or 1
 
@@ -257,15 +269,18 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
-    settings = {f"gate={gate}": {"batch_gate": gate}, "always": {"batch_gate": ALWAYS}, "off": {"mode": "off"}}
+    replica_args = dict(app_args["replica"])
     results, overhead = {}, {}
     try:
-        for name, change in settings.items():
+        for key in args.settings:
+            name, change, replica_change = SETTINGS[key]
+            name = name.format(gate=gate)
             # a fresh replica per setting: the cross-request suffix pool must not carry the
             # previous setting's answers to the same prompts
             if APP in serve.status().applications:
                 serve.delete(APP)
             replica_config(doc).update({"mode": "hybrid", "batch_gate": gate, **change})
+            app_args["replica"] = {**replica_args, **replica_change}
             apply(doc)
             asyncio.run(load(url, [body(chats[-1], 4)], 1))  # warm up the path
             results[name], offset = {}, 0
@@ -275,7 +290,7 @@ def main() -> None:
                 out, wall_s = asyncio.run(load(url, payloads, concurrency))
                 results[name][concurrency] = summarize(out, wall_s)
                 print(name, concurrency, json.dumps(results[name][concurrency]), flush=True)
-            if name == f"gate={gate}":
+            if key == "gate":
                 print("Ray overhead: alternating direct / HTTP requests", flush=True)
                 overhead = ray_overhead(url, {**app_args["engine"], "num_threads": threads}, replica_config(doc),
                                         args.overhead_pairs, max_tokens=8)
@@ -284,7 +299,7 @@ def main() -> None:
         ray.shutdown()
 
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "max_tokens": args.max_tokens, "engine": app_args["engine"], "results": results,
+              "max_tokens": args.max_tokens, "workload": args.workload, "engine": app_args["engine"], "results": results,
               "ray_overhead_per_request": overhead}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -325,7 +340,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Serve, deploy.yaml, {report['max_tokens']} tokens per request, {report['machine']['cpus']} CPUs")
+    fig.suptitle(f"Serve, deploy.yaml, {report.get('workload', 'mixed')} workload, "
+                 f"{report['max_tokens']} tokens per request, {report['machine']['cpus']} CPUs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -31,6 +31,8 @@ def replica_deployment(args: AppArgs):
     router = RequestRouterConfig(request_routing_stats_period_s=opts.routing_stats_period_s)
     if opts.gate_router:
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                     request_router_kwargs={"gate_hold_s": opts.gate_hold_s,
+                                                            "gate_hold_min_acceptance": opts.gate_hold_min_acceptance},
                                      request_routing_stats_period_s=opts.routing_stats_period_s)
     return serve.deployment(Replica).options(
         name="Replica",

@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.ranking import GATE_HOLD_MIN_ACCEPTANCE, GATE_HOLD_S
 from replicas.torch_engine.loader import DEFAULT_MODEL
 
 
@@ -69,6 +70,11 @@ class ReplicaArgs(_Strict):
     health_check_timeout_s: float = Field(60.0, gt=0)
     gate_router: bool = True  # the speculation-gate router; False = Serve's power-of-two
     routing_stats_period_s: float = Field(1.0, gt=0)
+    gate_hold_s: float = Field(GATE_HOLD_S, ge=0, description=(
+        "gate router: longest a request waits for a slot under a batch gate rather than tip a "
+        "speculating replica over it (0: never wait)"))
+    gate_hold_min_acceptance: float = Field(GATE_HOLD_MIN_ACCEPTANCE, ge=1, description=(
+        "gate router: hold only while the replicas' acceptance length averages at least this"))
 
 
 class AppArgs(_Strict):

@@ -4,7 +4,8 @@ Speculation pays below a replica's batch gate, so a request first goes where add
 keeps the batch at or under the gate; among those, where speculation accepts most (its
 drafts are worth the most there), then the shortest queue. Replicas already above their
 gate only differ in load, so they are ordered by queue first. When no candidate would
-speculate, the request is marked non-speculative. Standard library + gate.py only: the
+speculate, the request waits a moment for a slot under a gate (`hold_at_gate`), then is
+marked non-speculative and goes over one. Standard library + gate.py only: the
 KubeRay dashboard imports the router on a CPU-only head.
 """
 
@@ -18,6 +19,8 @@ from replicas.stats import ACCEPTANCE_LENGTH, BATCH_GATE, BATCH_SIZE, WAITING
 
 UNKNOWN_GATE = 1 << 30  # a replica that has not reported yet: assume speculation is on
 ACCEPTANCE_RESOLUTION = 0.25  # acceptance lengths closer than this count as equal (EWMA noise)
+GATE_HOLD_S = 5.0  # longest a request waits for a slot under a gate (0: never wait)
+GATE_HOLD_MIN_ACCEPTANCE = 2.5  # ... while the replicas' acceptance is at least this
 
 
 @dataclass(frozen=True)
@@ -70,3 +73,25 @@ def rank_replicas(loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
 def all_above_gate(loads: Sequence[ReplicaLoad]) -> bool:
     """True when no candidate would speculate a new request (False for no candidates)."""
     return bool(loads) and not any(r.speculates_next for r in loads)
+
+
+def hold_at_gate(loads: Sequence[ReplicaLoad], waited_s: float, hold_s: float = GATE_HOLD_S,
+                 min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE) -> bool:
+    """Should a request wait in the handle queue rather than go to a replica over its gate?
+
+    One request over the gate turns speculation off for the whole batch: a replica at gate g
+    verifying drafts at acceptance a emits about g * a tokens per step, one step later g + 1,
+    so tipping it over slows its whole batch several-fold, while the newcomer would wait only
+    for the next of g requests to finish (1/g of a request's decode time). So while every
+    candidate is at its gate and the replicas that report an acceptance length average at
+    least `min_acceptance`, hold the request, for at most `hold_s` after it arrived: a
+    sustained overload still gets served (over the gate, as before) while the autoscaler,
+    which counts held requests, adds replicas. Below `min_acceptance` the gate costs little
+    and nothing is held.
+    """
+    if hold_s <= 0 or waited_s >= hold_s or not all_above_gate(loads):
+        return False
+    if not any(r.batch_gate >= 1 for r in loads):  # gate 0 everywhere: no slot will ever open
+        return False
+    measured = [r.acceptance_length for r in loads if r.acceptance_length >= 1.0]
+    return bool(measured) and sum(measured) / len(measured) >= min_acceptance

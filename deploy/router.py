@@ -4,19 +4,30 @@ Configured on the Replica deployment as
 `request_router_config: {request_router_class: "deploy.router:SpeculationGateRouter"}`.
 Each routing attempt reads every candidate's last `record_routing_stats()` (one period
 stale) and Serve's live queue-length cache, ranks them with `rank_replicas`, and returns
-one replica per rank so Serve tries them best first (skipping full ones). A `generate`
-call routed while every candidate is above its gate gets `speculate=False`.
+one replica per rank so Serve tries them best first (skipping full ones). While every
+candidate is at its gate and speculation pays, a `generate` call is held (no candidates:
+Serve backs off and asks again) for up to `gate_hold_s`; one routed over a gate after
+that gets `speculate=False`. `request_router_kwargs` (`initialize_state`): `gate_hold_s`,
+`gate_hold_min_acceptance` (deploy.yaml's `replica:` section sets them).
 
 Imports Ray's router API, the ranking and the stats names only: never torch.
 """
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deploy.ranking import ReplicaLoad, all_above_gate, rank_replicas
+from deploy.ranking import (
+    GATE_HOLD_MIN_ACCEPTANCE,
+    GATE_HOLD_S,
+    ReplicaLoad,
+    all_above_gate,
+    hold_at_gate,
+    rank_replicas,
+)
 
 GENERATE_METHOD = "generate"  # Replica.generate
 SPECULATE_KWARG = "speculate"  # Replica.generate's keyword that narrows a request to no speculation
@@ -28,6 +39,14 @@ class SpeculationGateRouter(RequestRouter):
     No FIFOMixin on purpose: Serve then hands the chosen replica to exactly the request
     being routed, so the `speculate` flag set here travels with the right request.
     """
+
+    gate_hold_s: float = GATE_HOLD_S
+    gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE
+
+    def initialize_state(self, gate_hold_s: float = GATE_HOLD_S,
+                         gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE) -> None:
+        self.gate_hold_s = float(gate_hold_s)
+        self.gate_hold_min_acceptance = float(gate_hold_min_acceptance)
 
     def replica_loads(self, candidates: List[RunningReplica]) -> List[ReplicaLoad]:
         cache = self.replica_queue_len_cache
@@ -44,7 +63,14 @@ class SpeculationGateRouter(RequestRouter):
         if not candidate_replicas:
             return []
         loads = self.replica_loads(candidate_replicas)
+        if pending_request is not None:
+            # No locality pass here: every answer is the full set, so Serve must back off
+            # between attempts (its default, False, means "retry at once": a busy loop).
+            pending_request.routing_context.should_backoff = True
         if pending_request is not None and pending_request.metadata.call_method == GENERATE_METHOD:
+            waited_s = time.time() - pending_request.created_at
+            if hold_at_gate(loads, waited_s, self.gate_hold_s, self.gate_hold_min_acceptance):
+                return []
             if all_above_gate(loads):
                 pending_request.kwargs[SPECULATE_KWARG] = False
             else:  # a retried request may have been marked on an earlier attempt

@@ -85,7 +85,21 @@ BAD_VALUES = [
     ("limits.max_tokens", 0),
     ("limits.max_prompt_tokens", 999999),
     ("replica.num_replicas", "two"),
+    ("replica.gate_hold_s", -1),
+    ("replica.gate_hold_min_acceptance", 0.5),
 ]
+
+
+def test_the_router_gets_its_gate_hold_settings(document):
+    from deploy.app import replica_deployment
+    from deploy.config import AppArgs
+
+    args = AppArgs.model_validate(copy.deepcopy(document["applications"][0]["args"]))
+    router = replica_deployment(args)._deployment_config.request_router_config
+    assert router.request_router_class == "deploy.router:SpeculationGateRouter"
+    assert router.request_router_kwargs == {"gate_hold_s": args.replica.gate_hold_s,
+                                            "gate_hold_min_acceptance": args.replica.gate_hold_min_acceptance}
+    assert args.replica.gate_hold_s > 0  # deploy.yaml holds
 
 
 @pytest.mark.parametrize("dotted,value", BAD_VALUES)

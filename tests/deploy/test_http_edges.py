@@ -4,6 +4,7 @@ mid-stream failures, backpressure and a schemathesis run over the served OpenAPI
 from __future__ import annotations
 
 import asyncio
+import time
 from functools import partial
 
 import httpx
@@ -167,6 +168,51 @@ def test_backpressure_answers_503_with_retry_after(url):
     rejected = next(r for r in responses if r.status_code == 503)
     assert int(rejected.headers["Retry-After"]) >= 1
     assert rejected.json()["error"]["code"] == "overloaded"
+
+
+@pytest.mark.parametrize("hold_s", [30.0, 0.0], ids=["held", "not held"])
+def test_gate_hold_keeps_a_speculating_replica_under_its_gate(url, hold_s):
+    """One replica at gate 1, its acceptance (the fake's 2.0) over the hold's bar: a second
+    request waits for the first to finish rather than stop its speculation, and starts
+    when the slot frees, not when the hold runs out; with the hold off it joins at once."""
+    from ray import serve
+
+    app = "held" if hold_s else "not-held"
+    args = fake_args(gate_hold_s=hold_s, gate_hold_min_acceptance=1.5).model_dump()
+    serve.run(compose_app(AppArgs.model_validate({**args, "speculation": {"batch_gate": 1}}), FakeEngine),
+              name=app, route_prefix=f"/{app}")
+
+    async def first_token_and_end(client, tokens, seen=None):
+        body = completion(prompt="SLOW", max_tokens=tokens, stream=True)
+        first = None
+        async with client.stream("POST", f"/{app}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    first = first or time.monotonic()
+                    if seen is not None:
+                        seen.append(line)
+        return first, time.monotonic()
+
+    async def both():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
+            seen: list = []
+            long = asyncio.create_task(first_token_and_end(client, 60, seen))  # 3 s at 50 ms a token
+            while len(seen) < 20:  # the router's view of the replica catches up meanwhile
+                await asyncio.sleep(0.05)
+            second_first, _ = await first_token_and_end(client, 4)
+            _, long_end = await long
+            return second_first, long_end
+
+    try:
+        second_first, long_end = asyncio.run(both())
+    finally:
+        serve.delete(app)
+    if hold_s:
+        assert second_first > long_end, "the held request joined the batch over the gate"
+        assert second_first < long_end + hold_s / 2, "released by the hold running out, not by a free slot"
+    else:
+        assert second_first < long_end, "without the hold the request should join at once"
 
 
 class _NoReplica:

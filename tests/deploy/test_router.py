@@ -6,13 +6,14 @@ import asyncio
 import inspect
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from deploy.ranking import UNKNOWN_GATE, ReplicaLoad, all_above_gate, rank_replicas
+from deploy.ranking import UNKNOWN_GATE, ReplicaLoad, all_above_gate, hold_at_gate, rank_replicas
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,27 @@ def test_all_above_gate(name, replicas, expected):
     assert all_above_gate(replicas) is expected
 
 
+HOLD = [
+    # (name, replicas, waited_s, hold_s, expected); min acceptance 2.5
+    ("all at the gate, acceptance high", [R("a", batch=4, acc=3.0), R("b", batch=4, acc=4.0)], 0.5, 5.0, True),
+    ("one has room", [R("a", batch=4, acc=3.0), R("b", batch=2, acc=3.0)], 0.5, 5.0, False),
+    ("waited long enough", [R("a", batch=4, acc=3.0)], 5.0, 5.0, False),
+    ("hold off", [R("a", batch=4, acc=3.0)], 0.0, 0.0, False),
+    ("acceptance too low to matter", [R("a", batch=4, acc=2.0), R("b", batch=4, acc=2.9)], 0.5, 5.0, False),
+    ("the mean counts, not the best", [R("a", batch=4, acc=1.5), R("b", batch=4, acc=3.4)], 0.5, 5.0, False),
+    ("unmeasured replicas do not dilute", [R("a", batch=4, acc=3.0), R("b", batch=4, acc=0.0)], 0.5, 5.0, True),
+    ("nobody measured yet", [R("a", batch=4), R("b", batch=4)], 0.5, 5.0, False),
+    ("full by the live queue", [R("a", batch=1, acc=3.0, queue=4)], 0.5, 5.0, True),
+    ("gate 0 everywhere: no slot will open", [R("a", gate=0, acc=3.0)], 0.5, 5.0, False),
+    ("no candidates", [], 0.5, 5.0, False),
+]
+
+
+@pytest.mark.parametrize("name,replicas,waited_s,hold_s,expected", HOLD, ids=[row[0] for row in HOLD])
+def test_hold_at_gate(name, replicas, waited_s, hold_s, expected):
+    assert hold_at_gate(replicas, waited_s, hold_s, min_acceptance=2.5) is expected
+
+
 def test_from_stats_reads_the_replica_keys():
     stats = {"batch_size": 3.0, "waiting": 1.0, "batch_gate": 6.0, "acceptance_length": 2.5, "step_ms": 9.0}
     assert ReplicaLoad.from_stats("x", stats, 2) == ReplicaLoad("x", 3, 1, 6, 2.5, 2)
@@ -94,8 +116,9 @@ def _router_with_replicas(stats_by_id, queue_by_id=None):
     return router, replicas
 
 
-def _pending(method="generate"):
-    return SimpleNamespace(metadata=SimpleNamespace(call_method=method), kwargs={})
+def _pending(method="generate", age_s=0.0):
+    return SimpleNamespace(metadata=SimpleNamespace(call_method=method), kwargs={}, created_at=time.time() - age_s,
+                           routing_context=SimpleNamespace(should_backoff=False))
 
 
 def test_router_adapter_ranks_and_marks():
@@ -116,6 +139,25 @@ def test_router_adapter_ranks_and_marks():
     other = _pending("tokenizer")  # only generate calls carry the flag
     asyncio.run(router.choose_replicas(replicas, other))
     assert other.kwargs == {}
+
+
+def test_router_holds_a_request_at_the_gate_then_lets_it_over():
+    router, replicas = _router_with_replicas({"a": {"batch_size": 4, "batch_gate": 4, "acceptance_length": 3.0}})
+    router.initialize_state(gate_hold_s=5.0, gate_hold_min_acceptance=2.5)
+    fresh = _pending(age_s=1.0)
+    assert asyncio.run(router.choose_replicas(replicas, fresh)) == []  # held: Serve asks again
+    assert fresh.routing_context.should_backoff and fresh.kwargs == {}  # ... after a back-off
+
+    late = _pending(age_s=6.0)  # held long enough: over the gate, not speculating
+    ranks = asyncio.run(router.choose_replicas(replicas, late))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a"]]
+    assert late.kwargs == {"speculate": False}
+
+    other = _pending("tokenizer", age_s=1.0)  # only generate calls wait
+    assert asyncio.run(router.choose_replicas(replicas, other)) != []
+
+    router.initialize_state(gate_hold_s=0.0)
+    assert asyncio.run(router.choose_replicas(replicas, _pending(age_s=1.0))) != []
 
 
 def test_retried_request_loses_a_stale_mark():
