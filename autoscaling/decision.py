@@ -41,6 +41,10 @@ class PolicyConfig:
     batch slots. In the simulator, with the router's gate hold, half the gate absorbed
     1.3x bursts on a rising load for replicas that take a minute to start (the default);
     three quarters did for CPU replicas that start in 15 s (deploy.yaml's setting).
+
+    `max_scale_in` bounds a shrink: Serve applies the newest decision once its downscale
+    delay has passed, so without a bound a momentary dip in the load sets the fleet's size,
+    and the load's return then tips the few replicas left over the gate.
     """
 
     mode: Mode = "latency"
@@ -50,6 +54,7 @@ class PolicyConfig:
     gate_fill: float = 0.5  # spread to gate_fill * batch_gate: headroom below the gate
     target_ongoing_requests: Optional[float] = None  # pack target; None: Serve's config value
     downscale_tolerance: float = 0.1  # shrink only if the smaller fleet stays under (1-tol)*target
+    max_scale_in: float = 0.5  # one spreading decision removes at most this share of the replicas
     min_reporting_fraction: float = 0.5  # fewer replicas reporting acceptance: queue-length rule
     metrics_stale_s: float = 30.0  # a replica whose last report is older counts as silent
 
@@ -65,6 +70,7 @@ class PolicyConfig:
                  "target_ongoing_requests", f"must be > 0, got {self.target_ongoing_requests}")
         _require(0.0 <= self.downscale_tolerance < 1.0, "downscale_tolerance",
                  f"must be in [0, 1), got {self.downscale_tolerance}")
+        _require(0.0 < self.max_scale_in <= 1.0, "max_scale_in", f"must be in (0, 1], got {self.max_scale_in}")
         _require(0.0 < self.min_reporting_fraction <= 1.0, "min_reporting_fraction",
                  f"must be in (0, 1], got {self.min_reporting_fraction}")
         _require(self.metrics_stale_s > 0, "metrics_stale_s", f"must be > 0, got {self.metrics_stale_s}")
@@ -153,10 +159,11 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
        is Serve's ongoing request count with the batches of replicas above the gate counted
        at speculating speed (`spread_equivalent_load`). Hysteresis: grow at once; shrink
        only as far as the fleet still carries the load under `(1 - downscale_tolerance)`
-       of the per-replica target. Floor: never fewer than ceil(ongoing / batch_gate)
-       replicas, the raw count: a fleet tipped over the gate decodes several times slower,
-       and without room to get back under it its backlog only grows (the simulator saw a
-       10-replica fleet shrink into that state and stay there).
+       of the per-replica target, and by at most `max_scale_in` of the running replicas
+       at once (a dip in the load is not a new level). Floor: never fewer than
+       ceil(ongoing / batch_gate) replicas, the raw count: a fleet tipped over the gate
+       decodes several times slower, and without room to get back under it its backlog only
+       grows (the simulator saw a 10-replica fleet shrink into that state and stay there).
     2. Pack (speculation not paying, or throughput mode): Serve's default rule exactly,
        ceil(load / target_ongoing_requests), so where speculation does not pay this policy
        is the default, by construction.
@@ -172,7 +179,8 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
     so spread: ceil(18 / 4) = 5 replicas (Serve's default keeps ceil(18 / 8) = 3, batches of
     6 that never speculate). With 5 running and the load down to 15, ceil(15 / 4) = 4 is
     wanted, but 4 replicas would hold 3.75 each, above 0.9 x 4 = 3.6, so the fleet stays at
-    ceil(15 / 3.6) = 5. If acceptance then falls to 1.6 (under 2.0 - 0.25): pack,
+    ceil(15 / 3.6) = 5. A dip to 2 ongoing would want 1, but max_scale_in 0.5 keeps
+    ceil(5 x 0.5) = 3. If acceptance then falls to 1.6 (under 2.0 - 0.25): pack,
     ceil(15 / 8) = 2.
     """
     target_ongoing = config.target_ongoing_requests
@@ -184,7 +192,8 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
         wanted = math.ceil(equivalent / per_replica)
         if wanted < current_replicas:
             keep = math.ceil(equivalent / (per_replica * (1.0 - config.downscale_tolerance)))
-            wanted = min(current_replicas, max(wanted, keep))
+            bounded = math.ceil(current_replicas * (1.0 - config.max_scale_in))
+            wanted = min(current_replicas, max(wanted, keep, bounded))
         # ... but never fewer than hold today's requests at the gate: a fleet tipped over it
         # decodes several times slower, so without room its backlog never drains
         wanted = max(wanted, math.ceil(load / config.batch_gate))

@@ -207,6 +207,8 @@ def app_document(args) -> dict:
             deployment.pop("autoscaling_config", None)
     if args.mtp_weights is not None:
         engine["mtp_weights"] = None if args.mtp_weights == "none" else args.mtp_weights
+    if args.gate_hold_s is not None:
+        doc["applications"][0]["args"]["replica"]["gate_hold_s"] = args.gate_hold_s
     return doc
 
 
@@ -245,6 +247,7 @@ def main() -> None:
     parser.add_argument("--mtp-weights", default=None, help="override deploy.yaml's (path, default or none)")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--workload", choices=("mixed", "code"), default="mixed")
+    parser.add_argument("--gate-hold-s", type=float, default=None, help="override deploy.yaml's replica.gate_hold_s")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve.json")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -270,7 +273,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     replica_args = dict(app_args["replica"])
-    results, overhead = {}, {}
+    results, overhead, applied = {}, {}, {}
     try:
         for key in args.settings:
             name, change, replica_change = SETTINGS[key]
@@ -281,6 +284,7 @@ def main() -> None:
                 serve.delete(APP)
             replica_config(doc).update({"mode": "hybrid", "batch_gate": gate, **change})
             app_args["replica"] = {**replica_args, **replica_change}
+            applied[name] = {"user_config": dict(replica_config(doc)), "replica": dict(app_args["replica"])}
             apply(doc)
             asyncio.run(load(url, [body(chats[-1], 4)], 1))  # warm up the path
             results[name], offset = {}, 0
@@ -299,7 +303,8 @@ def main() -> None:
         ray.shutdown()
 
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "max_tokens": args.max_tokens, "workload": args.workload, "engine": app_args["engine"], "results": results,
+              "max_tokens": args.max_tokens, "workload": args.workload, "settings": applied,
+              "engine": app_args["engine"], "results": results,
               "ray_overhead_per_request": overhead}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -15,8 +15,9 @@ from autoscaling.decision import (
 )
 
 CFG = PolicyConfig(batch_gate=4, gate_fill=1.0, target_ongoing_requests=8.0, min_acceptance_length=2.0,
-                   acceptance_band=0.25, downscale_tolerance=0.2, min_reporting_fraction=0.5)
+                   acceptance_band=0.25, downscale_tolerance=0.2, min_reporting_fraction=0.5, max_scale_in=1.0)
 HALF = dataclasses.replace(CFG, gate_fill=0.5)
+HALVING = dataclasses.replace(CFG, max_scale_in=0.5)
 
 
 def fleet(*acceptance):
@@ -49,6 +50,11 @@ CASES = [
     ("dead band shrinks partly", sig(9, fleet(3.0,) * 5), 5, CFG, 3),  # ceil(9/4)=3, ceil(9/3.2)=3
     ("no load shrinks to min", sig(0, fleet(3.0,) * 5), 5, CFG, 1),
     ("growth is immediate", sig(21, fleet(3.0,) * 5), 5, CFG, 6),
+    # a shrink removes at most max_scale_in of the running replicas: a dip is not a level
+    ("a dip halves at most", sig(2, fleet(3.0,) * 10), 10, HALVING, 5),
+    ("halving rounds up", sig(0, fleet(3.0,) * 5), 5, HALVING, 3),
+    ("a small shrink is not held back", sig(26, fleet(3.0,) * 10), 10, HALVING, 9),  # ceil(26/3.2)=9
+    ("packing is not bounded (Serve's rule)", sig(2, fleet(1.5,) * 10), 10, HALVING, 1),
     # bounds
     ("max bound", sig(400, fleet(3.0, 3.0)), 2, CFG, 100),
     ("min bound", sig(1, fleet(3.0, 3.0)), 2, dataclasses.replace(CFG), 1),
@@ -123,6 +129,8 @@ def test_no_flapping_under_steady_load():
     ({"gate_fill": 0.0}, "gate_fill"),
     ({"target_ongoing_requests": 0}, "target_ongoing_requests"),
     ({"downscale_tolerance": 1.0}, "downscale_tolerance"),
+    ({"max_scale_in": 0.0}, "max_scale_in"),
+    ({"max_scale_in": 1.5}, "max_scale_in"),
     ({"min_reporting_fraction": 0}, "min_reporting_fraction"),
     ({"metrics_stale_s": 0}, "metrics_stale_s"),
     ({"batch_gat": 4}, "policy_kwargs"),
