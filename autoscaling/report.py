@@ -9,8 +9,8 @@ POLICY_LABELS = {"acceptance_aware": "acceptance-aware", "serve_default": "Serve
                  "serve_default_at_gate": "default@gate"}
 
 
-SUMMED = ("replica_hours", "tpot_p50_ms", "tpot_p99_ms", "ttft_p99_s", "slo_miss_pct", "dropped",
-          "speculating_pct")
+MEDIAN_FIGURES = ("replica_hours", "tpot_p50_ms", "tpot_p99_ms", "ttft_p99_s", "slo_miss_pct", "dropped",
+                  "speculating_pct")
 
 
 def _case(row: dict) -> tuple:
@@ -27,7 +27,7 @@ def _by_case(rows: list[dict]) -> dict[tuple, list[dict]]:
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per profile, scale, mix and policy: the median over its seeds of each figure."""
     return [{"profile": p, "scale": sc, "mix": m, "policy": pol, "seeds": len(runs)}
-            | {k: round(statistics.median(r[k] for r in runs), 3) for k in SUMMED}
+            | {k: round(statistics.median(r[k] for r in runs), 3) for k in MEDIAN_FIGURES}
             for (p, sc, m, pol), runs in _by_case(rows).items()]
 
 
@@ -41,8 +41,8 @@ def target_check(rows: list[dict]) -> list[dict]:
     for (profile, scale, mix, policy), runs in sorted(_by_case(rows).items()):
         if policy != "acceptance_aware":
             continue
-        pairs = [(r, by[((profile, scale, mix, "serve_default"), r["seed"])]) for r in runs
-                 if ((profile, scale, mix, "serve_default"), r["seed"]) in by]
+        default = (profile, scale, mix, "serve_default")
+        pairs = [(r, by[(default, r["seed"])]) for r in runs if (default, r["seed"]) in by]
         if not pairs:
             continue
         hours = [ours["replica_hours"] / base["replica_hours"] for ours, base in pairs]

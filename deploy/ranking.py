@@ -12,7 +12,7 @@ KubeRay dashboard imports the router on a CPU-only head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from replicas.speculation.gate import speculate_this_step
 from replicas.stats import ACCEPTANCE_LENGTH, BATCH_GATE, BATCH_SIZE, WAITING
@@ -93,5 +93,11 @@ def hold_at_gate(loads: Sequence[ReplicaLoad], waited_s: float, hold_s: float = 
         return False
     if not any(r.batch_gate >= 1 for r in loads):  # gate 0 everywhere: no slot will ever open
         return False
-    measured = [r.acceptance_length for r in loads if r.acceptance_length >= 1.0]
+    return acceptance_reaches((r.acceptance_length for r in loads), min_acceptance)
+
+
+def acceptance_reaches(acceptance_lengths: Iterable[float], min_acceptance: float) -> bool:
+    """Do the measured acceptance lengths (>= 1; 0 = no verify step yet) average at least
+    `min_acceptance`? False when none is measured. The simulator's hold applies it too."""
+    measured = [a for a in acceptance_lengths if a >= 1.0]
     return bool(measured) and sum(measured) / len(measured) >= min_acceptance
