@@ -1,6 +1,6 @@
 """The simulator's workload: arrival-rate curves, bursts, request sampling, traces.
 
-Every function reads its settings from a `simulate.Scenario`; all randomness comes from the
+Every function reads its settings from a `scenario.Scenario`; all randomness comes from the
 generator passed in, so a seed fixes the arrivals (the same for every policy).
 """
 
@@ -10,12 +10,10 @@ import itertools
 import json
 import math
 import random
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 from autoscaling.profiles import Mix, Profile
-
-if TYPE_CHECKING:  # pragma: no cover
-    from autoscaling.simulate import Scenario
+from autoscaling.scenario import Scenario
 
 SEGMENT_S = 10.0  # arrival-rate curve resolution
 

@@ -28,47 +28,19 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from autoscaling.arrivals import RequestSampler, base_level, poisson_arrivals, trace_arrivals
 from autoscaling.decision import PolicyConfig, ReplicaSignals, Signals, decide, spread_pays
 from autoscaling.fleet import DRAINING, READY, STARTING, STOPPED, Lane, Records, Replica
-from autoscaling.profiles import RESULTS, Mix, Profile, mixes, profiles
+from autoscaling.profiles import RESULTS, mixes, profiles
+from autoscaling.scenario import Scenario
 from autoscaling.serve_rules import DelayState, apply_delays, queue_length_replicas
-from deploy.ranking import GATE_HOLD_S, acceptance_reaches
+from replicas.speculation.ranking import acceptance_reaches
 
 POLICIES = ("acceptance_aware", "serve_default", "serve_default_at_gate")
-
-
-@dataclass(frozen=True)
-class Scenario:
-    profile: Profile
-    mix: Mix
-    scale: int
-    policy: str
-    seed: int = 0
-    duration_s: float = 900.0  # measured time, after the warm-up
-    warmup_s: float = 600.0  # at the starting rate, not measured (a trace measures all): longer
-    # than the downscale delay, so each policy has settled into its own layout by then
-    shape: str = "diurnal"  # "diurnal": base rate 50 % -> 100 % -> 50 %; "flat": 100 %
-    burst_factor: float = 1.3  # rate multiplier inside a burst
-    bursts: int = 3
-    burst_s: float = 60.0
-    control_period_s: float = 1.0
-    look_back_s: float = 10.0
-    metrics_push_s: float = 2.0
-    upscale_delay_s: float = 10.0
-    downscale_delay_s: float = 300.0  # shorter makes Serve's default oscillate (queue-driven)
-    drain_limit_s: float = 1800.0
-    router: str = "gate_aware"  # the project's router; "power_of_two": Serve's default router
-    policy_overrides: Optional[dict] = None  # PolicyConfig fields for the acceptance-aware policy
-    trace: Optional[Path] = None
-    # the router's hold (deploy/ranking.py `hold_at_gate`): while every replica is at its gate
-    # and their acceptance is at least the policy's min_acceptance_length, a request waits in
-    # the handle queue up to this long for a slot under a gate before it tips a replica over
-    gate_hold_s: float = GATE_HOLD_S
 
 
 class Simulation:
@@ -143,9 +115,9 @@ class Simulation:
 
     def _fill(self, items, now_s: float, routable: list[Replica], cap: int) -> None:
         """Route the queue, then `items`, to replicas holding fewer than `cap`; the rest queue."""
-        # The project's router (deploy/ranking.py) ranks every replica: below the gate first,
-        # then by load. With the fleet's acceptance alike, that is join-the-shortest-queue:
-        # replicas bucketed by ongoing count, the lowest bucket served first.
+        # The project's router (replicas/speculation/ranking.py) ranks every replica: below the
+        # gate first, then by load. With the fleet's acceptance alike, that is
+        # join-the-shortest-queue: replicas bucketed by ongoing count, the lowest bucket served first.
         buckets: list[list[Replica]] = [[] for _ in range(cap)]
         for r in routable:
             if r.ongoing < cap:

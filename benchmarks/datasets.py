@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replicas.speculation.corpora import CODE_EDITS, SPEC_BENCH, humaneval_tasks, sharegpt_conversations
+from training.corpora import CODE_EDITS, SPEC_BENCH, humaneval_tasks, sharegpt_conversations
 
 
 Pair = tuple[str, str]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import platform
@@ -25,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replicas.speculation.corpora import EDIT_PREFILL, SPEC_BENCH, code_edits  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from replicas.torch_engine.loader import resolve_model_dir  # noqa: E402
+from training.corpora import EDIT_PREFILL, SPEC_BENCH, code_edits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "sa", "mtp", "hybrid")
@@ -69,6 +70,34 @@ async def run_batch(engine: TorchEngine, prompts: list[str], mode: str, max_toke
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
+@contextlib.contextmanager
+def mtp_by_position(core, drafted: list[int], accepted: list[int]):
+    """Count MTP drafts and acceptances by draft position (0-based) while the block runs.
+
+    The engine records every verify step once, in `core.totals.record(source, num_draft,
+    num_accepted)`; wrapping that call here keeps per-position counters out of the engine.
+    Position k is drafted when a draft has more than k tokens, accepted when k < num_accepted.
+    """
+    totals = core.totals
+    record_step = totals.record
+
+    def record(source: str, num_draft: int, num_accepted: int) -> None:
+        record_step(source, num_draft, num_accepted)
+        if source == "mtp":
+            for k in range(num_draft):
+                if k == len(drafted):
+                    drafted.append(0)
+                    accepted.append(0)
+                drafted[k] += 1
+                accepted[k] += k < num_accepted
+
+    totals.record = record
+    try:
+        yield
+    finally:
+        del totals.record  # the class's own method again
+
+
 def summarize(results: list[dict], wall_s: float) -> dict:
     decode_tokens = sum(len(r["tokens"]) - 1 for r in results)
     steps = sum(r["spec"]["steps"] for r in results)
@@ -98,18 +127,15 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
         groups = [texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1 else [(texts * batch)[:batch]]
         walls = dict.fromkeys(MODES, 0.0)
         results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        mtp_counts = {mode: [[0] * len(core.drafted_at["mtp"]), [0] * len(core.drafted_at["mtp"])] for mode in MODES}
+        mtp_counts = {mode: ([], []) for mode in MODES}  # (drafted, accepted) by draft position
         for group in groups:
             for mode in MODES:
                 engine.configure(dataclasses.replace(base, mode=mode, batch_gate=gate))
-                drafted, accepted = list(core.drafted_at["mtp"]), list(core.accepted_at["mtp"])
-                res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
+                with mtp_by_position(core, *mtp_counts[mode]):
+                    res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
                 # decode time of the group: first token of any request to the last token of all
                 walls[mode] += max(r["end_s"] for r in res) - min(r["first_s"] for r in res)
                 results[mode] += res
-                for k in range(len(drafted)):
-                    mtp_counts[mode][0][k] += core.drafted_at["mtp"][k] - drafted[k]
-                    mtp_counts[mode][1][k] += core.accepted_at["mtp"][k] - accepted[k]
         for mode in MODES:
             summary = summarize(results[mode], walls[mode])
             drafted, accepted = mtp_counts[mode]

@@ -34,7 +34,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from replicas.speculation.corpora import CODE_EDITS, EDIT_PREFILL, SPEC_BENCH  # noqa: E402
+from training.corpora import CODE_EDITS, EDIT_PREFILL, SPEC_BENCH  # noqa: E402
 
 APP = "specserve"
 ALWAYS = 1 << 20  # a batch gate no batch reaches
@@ -99,13 +99,12 @@ def ray_overhead(url: str, engine_config: dict, user_config: dict, pairs: int, m
     The engine runs in this process while the replica idles, one request at a time; the
     two measurements alternate so drifting machine load cancels out of each pair.
     """
-    from deploy.config import EngineArgs, SpeculationArgs
+    from deploy.config import EngineArgs
     from deploy.engine_factory import build_engine
-    from replicas.engine import GenerationRequest, SamplingParams
+    from replicas.engine import GenerationRequest, SamplingParams, SpeculationConfig
 
     async def run() -> dict:
-        engine = build_engine(EngineArgs.model_validate(engine_config),
-                              SpeculationArgs.model_validate(user_config).as_config())
+        engine = build_engine(EngineArgs.model_validate(engine_config), SpeculationConfig.from_user_config(user_config))
         await engine.start()
         prompt = engine.tokenizer.apply_chat_template(OVERHEAD_CHAT, tokenize=False, add_generation_prompt=True)
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)

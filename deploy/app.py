@@ -1,14 +1,16 @@
 """`build_app(args)`: the Serve application `serve run deploy.yaml` imports.
 
 Two deployments: `Ingress` (HTTP, OpenAI API, tokenization, limits) -> `Replica` (one
-engine each, routed by the speculation-gate router). The speculation settings become
-the Replica's `user_config`, so changing them in deploy.yaml (or through the Serve REST
-API) reconfigures live replicas without a restart.
+engine each, routed by the speculation-gate router). The speculation settings are the
+Replica's `user_config` (deploy.yaml's `deployments: - name: Replica`; the defaults when the
+file sets none): the replica builds its engine with them, and changing them in deploy.yaml
+(or through the Serve REST API) reconfigures live replicas without a restart.
 
 No `from __future__ import annotations` here: Serve validates `args` into `AppArgs` by
 reading the builder's annotation, which must be the class itself, not a string.
 """
 
+import dataclasses
 from typing import Callable
 
 from ray import serve
@@ -25,8 +27,9 @@ ROUTER_CLASS = "deploy.router:SpeculationGateRouter"
 INGRESS_MAX_ONGOING_REQUESTS = 1000  # the ingress only waits on replicas; it must not throttle
 
 
-def replica_deployment(args: AppArgs):
-    """The Replica deployment with its Serve options (sizing, router, health checks)."""
+def replica_deployment(args: AppArgs, speculation: SpeculationConfig = SpeculationConfig()):
+    """The Replica deployment with its Serve options (sizing, router, health checks);
+    `speculation` is its default `user_config`, which a config file's replaces."""
     opts = args.replica
     router = RequestRouterConfig(request_routing_stats_period_s=opts.routing_stats_period_s)
     if opts.gate_router:
@@ -41,7 +44,7 @@ def replica_deployment(args: AppArgs):
         # Serve (bounded by max_queued_requests, then 503 + Retry-After).
         max_ongoing_requests=opts.max_ongoing_requests or 2 * args.engine.max_batch_size,
         max_queued_requests=opts.max_queued_requests,
-        user_config=args.speculation.model_dump(),
+        user_config=dataclasses.asdict(speculation),
         ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=opts.health_check_timeout_s,
@@ -58,9 +61,10 @@ def ingress_deployment(args: AppArgs):
     )
 
 
-def compose_app(args: AppArgs, factory: Callable[[SpeculationConfig], Engine]) -> Application:
+def compose_app(args: AppArgs, factory: Callable[[SpeculationConfig], Engine],
+                speculation: SpeculationConfig = SpeculationConfig()) -> Application:
     """Ingress.bind(Replica.bind(factory)): the application around any engine."""
-    replica = replica_deployment(args).bind(factory, args.speculation.model_dump())
+    replica = replica_deployment(args, speculation).bind(factory)
     return ingress_deployment(args).bind(replica, IngressConfig.from_args(args))
 
 

@@ -2,34 +2,21 @@
 
 Every model forbids unknown keys (Serve's own schema drops them silently) and is frozen.
 Each component is handed its own sub-config: the engine factory gets `EngineArgs`, the
-ingress `IngressConfig`, the replica's `user_config` is `SpeculationArgs` as a dict.
-Standard library + pydantic only: importing this never loads torch.
+ingress `IngressConfig`. The speculation settings are not here: they are the Replica's
+`user_config` (`replicas.engine.SpeculationConfig`), the one way they reach a replica,
+at start and live. Importing this never loads torch.
 """
 
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deploy.ranking import GATE_HOLD_MIN_ACCEPTANCE, GATE_HOLD_S
-from replicas.torch_engine.loader import DEFAULT_MODEL
+from replicas.engine import DEFAULT_MODEL, SpeculationConfig
+from replicas.speculation.ranking import GATE_HOLD_MIN_ACCEPTANCE, GATE_HOLD_S
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SpeculationArgs(_Strict):
-    """Server-wide speculation settings; the Replica's `user_config`, changeable live."""
-
-    mode: Literal["hybrid", "sa", "mtp", "off"] = "hybrid"
-    max_draft_len: int = Field(16, ge=1, le=64)
-    sa_threshold: int = Field(4, ge=1)
-    batch_gate: int = Field(4, ge=0, description="no speculation in a step with more running requests")
-
-    def as_config(self):
-        from replicas.engine import SpeculationConfig
-
-        return SpeculationConfig(**self.model_dump())
 
 
 class EngineArgs(_Strict):
@@ -46,6 +33,15 @@ class EngineArgs(_Strict):
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,
     # tensor_parallel_size, ...); checked by building the real config in AppArgs below
     trtllm: Optional[dict[str, Any]] = None
+
+    def trtllm_config(self, speculation: SpeculationConfig):
+        """The TrtllmEngineConfig these args describe (raises ValueError naming a bad field)."""
+        from replicas.trtllm.config import TrtllmEngineConfig
+
+        return TrtllmEngineConfig.from_mapping({
+            "model": self.model, "max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
+            **(self.trtllm or {}), "speculation": speculation,
+        })
 
 
 class LimitArgs(_Strict):
@@ -82,7 +78,6 @@ class AppArgs(_Strict):
 
     engine: EngineArgs = EngineArgs()
     served_model_name: Optional[str] = None  # default: the engine's model name
-    speculation: SpeculationArgs = SpeculationArgs()
     limits: LimitArgs = LimitArgs()
     replica: ReplicaArgs = ReplicaArgs()
     ingress_replicas: int = Field(1, ge=1)
@@ -95,9 +90,10 @@ class AppArgs(_Strict):
             if self.engine.trtllm is not None:
                 raise ValueError("engine.trtllm: only with engine.kind trtllm")
             return self
-        from deploy.engine_factory import trtllm_config  # the real config's own validation
-
-        trtllm_config(self.engine, self.speculation.as_config())
+        # The real config's own validation of the engine's fields. The speculation settings
+        # arrive with user_config: "off" asks nothing of them here, and deploy.config_check
+        # builds the config again with the file's own.
+        self.engine.trtllm_config(SpeculationConfig(mode="off"))
         return self
 
     @model_validator(mode="after")

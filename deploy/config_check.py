@@ -2,9 +2,9 @@
 
 Serve's own schema silently drops keys it does not know, so a typo in deploy.yaml
 (`max_ongoing_request`, `batch_gates`) would deploy with defaults. This walks the file
-against Serve's pydantic models, and against our own `AppArgs` (an application's `args`)
-and `SpeculationArgs` (the Replica's `user_config`), reporting every unknown key by its
-path, then validates the values. `python -m deploy.config_check deploy.yaml` runs it.
+against Serve's pydantic models and our own `AppArgs` (an application's `args`), reporting
+every unknown key by its path, then validates the values, the Replica's `user_config`
+(`SpeculationConfig`) included, with the engine they will build. `python -m deploy.config_check deploy.yaml` runs it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Iterable, Optional
 
 from pydantic import BaseModel
 
-from deploy.config import AppArgs, SpeculationArgs
+from deploy.config import AppArgs
+from replicas.engine import SpeculationConfig
 
 DEPLOYMENT_NAMES = ("Ingress", "Replica")
 
@@ -53,18 +54,14 @@ def unknown_keys(data: Any, model: type[BaseModel], path: str,
         nested = (overrides or {}).get(name)
         candidates = [nested] if nested else _models_in(info.annotation)
         if candidates:
-            problems += unknown_keys(value, candidates[0], where, _child_overrides(candidates[0], value))
+            problems += unknown_keys(value, candidates[0], where, _child_overrides(candidates[0]))
     return problems
 
 
-def _child_overrides(model: type[BaseModel], value: Any) -> Optional[dict[str, type[BaseModel]]]:
-    from ray.serve.schema import DeploymentSchema, ServeApplicationSchema
+def _child_overrides(model: type[BaseModel]) -> Optional[dict[str, type[BaseModel]]]:
+    from ray.serve.schema import ServeApplicationSchema
 
-    if model is ServeApplicationSchema:
-        return {"args": AppArgs}
-    if model is DeploymentSchema and isinstance(value, dict) and value.get("name") == "Replica":
-        return {"user_config": SpeculationArgs}
-    return None
+    return {"args": AppArgs} if model is ServeApplicationSchema else None
 
 
 def check_serve_config(document: dict[str, Any]) -> list[str]:
@@ -86,9 +83,11 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
             problems.append(f"applications[{i}].import_path: expected deploy.app:build_app")
             continue
         try:
-            build_app(AppArgs.model_validate(app.get("args") or {}))
+            args = AppArgs.model_validate(app.get("args") or {})
+            build_app(args)
         except Exception as exc:  # noqa: BLE001
             problems.append(f"applications[{i}].args: {exc}")
+            args = None
         for j, deployment in enumerate(app.get("deployments") or []):
             where = f"applications[{i}].deployments[{j}]"
             problems += _policy_problems(deployment, where)
@@ -98,11 +97,20 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
                 if deployment["name"] != "Replica":
                     problems.append(f"{where}.user_config: only the Replica takes one")
                 else:
-                    try:
-                        SpeculationArgs.model_validate(deployment["user_config"])
-                    except Exception as exc:  # noqa: BLE001
-                        problems.append(f"{where}.user_config: {exc}")
+                    problems += _speculation_problems(deployment["user_config"], args, where)
     return problems
+
+
+def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str) -> list[str]:
+    """The Replica's `user_config`, checked as the replica will read it and, for an engine
+    that builds its speculation in (TensorRT-LLM), built into that engine's config."""
+    try:
+        speculation = SpeculationConfig.from_user_config(user_config)
+        if args is not None and args.engine.kind == "trtllm":
+            args.engine.trtllm_config(speculation)
+    except ValueError as exc:
+        return [f"{where}.{exc}" if str(exc).startswith("user_config") else f"{where}.user_config: {exc}"]
+    return []
 
 
 def _policy_problems(deployment: dict[str, Any], where: str) -> list[str]:

@@ -23,17 +23,7 @@ def build_engine(args: EngineArgs, speculation: SpeculationConfig) -> Engine:
         ))
     from replicas.trtllm_engine import TrtllmEngine
 
-    return TrtllmEngine(trtllm_config(args, speculation))
-
-
-def trtllm_config(args: EngineArgs, speculation: SpeculationConfig):
-    """The TrtllmEngineConfig `args` describe (raises ValueError naming a bad field)."""
-    from replicas.trtllm.config import TrtllmEngineConfig
-
-    return TrtllmEngineConfig.from_mapping({
-        "model": args.model, "max_batch_size": args.max_batch_size, "max_seq_len": args.max_seq_len,
-        **(args.trtllm or {}), "speculation": speculation,
-    })
+    return TrtllmEngine(args.trtllm_config(speculation))
 
 
 def engine_factory(args: EngineArgs) -> Callable[[SpeculationConfig], Engine]:

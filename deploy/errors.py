@@ -58,11 +58,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
     param = param_from_loc(first.get("loc", ()))
     message = first["msg"].removeprefix("Value error, ")
-    if param is None:
-        named, sep, _ = message.partition(":")
-        if sep and named.isidentifier():  # a model-level validator naming its field first
-            return ApiError(400, message, named)
-        # the body itself: missing, not JSON, or not an object
+    if param is None:  # the body itself: missing, not JSON, or not an object
         return ApiError(400, f"request body must be a JSON object ({message})")
     return ApiError(400, f"{param}: {message}", param)
 

@@ -29,8 +29,7 @@ from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelCard, ModelList,
 )
-from replicas.engine import GenerationDelta, GenerationRequest
-from replicas.replica import RequestRejected
+from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected
 
 logger = logging.getLogger(__name__)
 

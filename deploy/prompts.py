@@ -12,7 +12,7 @@ from typing import Any, Union
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
-from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
+from replicas.engine import GenerationRequest, RequestError, RequestSpeculation, SamplingParams
 
 
 def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
@@ -63,16 +63,13 @@ def generation_request(
         raise ApiError(400, f"{max_tokens_field}: {asked} + {len(prompt_ids)} prompt tokens exceed the context "
                             f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(config.default_max_tokens, room)
-    spec = request.speculation
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings,
             ignore_eos=request.ignore_eos,
         )
-        speculation = RequestSpeculation(mode=spec.mode, max_draft_len=spec.max_draft_len) if spec \
-            else RequestSpeculation()
-    except ValueError as exc:
-        param = str(exc).partition(":")[0]
-        raise ApiError(400, str(exc), param) from exc
-    return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling, speculation=speculation)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), exc.param) from exc
+    return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
+                             speculation=request.speculation or RequestSpeculation())

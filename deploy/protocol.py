@@ -10,18 +10,13 @@ from __future__ import annotations
 
 from typing import List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from replicas.engine import RequestSpeculation
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SpeculationParams(_Request):
-    """Per-request speculation: may narrow the server's setting, never widen it."""
-
-    mode: Literal["off", "auto", "sa", "mtp"] = "auto"
-    max_draft_len: Optional[int] = Field(None, ge=1, le=64)
 
 
 class StreamOptions(_Request):
@@ -39,7 +34,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    speculation: Optional[SpeculationParams] = None
+    speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
     # OpenAI fields accepted at their neutral values only
     n: Literal[1] = 1
     presence_penalty: Literal[0] = 0
@@ -105,14 +100,17 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    @model_validator(mode="after")
-    def _continuation(self):
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise ValueError("continue_final_message: needs add_generation_prompt=false")
-            if self.messages[-1].role != "assistant":
-                raise ValueError("continue_final_message: the last message must be the assistant's")
-        return self
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continuation(cls, value: bool, info: ValidationInfo) -> bool:
+        # a field validator, so the error names this field; the fields it reads come first
+        if value:
+            if info.data.get("add_generation_prompt", True):
+                raise ValueError("needs add_generation_prompt=false")
+            messages = info.data.get("messages")
+            if messages and messages[-1].role != "assistant":
+                raise ValueError("the last message must be the assistant's")
+        return value
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -1,4 +1,4 @@
-"""The speculation-gate request router: a thin Serve adapter over `deploy/ranking.py`.
+"""The speculation-gate request router: a thin Serve adapter over `replicas/speculation/ranking.py`.
 
 Configured on the Replica deployment as
 `request_router_config: {request_router_class: "deploy.router:SpeculationGateRouter"}`.
@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deploy.ranking import (
+from replicas.speculation.ranking import (
     GATE_HOLD_MIN_ACCEPTANCE,
     GATE_HOLD_S,
     ReplicaLoad,

@@ -53,7 +53,7 @@ GPU_AUTOSCALING = {
     "downscale_delay_s": 300,        # a GPU Replica takes minutes to come back
     "policy": {
         "policy_function": "autoscaling.policy:AcceptanceAwarePolicy",
-        "policy_kwargs": {"batch_gate": 16},  # args.speculation.batch_gate until replicas report
+        "policy_kwargs": {"batch_gate": 16},  # the Replica's user_config batch_gate until replicas report
     },
 }
 
@@ -63,7 +63,7 @@ OVERRIDES: dict[str, tuple[str, tuple[Override, ...]]] = {
                  "two 2-CPU worker pods at most (cpu group maxReplicas), two 1-CPU Replicas each"),
     )),
     "k8s/rayservice-gpu.yaml": ("deploy-gpu.yaml", _CLUSTER_HTTP + (
-        Override(("applications", 0, "deployments"), [{"name": "Replica", "autoscaling_config": GPU_AUTOSCALING}],
+        Override(("applications", 0, "deployments", 0, "autoscaling_config"), GPU_AUTOSCALING,
                  "acceptance-aware autoscaling over the gpu worker group (one GPU per Replica)"),
     )),
 }

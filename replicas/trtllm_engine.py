@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfig
+from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.stats import EngineStats
 from replicas.trtllm.api import TensorRTLLMUnavailable, TrtllmApi, load_api
@@ -113,7 +113,7 @@ class TrtllmEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Validate now (ValueError naming the field), submit and stream once iterated.
+        """Validate now (RequestError naming the field), submit and stream once iterated.
 
         A request's `speculation` narrowing is not forwarded: TensorRT-LLM has no per-request
         draft control, and speculation never changes the output, only its speed.
@@ -121,12 +121,12 @@ class TrtllmEngine:
         if self._llm is None:
             raise RuntimeError("engine not started")
         if request.request_id in self._live:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+            raise RequestError("request_id", f"{request.request_id!r} is already running")
         prompt_ids = self._prompt_ids(request)
         try:
             sampling = self.api.sampling_params_cls(**sampling_kwargs(request.sampling, self.api.sampling_fields))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"sampling: {exc}") from exc
+            raise RequestError("sampling", str(exc)) from exc
         tracker = OutputTracker(request.request_id, len(prompt_ids), tuple(request.sampling.stop))
         return self._stream(tracker, prompt_ids, sampling)
 
@@ -136,13 +136,13 @@ class TrtllmEngine:
         else:
             ids = [int(t) for t in request.prompt]
             if any(t < 0 for t in ids):
-                raise ValueError("prompt: token ids must be >= 0")
+                raise RequestError("prompt", "token ids must be >= 0")
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise RequestError("prompt", "must not be empty")
         window = self.config.max_seq_len
         if len(ids) + request.sampling.max_tokens > window:
-            raise ValueError(f"max_tokens: {request.sampling.max_tokens} + {len(ids)} prompt tokens exceed "
-                             f"the context window of {window}")
+            raise RequestError("max_tokens", f"{request.sampling.max_tokens} + {len(ids)} prompt tokens exceed "
+                                             f"the context window of {window}")
         return ids
 
     async def _stream(self, tracker: OutputTracker, prompt_ids: list[int], sampling: Any):
@@ -229,6 +229,11 @@ class TrtllmEngine:
         self._pending = speculation
         logger.warning("TensorRT-LLM speculation is fixed at build: %s take effect after restart()",
                        ", ".join(self.restart_required))
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        """The settings the running LLM was built with (staged changes apply at restart)."""
+        return self.config.speculation
 
     @property
     def restart_required(self) -> tuple[str, ...]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Iterator
+
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,44 +20,62 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def patched_environ(env: dict[str, str]) -> Iterator[None]:
+    """Set `env` in os.environ; on exit put back exactly those keys as they were."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """A one-module Ray cluster with Serve's HTTP proxy on 127.0.0.1; yields its base URL.
 
-    `extra_env` reaches the raylet (through this process's environment) and every worker.
+    `extra_env` reaches the raylet (through this process's environment, restored when the
+    cluster is torn down, so one module's settings never leak into the next cluster) and
+    every worker.
     """
     env = {"RAY_AUTH_MODE": "disabled", **(extra_env or {})}
-    os.environ.update(env)
-    import ray
-    from ray import serve
+    with patched_environ(env):
+        import ray
+        from ray import serve
 
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
-             log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        worker_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env},
+                 log_to_driver=False)
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def deploy_config(document: dict, app: str, timeout_s: float) -> None:
     """Deploy a Serve config document the way `serve deploy` does; wait until it runs."""
     from ray import serve
+    # No public Python API deploys a config document (`serve deploy` goes through the dashboard).
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(document), _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def running() -> bool:
         status = serve.status().applications.get(app)
-        if status is not None and status.status == "RUNNING":
-            return
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(status.message)
-        time.sleep(0.5)
-    raise TimeoutError(f"{app} did not become RUNNING in {timeout_s:.0f} s")
+        return status is not None and status.status == "RUNNING"
+
+    if not wait_until(running, timeout_s, interval_s=0.5):
+        raise TimeoutError(f"{app} did not become RUNNING in {timeout_s:.0f} s")
 
 
 def dict_paths(node, path=()):

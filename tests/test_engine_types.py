@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
+import pydantic
 import pytest
 
 from replicas.engine import (
-    Engine, GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig,
+    MAX_DRAFT_LEN, Engine, GenerationRequest, RequestError, RequestSpeculation, SamplingParams, SpeculationConfig,
 )
+
+
+def field_named_by(exc: ValueError) -> str:
+    """The field a validation error names: RequestError's param, or pydantic's location."""
+    if isinstance(exc, RequestError):
+        assert str(exc).startswith(f"{exc.param}: ")
+        return exc.param
+    assert isinstance(exc, pydantic.ValidationError)
+    return ".".join(str(part) for part in exc.errors()[0]["loc"])
 
 
 @pytest.mark.parametrize(
@@ -26,17 +35,26 @@ from replicas.engine import (
         (SpeculationConfig, dict(mode="auto"), "mode"),  # a request mode, not a server mode
         (SpeculationConfig, dict(mode="fast"), "mode"),
         (SpeculationConfig, dict(max_draft_len=0), "max_draft_len"),
-        (SpeculationConfig, dict(max_draft_len=65), "max_draft_len"),
+        (SpeculationConfig, dict(max_draft_len=MAX_DRAFT_LEN + 1), "max_draft_len"),
         (SpeculationConfig, dict(sa_threshold=0), "sa_threshold"),
         (SpeculationConfig, dict(batch_gate=-1), "batch_gate"),
-        (RequestSpeculation, dict(mode="hybrid"), "speculation.mode"),  # server-only mode
-        (RequestSpeculation, dict(mode="on"), "speculation.mode"),
-        (RequestSpeculation, dict(max_draft_len=0), "speculation.max_draft_len"),
+        (SpeculationConfig, dict(batch_gates=4), "batch_gates"),  # unknown keys are errors
+        (RequestSpeculation, dict(mode="hybrid"), "mode"),  # server-only mode
+        (RequestSpeculation, dict(mode="on"), "mode"),
+        (RequestSpeculation, dict(max_draft_len=0), "max_draft_len"),
+        (RequestSpeculation, dict(max_draft_len=MAX_DRAFT_LEN + 1), "max_draft_len"),
     ],
 )
 def test_bad_value_raises_naming_the_field(cls, kwargs, field):
-    with pytest.raises(ValueError, match=rf"^{re.escape(field)}:"):
+    with pytest.raises(ValueError) as raised:
         cls(**kwargs)
+    assert field_named_by(raised.value) == field
+
+
+def test_replacing_a_setting_validates_it():
+    with pytest.raises(ValueError) as raised:
+        dataclasses.replace(SpeculationConfig(), batch_gate=-1)
+    assert field_named_by(raised.value) == "batch_gate"
 
 
 @pytest.mark.parametrize(
@@ -47,10 +65,10 @@ def test_bad_value_raises_naming_the_field(cls, kwargs, field):
         (SamplingParams, dict(temperature=2.0, top_p=1e-3, top_k=1, seed=0, stop=("\n",))),
         (SpeculationConfig, dict()),
         (SpeculationConfig, dict(mode="off", max_draft_len=1, sa_threshold=1, batch_gate=0)),
-        (SpeculationConfig, dict(mode="sa", max_draft_len=64)),
+        (SpeculationConfig, dict(mode="sa", max_draft_len=MAX_DRAFT_LEN)),
         (RequestSpeculation, dict()),
         (RequestSpeculation, dict(mode="off", max_draft_len=1)),
-        (RequestSpeculation, dict(mode="mtp", max_draft_len=1000)),  # capped later, not here
+        (RequestSpeculation, dict(mode="mtp", max_draft_len=MAX_DRAFT_LEN)),
     ],
 )
 def test_edge_values_are_accepted(cls, kwargs):
@@ -78,6 +96,10 @@ def test_engine_protocol_is_runtime_checkable():
         async def start(self) -> None: ...
 
     class Complete(Partial):
+        tokenizer = None
+        speculation = SpeculationConfig()
+        num_live_requests = 0
+
         def generate(self, request): ...
         async def abort(self, request_id): ...
         def configure(self, speculation): ...

@@ -4,8 +4,9 @@
 path draws from it, and speculative verification (`replicas.speculation.verify`) accepts or
 rejects drafts against it, which is what makes speculative sampling exact.
 
-Randomness comes only from the request's own `torch.Generator`, kept on the CPU so that a
-seed reproduces the same tokens whatever device holds the logits.
+Randomness comes only from `position_uniforms`, a stream keyed by the request's seed and
+the output position and computed on the CPU, so a seed reproduces the same tokens whatever
+device holds the logits and whatever was drafted.
 """
 
 from __future__ import annotations
@@ -64,29 +65,6 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int)
         kept_probs = kept_probs.masked_fill(cum_probs - kept_probs >= top_p, 0.0)
         kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(scaled).scatter_(-1, kept_ids, kept_probs)
-
-
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request: seeded when `seed` is given, else from OS entropy."""
-    generator = torch.Generator(device="cpu")
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
-
-
-def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One token per row of `probs [T, V]` (need not be normalised); returns `[T]` int64.
-
-    Inverse-CDF sampling with uniforms drawn on the CPU generator, so it runs on any device.
-    Zero-probability tokens are never drawn.
-    """
-    if probs.dim() != 2:
-        raise ValueError(f"probs: expected [T, V], got shape {tuple(probs.shape)}")
-    # float32 uniforms are at most 1 - 2**-24, so u * total stays strictly below total in
-    # float64 and the search never runs off the end.
-    return sample_at(probs, torch.rand(probs.shape[0], generator=generator).double())
 
 
 def sample_at(probs: Tensor, uniforms: Tensor) -> Tensor:

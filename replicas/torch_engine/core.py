@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,20 +17,14 @@ import torch
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import DraftPlan, effective_settings, plan_draft
+from replicas.speculation.sampling import position_uniforms, sampling_probs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
-from replicas.stats import SOURCES, EngineStats, Ewma, SpecCounters
+from replicas.stats import EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import LlamaModel, SeqSpan
-from replicas.speculation.sampling import position_uniforms, sampling_probs
 from replicas.torch_engine.sequence import Sequence, release_text
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    deltas: list[GenerationDelta]
-    finished: list[Sequence]
 
 
 class EngineCore:
@@ -54,9 +47,6 @@ class EngineCore:
         self.tokens_per_s = Ewma()
         self.last_speculated = False
         self._step_tokens = 0  # tokens emitted in the current step
-        # per draft position k (0-based), by source: times drafted / times accepted
-        self.drafted_at = {src: [0] * 65 for src in SOURCES}
-        self.accepted_at = {src: [0] * 65 for src in SOURCES}
 
     # -- membership (called between steps) ------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -88,19 +78,20 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> StepResult:
+    def step(self) -> list[GenerationDelta]:
+        """One forward for every running request; the deltas it produced."""
         started = time.perf_counter()
         self._step_tokens = 0
         prefilled = self._admit()
         decoding = [s for s in self.running if s not in prefilled and s.finish_reason is None]
         if decoding:
             self._decode(decoding)
-        deltas, finished = self._collect()
+        deltas = self._collect()
         elapsed_s = time.perf_counter() - started
         if decoding:
             self.step_ms.update(elapsed_s * 1e3)
             self.tokens_per_s.update(self._step_tokens / elapsed_s)
-        return StepResult(deltas, finished)
+        return deltas
 
     def _admit(self) -> list[Sequence]:
         """Prefill waiting requests while KV slots are free; each alone, so one bad prompt
@@ -128,7 +119,6 @@ class EngineCore:
         if self.mtp is not None:
             next_ids = torch.tensor(seq.prompt_ids[1:] + [token], dtype=torch.long)
             self.mtp.observe(seq.slot, hidden, next_ids)
-        seq.first_token_s = time.monotonic()
         self._emit(seq, [token])
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
@@ -179,9 +169,6 @@ class EngineCore:
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     self.acceptance_ewma.update(kept)
-                    for k in range(len(draft)):
-                        self.drafted_at[plan.source][k] += 1
-                        self.accepted_at[plan.source][k] += k < verdict.num_accepted
                 if self.mtp is not None:
                     self.mtp.observe(seq.slot, hidden[rows][:kept], torch.tensor(verdict.tokens, dtype=torch.long))
                 self._emit(seq, verdict.tokens)
@@ -216,8 +203,8 @@ class EngineCore:
         seq.finish_reason = "error"
         seq.error = f"{type(exc).__name__}: {exc}"
 
-    def _collect(self) -> tuple[list[GenerationDelta], list[Sequence]]:
-        deltas, finished = [], []
+    def _collect(self) -> list[GenerationDelta]:
+        deltas = []
         for seq in list(self.running):
             if seq.finish_reason != "error":
                 try:
@@ -235,8 +222,7 @@ class EngineCore:
             if seq.finish_reason is not None:
                 self.running.remove(seq)
                 self._release(seq)
-                finished.append(seq)
-        return deltas, finished
+        return deltas
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -18,10 +18,10 @@ from typing import AsyncIterator
 
 import torch
 
-from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfig
+from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
-from replicas.torch_engine.loader import DEFAULT_MODEL, resolve_model_dir
+from replicas.torch_engine.loader import resolve_model_dir
 from replicas.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class TorchEngine:
         sa_pool = SuffixAutomatonPool(cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
         mtp = None
         if cfg.mtp_weights is not None:
-            from replicas.speculation.mtp import MTPDrafter
+            from replicas.torch_engine.mtp import MTPDrafter
 
             path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
             mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
@@ -127,7 +127,7 @@ class TorchEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Validate now (ValueError naming the field), stream once iterated."""
+        """Validate now (RequestError naming the field), stream once iterated."""
         seq = self._make_sequence(request)
         return self._stream(seq)
 
@@ -135,25 +135,23 @@ class TorchEngine:
         if self._core is None:
             raise RuntimeError("engine not started")
         if request.request_id in self._queues:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+            raise RequestError("request_id", f"{request.request_id!r} is already running")
         if isinstance(request.prompt, str):
             prompt_ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
         else:
             prompt_ids = [int(t) for t in request.prompt]
             vocab = self._core.model.cfg.vocab_size
             if any(not 0 <= t < vocab for t in prompt_ids):
-                raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+                raise RequestError("prompt", f"token ids must be in [0, {vocab})")
         if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
+            raise RequestError("prompt", "must not be empty")
         window = self.config.max_seq_len
         if len(prompt_ids) >= window:
-            raise ValueError(f"prompt: {len(prompt_ids)} tokens exceed the context window of {window}")
+            raise RequestError("prompt", f"{len(prompt_ids)} tokens exceed the context window of {window}")
         sampling = request.sampling
         if len(prompt_ids) + sampling.max_tokens > window:
-            raise ValueError(
-                f"max_tokens: {sampling.max_tokens} + {len(prompt_ids)} prompt tokens exceed the "
-                f"context window of {window}"
-            )
+            raise RequestError("max_tokens", f"{sampling.max_tokens} + {len(prompt_ids)} prompt tokens exceed "
+                                             f"the context window of {window}")
         return Sequence(
             request_id=request.request_id,
             sa_id=next(self._sa_ids),
@@ -191,6 +189,13 @@ class TorchEngine:
         self._pending_config = speculation
         if self._wake is not None:
             self._wake.set()
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        """The settings in force from the next step on."""
+        if self._pending_config is not None:
+            return self._pending_config
+        return self._core.speculation if self._core is not None else self.config.speculation
 
     def stats(self) -> EngineStats:
         return self._core.stats() if self._core is not None else EngineStats()
@@ -230,12 +235,12 @@ class TorchEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                result = await loop.run_in_executor(self._executor, self._core.step)
+                deltas = await loop.run_in_executor(self._executor, self._core.step)
             except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang clients
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            for delta in result.deltas:
+            for delta in deltas:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:
                     queue.put_nowait(delta)

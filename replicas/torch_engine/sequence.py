@@ -34,8 +34,6 @@ class Sequence:
     text: str = ""  # decoded output, stop strings cut once finished
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
-    arrival_s: float = 0.0
-    first_token_s: float | None = None
 
     @property
     def last_token(self) -> int:

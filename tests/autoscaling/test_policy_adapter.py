@@ -6,13 +6,15 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+# No public API builds a policy the way the controller does, nor exports these two types.
 from ray.serve._private.autoscaling_state import _resolve_policy_callable  # noqa: E402
-from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue  # noqa: E402
+from ray.serve._private.common import DeploymentID, TimeStampedValue  # noqa: E402
 from ray.serve.autoscaling_policy import (  # noqa: E402
     _apply_autoscaling_config,
     replica_queue_length_autoscaling_policy,
 )
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy  # noqa: E402
+from ray.serve.request_router import ReplicaID  # noqa: E402
 
 from autoscaling.policy import STATE_DECISION, STATE_SPREADING, AcceptanceAwarePolicy  # noqa: E402
 

@@ -11,16 +11,18 @@ The replicas' autoscaling metrics are pushed every 0.5 s.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.polling import wait_until
 from tests.serve_support import deploy_config, local_serve
 
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.ray  # a local Ray cluster with Serve (fake engine, not the model)
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "specserve"
@@ -67,15 +69,6 @@ def _running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; running replicas: {_running_replicas()}")
-
-
 class Load:
     """CONCURRENCY clients, each sending slow completions back to back until stopped."""
 
@@ -116,6 +109,8 @@ def test_scales_out_under_load_and_back_in(serve_url):
     assert _running_replicas() == 1
     model = doc["applications"][0]["args"]["engine"]["model"]
     with Load(serve_url, model) as load:
-        _wait_for(lambda: _running_replicas() >= 2, 60, "a second replica under load")
+        assert wait_until(lambda: _running_replicas() >= 2, 60, interval_s=0.5), \
+            f"no second replica under load; running replicas: {_running_replicas()}"
     assert load.completed > 0 and not load.errors, load.errors[:3]
-    _wait_for(lambda: _running_replicas() == 1, 60, "the scale-in after the load")
+    assert wait_until(lambda: _running_replicas() == 1, 60, interval_s=0.5), \
+        f"no scale-in after the load; running replicas: {_running_replicas()}"

@@ -8,6 +8,7 @@ import pytest
 from autoscaling.serve_rules import DelayState, apply_delays, queue_length_replicas
 
 pytest.importorskip("ray.serve")
+# The rules mirrored here are Serve internals: no public API exposes them or their state keys.
 from ray.serve._private.constants import (  # noqa: E402
     SERVE_AUTOSCALING_DECISION_COUNTERS_KEY,
     SERVE_AUTOSCALING_DECISION_TIMESTAMP_KEY,

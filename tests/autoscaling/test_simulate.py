@@ -8,7 +8,8 @@ import pytest
 from autoscaling import simulate
 from autoscaling.fleet import Records
 from autoscaling.profiles import StepTime, fit_step_time, mixes, profiles
-from autoscaling.simulate import Scenario, run_scenario
+from autoscaling.scenario import Scenario
+from autoscaling.simulate import run_scenario
 
 PROFILES = profiles()
 MIXES, _ = mixes()

@@ -1,7 +1,7 @@
 """A fake engine and tokenizer for the Serve-layer tests (fast, deterministic, scriptable).
 
 FakeEngine implements the Engine protocol the way TorchEngine behaves at its edges
-(eager ValueError naming the field, abort on close, stats); FakeTokenizer is byte-level
+(eager RequestError naming the field, abort on close, stats); FakeTokenizer is byte-level
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
 "FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from replicas.engine import GenerationDelta, GenerationRequest, SpeculationConfig
+from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 
 ALPHABET = "abcdefghij"
@@ -55,8 +55,8 @@ class FakeEngine:
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         ids = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         if len(ids) + request.sampling.max_tokens > self.max_seq_len:
-            raise ValueError(f"max_tokens: {request.sampling.max_tokens} + {len(ids)} prompt tokens exceed "
-                             f"the context window of {self.max_seq_len}")
+            raise RequestError("max_tokens", f"{request.sampling.max_tokens} + {len(ids)} prompt tokens "
+                                             f"exceed the context window of {self.max_seq_len}")
         return self._stream(request, self.tokenizer.decode(ids), len(ids))
 
     async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):

@@ -24,10 +24,11 @@ def test_deploy_yaml_is_sound(document):
 
 
 def test_speculation_is_the_replicas_hot_user_config(document):
-    from deploy.config import SpeculationArgs
+    from replicas.engine import SpeculationConfig
 
     replica = next(d for d in document["applications"][0]["deployments"] if d["name"] == "Replica")
-    assert SpeculationArgs.model_validate(replica["user_config"]) == SpeculationArgs()
+    assert SpeculationConfig.from_user_config(replica["user_config"]) == SpeculationConfig()
+    assert "speculation" not in document["applications"][0]["args"]  # one way in: user_config
 
 
 def _with_extra_key(document, path):

@@ -15,7 +15,11 @@ from hypothesis import HealthCheck, settings
 
 from deploy.app import compose_app
 from deploy.config import AppArgs
+from replicas.engine import SpeculationConfig
 from tests.deploy.fakes import FakeEngine
+from tests.polling import async_wait_until
+
+pytestmark = pytest.mark.ray  # conftest's `serve_url`: a local Ray cluster with Serve
 
 KEY = "sk-test-key"
 SERVE_ENV = {"SPECSERVE_TEST_KEYS": f"{KEY}, sk-second"}
@@ -178,9 +182,8 @@ def test_gate_hold_keeps_a_speculating_replica_under_its_gate(url, hold_s):
     from ray import serve
 
     app = "held" if hold_s else "not-held"
-    args = fake_args(gate_hold_s=hold_s, gate_hold_min_acceptance=1.5).model_dump()
-    serve.run(compose_app(AppArgs.model_validate({**args, "speculation": {"batch_gate": 1}}), FakeEngine),
-              name=app, route_prefix=f"/{app}")
+    args = fake_args(gate_hold_s=hold_s, gate_hold_min_acceptance=1.5)
+    serve.run(compose_app(args, FakeEngine, SpeculationConfig(batch_gate=1)), name=app, route_prefix=f"/{app}")
 
     async def first_token_and_end(client, tokens, seen=None):
         body = completion(prompt="SLOW", max_tokens=tokens, stream=True)
@@ -198,8 +201,8 @@ def test_gate_hold_keeps_a_speculating_replica_under_its_gate(url, hold_s):
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
             seen: list = []
             long = asyncio.create_task(first_token_and_end(client, 60, seen))  # 3 s at 50 ms a token
-            while len(seen) < 20:  # the router's view of the replica catches up meanwhile
-                await asyncio.sleep(0.05)
+            # the router's view of the replica catches up meanwhile
+            assert await async_wait_until(lambda: len(seen) >= 20, timeout_s=30, interval_s=0.05)
             second_first, _ = await first_token_and_end(client, 4)
             _, long_end = await long
             return second_first, long_end

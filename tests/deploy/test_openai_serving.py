@@ -13,7 +13,10 @@ import pytest
 import yaml
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+from tests.polling import wait_until
 from tests.serve_support import deploy_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
 
 DEPLOY_YAML = Path(__file__).resolve().parents[2] / "deploy.yaml"
 MODEL = "smollm2-135m-instruct"
@@ -177,42 +180,33 @@ def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle):
             assert received
             assert _live_requests(replica_handle) >= 1
     # 900 tokens take minutes on this machine; an abort takes one engine step
-    deadline = time.monotonic() + 60
-    while _live_requests(replica_handle) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _live_requests(replica_handle) == 0
+    assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
 
 
 def test_reconfigure_moves_the_gate_live(client, replica_handle):
-    from ray import serve
+    def gate() -> int:
+        return replica_handle.stats.remote().result()["batch_gate"]
 
-    def replica_ids():
-        return serve.status().applications[APP].deployments["Replica"].replica_states
-
-    before = replica_handle.stats.remote().result()
-    assert before["batch_gate"] == 4
+    assert gate() == 4
     pid = replica_handle.pid.remote().result()
     deploy(serving_config(batch_gate=0))  # only user_config changes: Serve reconfigures in place
-    deadline = time.monotonic() + 60
-    while replica_handle.stats.remote().result()["batch_gate"] != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert replica_handle.stats.remote().result()["batch_gate"] == 0
+    assert wait_until(lambda: gate() == 0, timeout_s=60, interval_s=0.2), gate()
     assert replica_handle.pid.remote().result() == pid, "the replica restarted instead of reconfiguring"
     closed = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=16, temperature=0)
     assert closed.usage.model_extra["speculation"]["steps"] == 0, closed.usage  # gate 0: no step speculates
 
     deploy(serving_config(batch_gate=4))
-    deadline = time.monotonic() + 60
-    while replica_handle.stats.remote().result()["batch_gate"] != 4 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    assert wait_until(lambda: gate() == 4, timeout_s=60, interval_s=0.2), gate()
     # the router's copy of the replica stats is a routing-stats period or two behind: until
     # it sees the new gate it still marks requests non-speculative
-    for _ in range(10):
+    reopened = None
+
+    def speculates() -> bool:
+        nonlocal reopened
         reopened = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=16, temperature=0)
-        if reopened.usage.model_extra["speculation"]["steps"] > 0:
-            break
-        time.sleep(1.0)
-    assert reopened.usage.model_extra["speculation"]["steps"] > 0, reopened.usage
+        return reopened.usage.model_extra["speculation"]["steps"] > 0
+
+    assert wait_until(speculates, timeout_s=30, interval_s=1.0), reopened.usage
     assert reopened.choices[0].text == closed.choices[0].text, (reopened.choices[0].text, closed.choices[0].text)
 
 

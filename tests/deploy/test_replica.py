@@ -6,39 +6,70 @@ import asyncio
 
 import pytest
 
-from replicas.engine import GenerationRequest, SamplingParams
-from replicas.replica import Replica, RequestRejected, speculation_config
+from replicas.engine import GenerationRequest, RequestRejected, SamplingParams, SpeculationConfig
+from replicas.replica import Replica
 from tests.deploy.fakes import FakeEngine
+from tests.polling import async_wait_until
 
 
-async def make_replica(speculation=None, engine_cls=FakeEngine) -> Replica:
-    replica = Replica.__new__(Replica)
-    await replica.__init__(engine_cls, speculation, metrics=False)
+async def make_replica(user_config=None, engine_cls=FakeEngine) -> Replica:
+    """A replica as Serve starts one: constructed, then its first `reconfigure`."""
+    replica = Replica(engine_cls, metrics=False)
+    await replica.reconfigure(user_config or {})
     return replica
+
+
+class StagingEngine(FakeEngine):
+    """Fixes its settings at build and only stages changes, like TensorRT-LLM."""
+
+    def configure(self, speculation: SpeculationConfig) -> None:
+        self.staged = speculation
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
+def test_the_first_reconfigure_builds_the_engine_with_user_config():
+    async def scenario():
+        replica = Replica(FakeEngine, metrics=False)
+        with pytest.raises(RuntimeError, match="no user_config"):
+            await replica.check_health()
+        await replica.reconfigure({"batch_gate": 2})
+        assert replica.engine.started and replica.engine.speculation == SpeculationConfig(batch_gate=2)
+        await replica.check_health()
+    run(scenario())
+
+
 def test_reconfigure_changes_the_engine_and_the_stats():
     async def scenario():
         replica = await make_replica({"batch_gate": 2})
-        assert replica._engine.speculation.batch_gate == 2
-        replica.reconfigure({"batch_gate": 6, "mode": "sa"})
+        engine = replica.engine
+        await replica.reconfigure({"batch_gate": 6, "mode": "sa"})
         stats = await replica.stats()
-        assert stats["batch_gate"] == 6 and replica._engine.speculation.mode == "sa"
+        assert replica.engine is engine  # reconfigured in place, not rebuilt
+        assert stats["batch_gate"] == 6 and engine.speculation.mode == "sa"
         assert {"batch_size", "waiting", "speculating", "acceptance_length", "step_ms", "tokens_per_s"} <= set(stats)
         assert await replica.record_routing_stats() == await replica.record_autoscaling_stats() == stats
     run(scenario())
 
 
+def test_stats_report_the_settings_the_engine_runs_with():
+    async def scenario():
+        replica = await make_replica({"batch_gate": 2}, engine_cls=StagingEngine)
+        await replica.reconfigure({"batch_gate": 6})
+        assert replica.engine.staged.batch_gate == 6
+        assert (await replica.stats())["batch_gate"] == 2  # staged, not applied: the router sees 2
+    run(scenario())
+
+
 @pytest.mark.parametrize("user_config,field", [
-    ({"batch_gates": 2}, "user_config"), ({"mode": "turbo"}, "mode"), ({"max_draft_len": 0}, "max_draft_len"),
+    ({"batch_gates": 2}, "user_config.batch_gates"), ({"mode": "turbo"}, "user_config.mode"),
+    ({"max_draft_len": 0}, "user_config.max_draft_len"), ([2], "user_config"),
 ])
 def test_bad_user_config_names_the_field(user_config, field):
-    with pytest.raises(ValueError, match=field):
-        speculation_config(user_config)
+    with pytest.raises(ValueError, match=f"^{field}"):
+        run(make_replica(user_config))
 
 
 def test_engine_validation_becomes_a_rejection_and_speculate_false_turns_it_off():
@@ -49,8 +80,8 @@ def test_engine_validation_becomes_a_rejection_and_speculate_false_turns_it_off(
         assert items == [RequestRejected(items[0].message, "max_tokens")]
 
         seen = []
-        original = replica._engine.generate
-        replica._engine.generate = lambda request: seen.append(request) or original(request)
+        original = replica.engine.generate
+        replica.engine.generate = lambda request: seen.append(request) or original(request)
         deltas = [d async for d in replica.generate(GenerationRequest("r2", "hi", SamplingParams(max_tokens=3)),
                                                     speculate=False)]
         assert seen[0].speculation.mode == "off" and deltas[-1].finish_reason == "length"
@@ -62,9 +93,9 @@ def test_closing_the_stream_aborts_the_request():
         replica = await make_replica()
         stream = replica.generate(GenerationRequest("r3", "SLOW", SamplingParams(max_tokens=50)))
         await stream.__anext__()
-        assert replica._engine.num_live_requests == 1
+        assert replica.engine.num_live_requests == 1
         await stream.aclose()
-        assert replica._engine.num_live_requests == 0 and replica._live == 0
+        assert replica.engine.num_live_requests == 0
     run(scenario())
 
 
@@ -101,7 +132,7 @@ def test_health_check_fails_when_live_requests_stop_progressing():
         replica = await make_replica(engine_cls=StuckEngine)
         stream = replica.generate(GenerationRequest("r4", "hi", SamplingParams(max_tokens=5)))
         pending = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.01)
+        assert await async_wait_until(lambda: replica.engine.num_live_requests == 1, 10)
         await replica.check_health()  # two checks without progress: still healthy
         await replica.check_health()
         with pytest.raises(RuntimeError, match="no progress"):

@@ -57,7 +57,7 @@ def test_gpu_policy_starts_from_the_configured_gate(manifests):
     app = serve_config(manifests["rayservice-gpu"])["applications"][0]
     replica = next(d for d in app["deployments"] if d["name"] == "Replica")
     kwargs = replica["autoscaling_config"]["policy"]["policy_kwargs"]
-    assert kwargs["batch_gate"] == app["args"]["speculation"]["batch_gate"]
+    assert kwargs["batch_gate"] == replica["user_config"]["batch_gate"]
 
 
 def test_render_needs_its_markers():

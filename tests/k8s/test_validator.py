@@ -76,7 +76,7 @@ PLANTED = [
     ("serveConfigV2 not YAML", "rayservice-cpu", lambda d: _serve(d, "proxy_location:", "proxy_location: ["),
      "spec.serveConfigV2: not valid YAML"),
     ("bad value in serveConfigV2", "rayservice-gpu", lambda d: _serve(d, "mode: hybrid", "mode: turbo"),
-     "spec.serveConfigV2: applications[0].args"),
+     "spec.serveConfigV2: applications[0].deployments[0].user_config.mode"),
     ("misspelt Serve option in serveConfigV2", "rayservice-gpu", lambda d: _serve(d, "max_replicas:", "max_replica:"),
      "unknown key: applications[0].deployments[0].autoscaling_config.max_replica"),
     ("Serve fleet larger than the worker groups", "rayservice-gpu", lambda d: _worker(d).update({"maxReplicas": 2}),

@@ -3,8 +3,10 @@
 Greedy verification is checked with tables. Speculative sampling is checked statistically
 against its defining property: whatever the drafter does, the emitted tokens are
 distributed as the target's own samples (chi-square goodness of fit, fixed seeds, so the
-outcome is deterministic). `sampling_probs` / `sample` live in the torch engine but are
-tested here, next to the maths that relies on them.
+outcome is deterministic). The general rule, any draft distribution, is the reference in
+sampling_reference.py and is checked first; the engine's point-mass rule
+(`verify_point_mass`) after it. `sampling_probs` / `sample_at` are tested here too, next to
+the maths that relies on them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.speculation.verify import Verdict, verify_greedy, verify_sampling
-from replicas.speculation.sampling import make_generator, sample, sampling_probs
+from replicas.speculation.sampling import position_uniforms, sample_at, sampling_probs
+from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
+from tests.speculation.sampling_reference import make_generator, sample, verify_sampling
 
 # Significance of every goodness-of-fit test. Seeds are fixed, so a pass is reproducible;
 # the small alpha keeps an honest implementation passing under any seed with high odds.
@@ -97,7 +100,7 @@ def test_verify_greedy_rejects_wrong_lengths(target_argmax):
         verify_greedy([1, 2], target_argmax)
 
 
-# --- verify_sampling: exact cases --------------------------------------------------------
+# --- reference verify_sampling: exact cases ----------------------------------------------
 
 
 def test_certain_drafts_are_all_accepted_and_bonus_comes_from_last_row():
@@ -171,7 +174,7 @@ def test_verify_sampling_rejects_bad_shapes(draft, target_shape, draft_shape, fi
         verify_sampling(draft, torch.full(target_shape, 0.2), make_generator(0), draft_probs)
 
 
-# --- verify_sampling: the emitted distribution is the target's -------------------------
+# --- reference verify_sampling: the emitted distribution is the target's ---------------
 
 
 @pytest.mark.parametrize("case", range(3))
@@ -249,7 +252,7 @@ def test_markov_continuations_follow_the_target(greedy_drafts):
     assert_fits(counts, expected, num_samples)
 
 
-# --- sampling_probs and sample -----------------------------------------------------------
+# --- sampling_probs, and sample_at through the reference's sample -----------------------
 
 
 def reference_probs(logits: np.ndarray, temperature: float, top_p: float, top_k: int):
@@ -374,8 +377,6 @@ def test_seeded_generators_repeat_and_unseeded_differ():
 # --- verify_point_mass: sampling keyed by output position --------------------------------
 
 def test_position_uniforms_are_keyed_by_seed_and_position_only():
-    from replicas.speculation.sampling import position_uniforms
-
     whole = position_uniforms(3, 0, 10)
     assert torch.equal(whole[4:7], position_uniforms(3, 4, 3))
     assert not torch.equal(whole, position_uniforms(4, 0, 10))
@@ -386,9 +387,6 @@ def test_position_uniforms_are_keyed_by_seed_and_position_only():
 
 
 def test_point_mass_verdict_keeps_the_target_tokens_whatever_the_draft():
-    from replicas.speculation.sampling import position_uniforms, sample_at
-    from replicas.speculation.verify import verify_point_mass
-
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(5, 6, generator=gen) * 2, dim=-1)  # [K+1, V]
     uniforms = position_uniforms(9, 0, 5)
@@ -403,9 +401,6 @@ def test_point_mass_verdict_keeps_the_target_tokens_whatever_the_draft():
 
 def test_point_mass_verification_is_exact_in_distribution():
     """Over seeds, the first emitted token follows p and the draft is accepted w.p. p(x)."""
-    from replicas.speculation.sampling import position_uniforms
-    from replicas.speculation.verify import verify_point_mass
-
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     n = 20000
     first, accepted = torch.zeros(4), 0
@@ -417,3 +412,17 @@ def test_point_mass_verification_is_exact_in_distribution():
     chi2 = float(((first - expected) ** 2 / expected).sum())
     assert chi2 < 21.1  # chi-square, 3 degrees of freedom, alpha 1e-4
     assert abs(accepted / n - 0.3) < 0.015
+
+
+@pytest.mark.parametrize(
+    "target_shape, uniforms_shape, field",
+    [
+        ((2, 5), (3,), "target_probs"),
+        ((3,), (3,), "target_probs"),
+        ((3, 5), (2,), "uniforms"),
+        ((3, 5), (3, 1), "uniforms"),
+    ],
+)
+def test_verify_point_mass_rejects_bad_shapes(target_shape, uniforms_shape, field):
+    with pytest.raises(ValueError, match=field):
+        verify_point_mass([1, 2], torch.full(target_shape, 0.2), torch.zeros(uniforms_shape))

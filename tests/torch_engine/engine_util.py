@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
-from replicas.speculation.corpora import CODE_EDITS, EDIT_PREFILL
 from replicas.torch_engine.engine import TorchEngine
+from training.corpora import CODE_EDITS, EDIT_PREFILL
 
 
 

@@ -10,6 +10,8 @@ import pytest
 from replicas.engine import SpeculationConfig
 from tests.torch_engine.engine_util import assert_same_greedy, chat_prompt, code_edit_prompts, collect, request
 
+pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
+
 
 @pytest.fixture(scope="module")
 def prompts(engine):

@@ -1,7 +1,8 @@
 """deploy-gpu.yaml validated strictly, with the same validator as deploy.yaml.
 
 `deploy/config_check.py` checks every key against Serve's schema and our AppArgs, which
-builds the `engine.trtllm` block through `TrtllmEngineConfig.from_mapping` (strict too).
+builds the `engine.trtllm` block through `TrtllmEngineConfig.from_mapping` (strict too),
+with the speculation settings of the Replica's `user_config`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.config import AppArgs
 from deploy.config_check import check_serve_config
 from replicas.engine import SpeculationConfig
 from replicas.trtllm.config import TrtllmEngineConfig
@@ -27,15 +29,15 @@ def document():
     return yaml.safe_load(DEPLOY_GPU_YAML.read_text())
 
 
+def user_config(document) -> dict:
+    return next(d for d in document["applications"][0]["deployments"] if d["name"] == "Replica")["user_config"]
+
+
 def engine_config(document) -> TrtllmEngineConfig:
-    """The TrtllmEngineConfig the yaml describes: shared engine keys + the trtllm block."""
-    args = document["applications"][0]["args"]
-    engine = args["engine"]
-    return TrtllmEngineConfig.from_mapping({
-        "model": engine["model"], "max_batch_size": engine["max_batch_size"],
-        "max_seq_len": engine["max_seq_len"], **engine["trtllm"],
-        "speculation": SpeculationConfig(**args["speculation"]),
-    })
+    """The TrtllmEngineConfig the yaml describes: shared engine keys + the trtllm block,
+    built with the Replica's user_config, as the replica builds it."""
+    args = AppArgs.model_validate(document["applications"][0]["args"])
+    return args.engine.trtllm_config(SpeculationConfig.from_user_config(user_config(document)))
 
 
 def test_deploy_gpu_yaml_is_sound(document):
@@ -77,6 +79,19 @@ def test_the_trtllm_block_builds_the_hybrid_engine(document):
     assert args.model == "meta-llama/Llama-3.1-8B-Instruct" and args.max_batch_size == 64
     assert spec.decoding_type == "Eagle3" and spec.speculative_model == EAGLE3_HEAD
     assert spec.sa_config.threshold == 4 and spec.max_concurrency == 16 and spec.max_draft_len == 4
+
+
+def test_user_config_is_checked_against_the_engine_it_builds(document):
+    doc = copy.deepcopy(document)
+    del doc["applications"][0]["args"]["engine"]["trtllm"]["draft_model"]
+    user_config(doc)["mode"] = "sa"
+    assert check_serve_config(doc) == []  # the SA alone needs no EAGLE-3 head
+    user_config(doc)["mode"] = "hybrid"
+    problems = check_serve_config(doc)
+    assert len(problems) == 1 and "user_config: draft_model" in problems[0], problems
+    user_config(doc)["batch_gates"] = 16
+    assert check_serve_config(doc) == [
+        "applications[0].deployments[0].user_config.batch_gates: Unexpected keyword argument"]
 
 
 def test_the_replica_requests_one_gpu(document):

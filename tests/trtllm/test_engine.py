@@ -11,6 +11,7 @@ from replicas.engine import Engine
 from replicas.trtllm.outputs import FINISH_REASONS, OutputTracker, releasable_text, request_usage
 from replicas.trtllm.translate import UnsupportedRelease
 from replicas.trtllm_engine import TrtllmEngine
+from tests.polling import async_wait_until
 from tests.trtllm.conftest import collect, engine_config, fake_api, request, run, started
 
 PROMPT = "def f(x):\n    return x\n"
@@ -132,7 +133,7 @@ def test_not_iterating_submits_nothing():
     async def go():
         engine = await started(engine_config())
         engine.generate(request(PROMPT))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a chance to submit: it must not take it (nothing to poll for)
         active = len(engine._llm._active)
         await engine.shutdown()
         return active
@@ -211,7 +212,12 @@ def test_stats_from_iteration_rows(mode, source, as_json):
         engine = await started(engine_config(mode))
         engine._llm.stats_as_json = as_json
         await asyncio.gather(*(collect(engine, request(PROMPT, max_tokens=40, rid=f"r{i}")) for i in range(3)))
-        await asyncio.sleep(0.2)  # a few stats polls
+
+        def folded() -> bool:  # the poller has read rows, with drafts where the mode drafts
+            stats = engine.stats()
+            return stats.tokens_per_s > 0 and (source is None or stats.draft_tokens[source] > 0)
+
+        assert await async_wait_until(folded, timeout_s=10), "no iteration stats read"
         stats = engine.stats()
         await engine.shutdown()
         return stats

@@ -18,6 +18,7 @@ import os
 import pytest
 
 from replicas.engine import SpeculationConfig
+from tests.polling import async_wait_until
 from tests.trtllm.conftest import collect, request
 
 pytestmark = pytest.mark.gpu
@@ -48,10 +49,12 @@ def generate_all(mode: str) -> list[list[int]]:
                 deltas = await collect(engine, request(prompt, max_tokens=128, rid=f"{mode}-{i}"))
                 assert deltas[-1].finish_reason in ("stop", "length"), deltas[-1]
                 outputs.append([t for d in deltas for t in d.token_ids])
-            await asyncio.sleep(3 * engine.config.stats_poll_interval_s)
-            stats = engine.stats()
             if mode != "off":
-                assert sum(stats.draft_tokens.values()) > 0 and stats.acceptance_length > 1
+                def speculated() -> bool:  # once the stats poller has read the iterations
+                    stats = engine.stats()
+                    return sum(stats.draft_tokens.values()) > 0 and stats.acceptance_length > 1
+
+                assert await async_wait_until(speculated, timeout_s=30), engine.stats()
             return outputs
         finally:
             await engine.shutdown()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicas.speculation.mtp import MTPDrafter, MTPModule, chain_mask
 from replicas.torch_engine.model import LlamaModel, SeqSpan
 from replicas.torch_engine.model_config import ModelConfig
+from replicas.torch_engine.mtp import MTPDrafter, MTPModule, chain_mask
 
 TINY = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -158,7 +158,7 @@ def real():
 def test_shipped_weights_load_and_draft(real):
     import json
 
-    from replicas.speculation.mtp import DEFAULT_WEIGHTS_DIR, META_FILE, WEIGHTS_FILE
+    from replicas.torch_engine.mtp import DEFAULT_WEIGHTS_DIR, META_FILE, WEIGHTS_FILE
 
     target, drafter = real
     assert (DEFAULT_WEIGHTS_DIR / WEIGHTS_FILE).stat().st_size <= 20 * 2**20
@@ -180,7 +180,7 @@ def test_shipped_weights_load_and_draft(real):
 def test_simulated_serving_emits_every_generated_token(tiny):
     from types import SimpleNamespace
 
-    from replicas.speculation.mtp_eval import simulate_greedy
+    from training.mtp_eval import simulate_greedy
 
     target, module, tokens, hidden = tiny
     drafter = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
@@ -207,9 +207,9 @@ def test_shipped_weights_accept_on_held_out_text(real):
 
     from tokenizers import Tokenizer
 
-    from replicas.speculation.mtp_eval import generate_greedy, simulate_greedy
-    from replicas.speculation.corpora import humaneval_tasks
     from replicas.torch_engine.loader import resolve_model_dir
+    from training.corpora import humaneval_tasks
+    from training.mtp_eval import generate_greedy, simulate_greedy
 
     target, drafter = real
     tok = Tokenizer.from_file(str(resolve_model_dir() / "tokenizer.json"))

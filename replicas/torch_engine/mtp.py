@@ -9,7 +9,8 @@ followed, t_{j+1}, the module predicts t_{j+2}:
 
 `embed` and `lm_head` are the target's own (shared, frozen, never stored with the head).
 Chaining feeds h'_j back as the hidden state of the next position, so one module drafts
-any number of tokens; `mtp_train` trains it unrolled that way (EAGLE-3's training-time test).
+any number of tokens; `training/mtp_train.py` trains it unrolled that way (EAGLE-3's
+training-time test).
 
 Drafts are greedy over the N most frequent target predictions (`draft_vocab`, FR-Spec):
 a [N, d] head instead of [49152, d] is most of why a draft step is cheap. Greedy drafts are

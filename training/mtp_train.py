@@ -1,4 +1,4 @@
-"""Train the MTP draft head by self-distillation: `python -m replicas.speculation.mtp_train --out DIR`.
+"""Train the MTP draft head by self-distillation: `python -m training.mtp_train --out DIR`.
 
 1. Data: real text from packaged corpora (ShareGPT chats and Spec-Bench prompts through the
    chat template, HumanEval, psf/requests code edits with the prefilled answer) plus the
@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from replicas.speculation import mtp_eval
-from replicas.speculation.corpora import Corpus
-from replicas.speculation.mtp import MTPModule
 from replicas.torch_engine.loader import resolve_model_dir
 from replicas.torch_engine.model import LlamaModel, SeqSpan
+from replicas.torch_engine.mtp import MTPModule
+from training import mtp_eval
+from training.corpora import Corpus
 
 # Source -> share of the training-token budget. Chat is the hard, common case and gets the
 # largest share; "self_chat" is the target's own greedy answers to training-split chat
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = select_draft_vocab(train_samples, args.train_vocab, target.cfg.vocab_size)
     module = init_module(target, vocab, args.seed)
     training = train(module, target, train_samples, args)
-    meta = {"command": "python -m replicas.speculation.mtp_train " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python -m training.mtp_train " + " ".join(argv if argv is not None else sys.argv[1:]),
             "data": recipe, "training": {**training, "lr": args.lr, "unrolled_steps": args.steps, "window": args.window,
                                          "train_vocab": args.train_vocab, "init": "matrices normal(0.02), norms ones"}}
     module.save(args.out, meta)  # a checkpoint before the (slow) evaluation; replaced below

@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import torch
 
-from replicas.speculation.mtp import MTPDrafter, MTPModule
 from replicas.torch_engine.model import LlamaModel, SeqSpan
+from replicas.torch_engine.mtp import MTPDrafter, MTPModule
 
 CONFIDENCE_BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 

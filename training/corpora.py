@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CODE_EDITS = SHARED_DATA / "code_edits" / "requests.jsonl"
 SPEC_BENCH = SHARED_DATA / "spec_bench" / "question.jsonl"
 EDIT_PREFILL = "Here is the whole file with the edit applied:\n```python\n"

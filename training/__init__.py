@@ -1,0 +1,1 @@
+"""MTP training, evaluation and corpora: run from the repository root, never packaged."""
