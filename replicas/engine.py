@@ -38,7 +38,6 @@ class RequestError(ValueError):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
-        self.message = message
 
 
 @dataclass(frozen=True)
