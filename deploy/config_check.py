@@ -4,7 +4,8 @@ Serve's own schema silently drops keys it does not know, so a typo in deploy.yam
 (`max_ongoing_request`, `batch_gates`) would deploy with defaults. This walks the file
 against Serve's pydantic models and our own `AppArgs` (an application's `args`), reporting
 every unknown key by its path, then validates the values, the Replica's `user_config`
-(`SpeculationConfig`) included, with the engine they will build. `python -m deploy.config_check deploy.yaml` runs it.
+(`SpeculationConfig`) included, with the engine they will build.
+`python -m deploy.config_check deploy.yaml` runs it.
 """
 
 from __future__ import annotations
@@ -105,11 +106,14 @@ def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str)
     """The Replica's `user_config`, checked as the replica will read it and, for an engine
     that builds its speculation in (TensorRT-LLM), built into that engine's config."""
     try:
-        speculation = SpeculationConfig.from_user_config(user_config)
-        if args is not None and args.engine.kind == "trtllm":
-            args.engine.trtllm_config(speculation)
+        speculation = SpeculationConfig.from_user_config(user_config)  # names user_config.<key>
     except ValueError as exc:
-        return [f"{where}.{exc}" if str(exc).startswith("user_config") else f"{where}.user_config: {exc}"]
+        return [f"{where}.{exc}"]
+    if args is not None and args.engine.kind == "trtllm":
+        try:
+            args.engine.trtllm_config(speculation)
+        except ValueError as exc:
+            return [f"{where}.user_config: {exc}"]
     return []
 
 

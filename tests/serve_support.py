@@ -7,6 +7,7 @@ import os
 import socket
 from pathlib import Path
 from typing import Iterator
+from unittest import mock
 
 from tests.polling import wait_until
 
@@ -20,21 +21,6 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def patched_environ(env: dict[str, str]) -> Iterator[None]:
-    """Set `env` in os.environ; on exit put back exactly those keys as they were."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
 def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """A one-module Ray cluster with Serve's HTTP proxy on 127.0.0.1; yields its base URL.
 
@@ -43,7 +29,7 @@ def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
     every worker.
     """
     env = {"RAY_AUTH_MODE": "disabled", **(extra_env or {})}
-    with patched_environ(env):
+    with mock.patch.dict(os.environ, env):
         import ray
         from ray import serve
 
