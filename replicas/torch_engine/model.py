@@ -277,6 +277,22 @@ class LlamaModel(nn.Module):
         """cos, sin [N, head_dim] for positions [N]."""
         return self.rope_cos[positions], self.rope_sin[positions]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [N] -> embedding rows [N, d]."""
+        return self.embed_tokens(tokens)
+
+    def head_rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` of the output head [len(ids), d] (the MTP's reduced head)."""
+        return self.lm_head.weight.detach()[ids]
+
     def make_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
         """A KVCache shaped for this model (same dtype and device)."""
         w = self.embed_tokens.weight

@@ -22,14 +22,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.model import DecoderLayer, LlamaModel, RMSNorm, SeqSpan, apply_rope
+from replicas.torch_engine.model import DecoderLayer, RMSNorm, SeqSpan, apply_rope
 from replicas.torch_engine.model_config import ModelConfig
 
 DEFAULT_WEIGHTS_DIR = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
@@ -128,6 +128,20 @@ class MTPModule(nn.Module):
         (path / META_FILE).write_text(json.dumps(full, indent=2) + "\n")
 
 
+class Target(Protocol):
+    """What the drafter reads of the target model (`LlamaModel` or `NativeLlamaModel`)."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+
+    def embed(self, tokens: Tensor) -> Tensor: ...
+
+    def head_rows(self, ids: Tensor) -> Tensor: ...
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Draft:
     """One slot's chained draft: full-vocab ids and the head's max probability at each."""
@@ -149,24 +163,23 @@ class MTPDrafter:
     Chained positions are scratch beyond the slot's length, so rejections need no rollback.
     """
 
-    def __init__(self, module: MTPModule, target: LlamaModel, max_slots: int, max_seq_len: int) -> None:
+    def __init__(self, module: MTPModule, target: Target, max_slots: int, max_seq_len: int) -> None:
         cfg = target.cfg
         if module.cfg.hidden_size != cfg.hidden_size or module.cfg.vocab_size != cfg.vocab_size:
             raise ValueError("MTP module and target disagree on hidden_size / vocab_size")
         self.module, self.target = module.eval(), target
-        weight = target.lm_head.weight
-        self._head = weight.detach()[module.draft_vocab].contiguous()  # [N, d]: the reduced lm_head
+        # [N, d]: the reduced lm_head
+        self._head = target.head_rows(module.draft_vocab).to(target.dtype).contiguous()
         self._cache = KVCache(1, max_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=weight.dtype, device=weight.device)
+                              dtype=target.dtype, device=target.device)
         self._cache_slot: dict[int, int] = {}           # engine slot -> head cache slot
         self._pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._tail: dict[int, tuple[Tensor, int, float]] = {}  # h'_last [d], first draft id, its prob
 
     @classmethod
-    def load(cls, target: LlamaModel, max_slots: int, max_seq_len: int, path: str | Path | None = None) -> "MTPDrafter":
+    def load(cls, target: Target, max_slots: int, max_seq_len: int, path: str | Path | None = None) -> "MTPDrafter":
         """A drafter with the committed weights for the default model (or those at `path`)."""
-        w = target.lm_head.weight
-        module = MTPModule.load(path or DEFAULT_WEIGHTS_DIR, target.cfg, dtype=w.dtype, device=w.device)
+        module = MTPModule.load(path or DEFAULT_WEIGHTS_DIR, target.cfg, dtype=target.dtype, device=target.device)
         return cls(module, target, max_slots, max_seq_len)
 
     @property
@@ -271,7 +284,7 @@ class MTPDrafter:
 
     def _step(self, hidden: Tensor, tokens: Tensor, spans: list[SeqSpan]) -> Tensor:
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(hidden.device)
-        embeds = self.target.embed_tokens(tokens)
+        embeds = self.target.embed(tokens)
         return self.module.step(hidden, embeds, self.target.rope(positions), spans, self._cache.k[0], self._cache.v[0])
 
     def _greedy(self, h: Tensor) -> tuple[list[int], list[float]]:

@@ -22,7 +22,7 @@ def idle(engine) -> bool:
 
 
 def test_eos_finishes_with_stop_and_no_special_text(engine, loop):
-    prompt = chat_prompt(engine, "What is the capital of France?")
+    prompt = chat_prompt(engine, "What is the capital of France? Answer in one word.")
     tokens, text, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=64)))
     assert last.finish_reason == "stop"
     assert "Paris" in text and "<|im_end|>" not in text

@@ -1,0 +1,331 @@
+#include "llama_forward.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "numerics.hpp"
+
+namespace cpu {
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+// Llama's rotate-half RoPE on one head: pairs are (i, i + hd/2).
+void rope(float* x, int hd, const float* cos, const float* sin) {
+  const int half = hd / 2;
+  for (int i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i] + a * sin[i];
+  }
+}
+
+}  // namespace
+
+// ---- weights -------------------------------------------------------------------------------
+
+OwnedMatrix::OwnedMatrix(const GgufMatrix& m) {
+  const int nb = m.k / kBlock;
+  const bool q4 = m.type == WeightType::Q4_1;
+  const size_t src_block = gguf_block_bytes(m.type), dst_block = group_block_bytes(m.type);
+  bytes_.resize(static_cast<size_t>(m.n / kGroupCols) * nb * dst_block);
+  for (int g = 0; g < m.n / kGroupCols; ++g) {
+    for (int b = 0; b < nb; ++b) {
+      uint8_t* dst = bytes_.data() + (static_cast<size_t>(g) * nb + b) * dst_block;
+      for (int c = 0; c < kGroupCols; ++c) {
+        const uint8_t* src = m.rows + (static_cast<size_t>(g * kGroupCols + c) * nb + b) * src_block;
+        std::copy(src, src + 2, dst + 2 * c);                                      // d
+        if (q4) std::copy(src + 2, src + 4, dst + 2 * kGroupCols + 2 * c);         // m
+        const uint8_t* qs = src + (q4 ? 4 : 2);
+        uint8_t* chunks = dst + (q4 ? 4 : 2) * kGroupCols;
+        for (int i = 0; i < (q4 ? 4 : 8); ++i) std::copy(qs + 4 * i, qs + 4 * i + 4, chunks + 32 * i + 4 * c);
+      }
+    }
+  }
+  view_ = PackedMatrix{m.type, m.n, m.k, bytes_.data()};
+}
+
+void OwnedMatrix::dequantize_row(int r, float* out) const {
+  const int nb = view_.k / kBlock, g = r / kGroupCols, c = r % kGroupCols;
+  const size_t gbb = group_block_bytes(view_.type);
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = bytes_.data() + (static_cast<size_t>(g) * nb + b) * gbb;
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
+    const float d = half_to_float(scales[c]);
+    float* o = out + b * kBlock;
+    if (view_.type == WeightType::Q4_1) {
+      const float m = half_to_float(scales[kGroupCols + c]);
+      for (int i = 0; i < 4; ++i)
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t byte = blk[32 + 32 * i + 4 * c + e];
+          o[4 * i + e] = d * static_cast<float>(byte & 0x0F) + m;
+          o[16 + 4 * i + e] = d * static_cast<float>(byte >> 4) + m;
+        }
+    } else {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 16);
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) o[4 * j + e] = d * static_cast<float>(qs[32 * j + 4 * c + e]);
+    }
+  }
+}
+
+LlamaForward::LlamaForward(const ModelDims& dims, int num_threads, const std::string& isa)
+    : dims_(dims), kernels_(kernels_by_name(isa)), pool_(num_threads) {
+  require(kernels_ != nullptr, "isa: unknown kernel path '" + isa + "' (scalar, avx2, avx512)");
+  require(cpu_supports(isa), "isa: this CPU cannot run the '" + isa + "' kernels");
+  const ModelDims& d = dims;
+  require(d.vocab_size > 0 && d.num_layers > 0 && d.num_heads > 0 && d.num_kv_heads > 0 && d.max_positions > 0,
+          "dims: sizes must be positive");
+  require(d.hidden_size % kBlock == 0 && d.intermediate_size % kBlock == 0 && d.hidden_size > 0 &&
+              d.intermediate_size > 0,
+          "dims: hidden_size and intermediate_size must be multiples of 32");
+  require(d.head_dim > 0 && d.head_dim % kLanes == 0, "dims: head_dim must be a multiple of 8");
+  require(d.num_heads % d.num_kv_heads == 0, "dims: num_heads must be a multiple of num_kv_heads");
+  require((d.num_heads * d.head_dim) % kBlock == 0, "dims: num_heads * head_dim must be a multiple of 32");
+  require(d.vocab_size % kGroupCols == 0 && d.hidden_size % kGroupCols == 0,
+          "dims: vocab_size and hidden_size must be multiples of 8");
+  require(d.rms_norm_eps > 0, "dims: rms_norm_eps must be > 0");
+  layers_.resize(d.num_layers);
+}
+
+void LlamaForward::check_matrix(const GgufMatrix& m, int n, int k, const char* name) const {
+  require(m.type == WeightType::Q4_1 || m.type == WeightType::Q8_0,
+          std::string(name) + ": weight type must be Q4_1 or Q8_0");
+  require(m.n == n && m.k == k, std::string(name) + ": shape [" + std::to_string(m.n) + ", " +
+                                    std::to_string(m.k) + "], expected [" + std::to_string(n) + ", " +
+                                    std::to_string(k) + "]");
+}
+
+void LlamaForward::set_layer(int layer, const float* attn_norm, const float* ffn_norm, const GgufMatrix& qkv,
+                             const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down) {
+  require(0 <= layer && layer < dims_.num_layers, "layer " + std::to_string(layer) + " out of range");
+  const int d = dims_.hidden_size, q = dims_.num_heads * dims_.head_dim, kv = dims_.num_kv_heads * dims_.head_dim;
+  check_matrix(qkv, q + 2 * kv, d, "qkv");
+  check_matrix(o, d, q, "o");
+  check_matrix(gate_up, 2 * dims_.intermediate_size, d, "gate_up");
+  check_matrix(down, d, dims_.intermediate_size, "down");
+  Layer& l = layers_[layer];
+  l.attn_norm.assign(attn_norm, attn_norm + d);
+  l.ffn_norm.assign(ffn_norm, ffn_norm + d);
+  l.qkv = OwnedMatrix(qkv);
+  l.o = OwnedMatrix(o);
+  l.gate_up = OwnedMatrix(gate_up);
+  l.down = OwnedMatrix(down);
+}
+
+void LlamaForward::set_globals(const GgufMatrix& embedding, const GgufMatrix* head, const float* final_norm,
+                               const float* rope_cos, const float* rope_sin) {
+  check_matrix(embedding, dims_.vocab_size, dims_.hidden_size, "embedding");
+  if (head != nullptr) check_matrix(*head, dims_.vocab_size, dims_.hidden_size, "head");
+  embedding_ = OwnedMatrix(embedding);
+  head_ = head != nullptr ? OwnedMatrix(*head) : OwnedMatrix();
+  final_norm_.assign(final_norm, final_norm + dims_.hidden_size);
+  const size_t table = static_cast<size_t>(dims_.max_positions) * (dims_.head_dim / 2);
+  rope_cos_.assign(rope_cos, rope_cos + table);
+  rope_sin_.assign(rope_sin, rope_sin + table);
+}
+
+void LlamaForward::check_ready() const {
+  require(!embedding_.empty(), "model: set_globals was not called");
+  for (int i = 0; i < dims_.num_layers; ++i)
+    require(!layers_[i].qkv.empty(), "model: layer " + std::to_string(i) + " was not set");
+}
+
+size_t LlamaForward::weight_bytes() const {
+  size_t total = embedding_.num_bytes() + head_.num_bytes();
+  for (const Layer& l : layers_) total += l.qkv.num_bytes() + l.o.num_bytes() + l.gate_up.num_bytes() + l.down.num_bytes();
+  return total;
+}
+
+// ---- the step ------------------------------------------------------------------------------
+
+struct LlamaForward::Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> qd, qs;
+  std::vector<int32_t> qsum;
+  Scratch(int rows, int k_max)
+      : q(static_cast<size_t>(rows) * k_max), qd(static_cast<size_t>(rows) * k_max / kBlock), qs(qd.size()),
+        qsum(qd.size()) {}
+  // The quantised activations of width k (rows strided by k inside the buffers).
+  QuantRows rows(int k) const { return QuantRows{q.data(), qd.data(), qs.data(), qsum.data(), k}; }
+  void quantize(const Kernels& kernels, const float* x, int row, int k) {
+    const size_t blocks = static_cast<size_t>(row) * (k / kBlock);
+    kernels.quantize_row(x, k, q.data() + static_cast<size_t>(row) * k, qd.data() + blocks, qs.data() + blocks,
+                 qsum.data() + blocks);
+  }
+};
+
+void LlamaForward::matmul(const OwnedMatrix& w, const QuantRows& a, int rows, float* out) {
+  const PackedMatrix& m = w.view();
+  pool_.parallel_for(m.n / kGroupCols, [&](int g0, int g1, int) {
+    kernels_->matmul(m, a, rows, g0, g1, out, static_cast<size_t>(m.n));
+  });
+}
+
+void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int num_spans, const KvCache& cache,
+                           float* hidden) {
+  check_ready();
+  const ModelDims& dm = dims_;
+  const int d = dm.hidden_size, hd = dm.head_dim, heads = dm.num_heads, kvh = dm.num_kv_heads;
+  const int group = heads / kvh, q_size = heads * hd, kv_size = kvh * hd, qkv_n = q_size + 2 * kv_size;
+  const int inter = dm.intermediate_size, half = hd / 2;
+  require(n > 0, "tokens: at least one token");
+  require(num_spans > 0, "spans: at least one span");
+  require(cache.max_seq_len % kBlock == 0, "cache: max_seq_len must be a multiple of 32");
+  // Row r of the step: its slot and position.
+  std::vector<int32_t> row_slot(n), row_pos(n);
+  int row = 0;
+  for (int i = 0; i < num_spans; ++i) {
+    const Span& s = spans[i];
+    require(0 <= s.slot && s.slot < cache.num_slots, "spans: slot " + std::to_string(s.slot) + " out of range");
+    require(s.length > 0 && s.start >= 0, "spans: length must be > 0 and start >= 0");
+    require(s.start + s.length <= cache.max_seq_len && s.start + s.length <= dm.max_positions,
+            "spans: positions past the cache or the model's max positions");
+    require(row + s.length <= n, "spans: cover more tokens than given");
+    for (int t = 0; t < s.length; ++t, ++row) {
+      row_slot[row] = s.slot;
+      row_pos[row] = s.start + t;
+    }
+  }
+  require(row == n, "spans: cover fewer tokens than given");
+  // Attention runs on tiles of a span's consecutive rows, sharing each K/V block among them.
+  struct RowTile {
+    int slot, first_row, first_pos, rows;
+  };
+  std::vector<RowTile> tiles;
+  for (int i = 0, first = 0; i < num_spans; first += spans[i].length, ++i)
+    for (int t = 0; t < spans[i].length; t += kAttendRows)
+      tiles.push_back({spans[i].slot, first + t, spans[i].start + t, std::min(kAttendRows, spans[i].length - t)});
+  for (int i = 0; i < n; ++i)
+    require(0 <= tokens[i] && tokens[i] < dm.vocab_size, "tokens: id " + std::to_string(tokens[i]) + " out of range");
+
+  std::vector<float> x(static_cast<size_t>(n) * d), y(x.size()), h(x.size());
+  std::vector<float> qkv(static_cast<size_t>(n) * qkv_n), attn(static_cast<size_t>(n) * q_size);
+  std::vector<float> gate_up(static_cast<size_t>(n) * 2 * inter), act(static_cast<size_t>(n) * inter);
+  Scratch quant(n, std::max({d, q_size, inter}));
+  const size_t attend_floats = attend_scratch_floats(group, hd);
+  std::vector<float> attend_scratch(attend_floats * pool_.size());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const size_t slot_stride = static_cast<size_t>(kvh) * cache.max_seq_len * hd;
+  const size_t layer_stride = slot_stride * cache.num_slots;
+
+  pool_.parallel_for(n, [&](int r0, int r1, int) {
+    for (int r = r0; r < r1; ++r) embedding_.dequantize_row(tokens[r], x.data() + static_cast<size_t>(r) * d);
+  });
+  for (int li = 0; li < dm.num_layers; ++li) {
+    const Layer& layer = layers_[li];
+    uint16_t* k_layer = cache.k + li * layer_stride;
+    uint16_t* v_layer = cache.v + li * layer_stride;
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) {
+        float* hr = h.data() + static_cast<size_t>(r) * d;
+        kernels_->rms_norm(x.data() + static_cast<size_t>(r) * d, layer.attn_norm.data(), d, dm.rms_norm_eps, hr);
+        quant.quantize(*kernels_, hr, r, d);
+      }
+    });
+    matmul(layer.qkv, quant.rows(d), n, qkv.data());
+    // RoPE, q scaled, then this step's K/V written to the cache before any row attends.
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) {
+        float* qr = qkv.data() + static_cast<size_t>(r) * qkv_n;
+        const size_t table = static_cast<size_t>(row_pos[r]) * half;
+        for (int head = 0; head < heads + kvh; ++head) rope(qr + head * hd, hd, &rope_cos_[table], &rope_sin_[table]);
+        for (int i = 0; i < q_size; ++i) qr[i] = qr[i] * scale;
+        const int pos = row_pos[r];
+        for (int head = 0; head < kvh; ++head) {
+          const size_t base = row_slot[r] * slot_stride + static_cast<size_t>(head) * cache.max_seq_len * hd;
+          const size_t k_at = base + static_cast<size_t>(pos / kBlock) * kBlock * hd + pos % kBlock;  // blocked K^T
+          const size_t v_at = base + static_cast<size_t>(pos) * hd;
+          const float* kr = qr + q_size + head * hd;
+          const float* vr = qr + q_size + kv_size + head * hd;
+          for (int i = 0; i < hd; ++i) {
+            k_layer[k_at + static_cast<size_t>(i) * kBlock] = float_to_half(kr[i]);
+            v_layer[v_at + i] = float_to_half(vr[i]);
+          }
+        }
+      }
+    });
+    pool_.parallel_for(static_cast<int>(tiles.size()) * kvh, [&](int i0, int i1, int thread) {
+      float* scratch = attend_scratch.data() + thread * attend_floats;
+      for (int i = i0; i < i1; ++i) {
+        const RowTile& t = tiles[i / kvh];
+        const int head = i % kvh;
+        const size_t base = t.slot * slot_stride + static_cast<size_t>(head) * cache.max_seq_len * hd;
+        kernels_->attend(qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + head * group * hd, qkv_n, t.rows,
+                         t.first_pos + 1, group, hd, k_layer + base, v_layer + base,
+                         attn.data() + static_cast<size_t>(t.first_row) * q_size + head * group * hd, q_size, scratch);
+      }
+    });
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) quant.quantize(*kernels_, attn.data() + static_cast<size_t>(r) * q_size, r, q_size);
+    });
+    matmul(layer.o, quant.rows(q_size), n, y.data());
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) {
+        float* xr = x.data() + static_cast<size_t>(r) * d;
+        const float* yr = y.data() + static_cast<size_t>(r) * d;
+        for (int i = 0; i < d; ++i) xr[i] = xr[i] + yr[i];
+        float* hr = h.data() + static_cast<size_t>(r) * d;
+        kernels_->rms_norm(xr, layer.ffn_norm.data(), d, dm.rms_norm_eps, hr);
+        quant.quantize(*kernels_, hr, r, d);
+      }
+    });
+    matmul(layer.gate_up, quant.rows(d), n, gate_up.data());
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) {
+        const float* gr = gate_up.data() + static_cast<size_t>(r) * 2 * inter;
+        float* ar = act.data() + static_cast<size_t>(r) * inter;
+        kernels_->silu_mul(gr, gr + inter, ar, inter);
+        quant.quantize(*kernels_, ar, r, inter);
+      }
+    });
+    matmul(layer.down, quant.rows(inter), n, y.data());
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) {
+        float* xr = x.data() + static_cast<size_t>(r) * d;
+        const float* yr = y.data() + static_cast<size_t>(r) * d;
+        for (int i = 0; i < d; ++i) xr[i] = xr[i] + yr[i];
+      }
+    });
+  }
+  pool_.parallel_for(n, [&](int r0, int r1, int) {
+    for (int r = r0; r < r1; ++r)
+      kernels_->rms_norm(x.data() + static_cast<size_t>(r) * d, final_norm_.data(), d, dm.rms_norm_eps,
+               hidden + static_cast<size_t>(r) * d);
+  });
+  pool_.park();
+}
+
+void LlamaForward::logits(const float* hidden, int rows, float* out) {
+  check_ready();
+  const int d = dims_.hidden_size;
+  Scratch quant(rows, d);
+  pool_.parallel_for(rows, [&](int r0, int r1, int) {
+    for (int r = r0; r < r1; ++r) quant.quantize(*kernels_, hidden + static_cast<size_t>(r) * d, r, d);
+  });
+  matmul(head_.empty() ? embedding_ : head_, quant.rows(d), rows, out);
+  pool_.park();
+}
+
+void LlamaForward::embed(const int32_t* tokens, int n, float* out) {
+  check_ready();
+  for (int i = 0; i < n; ++i) {
+    require(0 <= tokens[i] && tokens[i] < dims_.vocab_size, "tokens: id " + std::to_string(tokens[i]) + " out of range");
+    embedding_.dequantize_row(tokens[i], out + static_cast<size_t>(i) * dims_.hidden_size);
+  }
+}
+
+void LlamaForward::head_rows(const int32_t* ids, int n, float* out) {
+  check_ready();
+  const OwnedMatrix& head = head_.empty() ? embedding_ : head_;
+  for (int i = 0; i < n; ++i) {
+    require(0 <= ids[i] && ids[i] < dims_.vocab_size, "ids: " + std::to_string(ids[i]) + " out of range");
+    head.dequantize_row(ids[i], out + static_cast<size_t>(i) * dims_.hidden_size);
+  }
+}
+
+}  // namespace cpu

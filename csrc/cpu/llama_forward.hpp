@@ -1,0 +1,102 @@
+// A Llama decoder forward on quantized weights, one native call per step.
+//
+// The step is a packed batch of spans (a request's new tokens at consecutive positions of its
+// KV slot): a 1-token decode, a K-row verify, a prefill chunk, or several of them. Every row's
+// arithmetic is the same whatever else is in the step (see kernels.hpp), so a K-row verify
+// computes what K 1-row decodes would, bit for bit, and so does any thread count.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.hpp"
+#include "thread_pool.hpp"
+
+namespace cpu {
+
+struct ModelDims {
+  int vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
+  int max_positions;
+  float rms_norm_eps;
+};
+
+// Weights as GGUF stores them: n rows of k / 32 blocks each, row-major.
+struct GgufMatrix {
+  WeightType type;
+  int n, k;
+  const uint8_t* rows;
+};
+
+struct Span {
+  int32_t slot, start, length;
+};
+
+// The fp16 KV cache [layers, slots, kv_heads, max_seq_len, head_dim], owned by the caller;
+// max_seq_len % 32 == 0. V is stored as shaped; K in blocks of 32 positions, each transposed
+// ([max_seq_len / 32][head_dim][32] per slot and head), which the attention kernel reads.
+struct KvCache {
+  uint16_t* k;
+  uint16_t* v;
+  int num_slots, max_seq_len;
+};
+
+// A matrix regrouped into column groups (kernels.hpp), owning its bytes.
+class OwnedMatrix {
+ public:
+  OwnedMatrix() = default;
+  explicit OwnedMatrix(const GgufMatrix& m);
+  const PackedMatrix& view() const { return view_; }
+  bool empty() const { return bytes_.empty(); }
+  // Row r (an output column) dequantised into out [k].
+  void dequantize_row(int r, float* out) const;
+  size_t num_bytes() const { return bytes_.size(); }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  PackedMatrix view_{};
+};
+
+class LlamaForward {
+ public:
+  LlamaForward(const ModelDims& dims, int num_threads, const std::string& isa);
+
+  void set_layer(int layer, const float* attn_norm, const float* ffn_norm, const GgufMatrix& qkv,
+                 const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down);
+  // head may be null: the output head is the (tied) embedding.
+  void set_globals(const GgufMatrix& embedding, const GgufMatrix* head, const float* final_norm,
+                   const float* rope_cos, const float* rope_sin);  // rope: [max_positions, head_dim / 2]
+
+  // hidden [n, hidden_size] after the final norm, for tokens packed in span order.
+  void forward(const int32_t* tokens, int n, const Span* spans, int num_spans, const KvCache& cache,
+               float* hidden);
+  void logits(const float* hidden, int rows, float* out);  // out [rows, vocab]
+  void embed(const int32_t* tokens, int n, float* out);     // dequantised embedding rows
+  void head_rows(const int32_t* ids, int n, float* out);    // dequantised output-head rows
+
+  const ModelDims& dims() const { return dims_; }
+  const char* isa() const { return kernels_->name; }
+  int num_threads() const { return pool_.size(); }
+  size_t weight_bytes() const;
+  void check_ready() const;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm;
+    OwnedMatrix qkv, o, gate_up, down;
+  };
+  struct Scratch;
+
+  void matmul(const OwnedMatrix& w, const QuantRows& a, int rows, float* out);
+  void check_matrix(const GgufMatrix& m, int n, int k, const char* name) const;
+
+  ModelDims dims_;
+  const Kernels* kernels_;
+  ThreadPool pool_;
+  std::vector<Layer> layers_;
+  OwnedMatrix embedding_, head_;
+  std::vector<float> final_norm_, rope_cos_, rope_sin_;
+};
+
+}  // namespace cpu

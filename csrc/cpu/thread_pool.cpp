@@ -1,0 +1,111 @@
+#include "thread_pool.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace cpu {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// About 50-100 us of spinning: longer than the gap between two loops of one forward,
+// shorter than the Python work between two steps.
+constexpr int kSpinIterations = 20000;
+constexpr int kChunksPerThread = 4;
+
+// state = generation (24 bits) | chunks (20 bits) | next chunk (20 bits).
+inline uint32_t generation_of(uint64_t state) { return static_cast<uint32_t>(state >> 40); }
+inline int chunks_of(uint64_t state) { return static_cast<int>((state >> 20) & 0xFFFFFu); }
+inline int next_of(uint64_t state) { return static_cast<int>(state & 0xFFFFFu); }
+
+}  // namespace
+
+ThreadPool::ThreadPool(int num_threads) : num_threads_(num_threads) {
+  if (num_threads < 1 || num_threads > 256) {
+    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
+  }
+  for (int i = 1; i < num_threads; ++i) workers_.emplace_back(&ThreadPool::worker, this, i);
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_.store(true);
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::run_chunks(uint32_t generation, int thread) {
+  for (;;) {
+    uint64_t state = state_.load(std::memory_order_acquire);
+    if (generation_of(state) != generation) return;
+    const int chunk = next_of(state), chunks = chunks_of(state);
+    if (chunk >= chunks) return;
+    const Fn* fn = job_.load(std::memory_order_relaxed);
+    const int n = items_.load(std::memory_order_relaxed);
+    // The claim validates what was read: the loop cannot end while chunk `chunk` is unclaimed.
+    if (!state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel)) continue;
+    const int begin = static_cast<int>(static_cast<int64_t>(n) * chunk / chunks);
+    const int end = static_cast<int>(static_cast<int64_t>(n) * (chunk + 1) / chunks);
+    (*fn)(begin, end, thread);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+void ThreadPool::parallel_for(int n, const Fn& fn) {
+  if (n <= 0) return;
+  if (num_threads_ == 1 || n == 1) {
+    fn(0, n, 0);
+    return;
+  }
+  const int chunks = std::min(n, num_threads_ * kChunksPerThread);
+  park_.store(false, std::memory_order_relaxed);
+  job_.store(&fn, std::memory_order_relaxed);
+  items_.store(n, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  uint32_t generation;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);  // a worker about to sleep sees the new loop
+    generation = (generation_of(state_.load(std::memory_order_relaxed)) + 1) & 0xFFFFFFu;
+    state_.store((static_cast<uint64_t>(generation) << 40) | (static_cast<uint64_t>(chunks) << 20),
+                 std::memory_order_release);
+  }
+  wake_.notify_all();
+  run_chunks(generation, 0);
+  for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
+    if (spins < kSpinIterations) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+void ThreadPool::worker(int index) {
+  uint32_t seen = 0;
+  for (;;) {
+    int spins = 0;
+    while (generation_of(state_.load(std::memory_order_acquire)) == seen) {
+      if (stop_.load(std::memory_order_relaxed)) return;
+      if (++spins < kSpinIterations && !park_.load(std::memory_order_relaxed)) {
+        cpu_relax();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] {
+        return stop_.load() || generation_of(state_.load(std::memory_order_acquire)) != seen;
+      });
+      if (stop_.load()) return;
+    }
+    seen = generation_of(state_.load(std::memory_order_acquire));
+    run_chunks(seen, index);
+  }
+}
+
+}  // namespace cpu

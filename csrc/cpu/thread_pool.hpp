@@ -1,0 +1,56 @@
+// A fixed pool of worker threads for the forward's parallel loops.
+//
+// A forward runs ~8 parallel loops per layer, so a loop must start in about a microsecond:
+// workers spin briefly on the loop counter, then sleep on a condition variable. A loop is cut
+// into more chunks than threads and every participant claims chunks until none are left, so
+// a worker the OS has descheduled (a busy machine) delays nothing: the others take its share.
+// The kernels give every item (a column group, a row, a span x KV head) the same arithmetic
+// whichever thread runs it, so the split never changes a result.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cpu {
+
+class ThreadPool {
+ public:
+  using Fn = std::function<void(int begin, int end, int thread)>;
+
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return num_threads_; }
+
+  // fn(begin, end, thread) over chunks of [0, n); returns when all are done. `thread` is the
+  // participant's index in [0, size()) (for per-thread scratch). Not reentrant.
+  void parallel_for(int n, const Fn& fn);
+
+  // No loop is coming soon (a step ended): workers sleep now instead of spinning, leaving
+  // the cores to whatever runs between steps (the MTP head's torch ops, the event loop).
+  void park() { park_.store(true, std::memory_order_relaxed); }
+
+ private:
+  void worker(int index);
+  void run_chunks(uint32_t generation, int thread);
+
+  int num_threads_;
+  std::vector<std::thread> workers_;
+  // Generation, chunk count and next chunk in one word: a claim is a CAS on all three, so a
+  // worker that slept through a whole loop can never claim a chunk of the next one.
+  std::atomic<uint64_t> state_{0};
+  std::atomic<const Fn*> job_{nullptr};
+  std::atomic<int> items_{0}, done_{0};
+  std::atomic<bool> stop_{false}, park_{false};
+  std::mutex mutex_;
+  std::condition_variable wake_;
+};
+
+}  // namespace cpu

@@ -1,0 +1,172 @@
+"""Weights for the native CPU forward, as GGUF blocks: from a GGUF file or an HF checkpoint.
+
+The kernels read Q4_1 and Q8_0 blocks. A GGUF's tensors in those formats are passed on as
+they are (no dequantisation); anything else (F32, F16, K-quants, ...) and every tensor of a
+Hugging Face checkpoint is quantised to Q8_0 here, once, at load. Fused matrices (q|k|v,
+gate|up) are the row concatenations of their parts, so fusing needs no arithmetic either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from replicas.torch_engine.model_config import ModelConfig
+
+Q4_1, Q8_0 = 3, 8
+_NATIVE = (Q4_1, Q8_0)
+
+Matrix = tuple[np.ndarray, int]  # GGUF rows [n, bytes per row] uint8, GGML type
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray  # [d] float32
+    ffn_norm: np.ndarray
+    qkv: Matrix
+    o: Matrix
+    gate_up: Matrix
+    down: Matrix
+
+
+def quantize_q8_0(weight: np.ndarray) -> Matrix:
+    """A float matrix [n, k] as Q8_0 rows."""
+    from gguf import GGMLQuantizationType, quants
+
+    return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(weight, dtype=np.float32),
+                                                GGMLQuantizationType.Q8_0)), Q8_0
+
+
+def fuse(parts: list[tuple[np.ndarray, int, callable]]) -> Matrix:
+    """Row-concatenate matrices; if their formats differ or are not native, all go to Q8_0.
+
+    Each part is (raw rows, type, dequantize() -> float [n, k]).
+    """
+    types = {t for _, t, _ in parts}
+    if len(types) == 1 and types <= set(_NATIVE):
+        return np.ascontiguousarray(np.concatenate([raw for raw, _, _ in parts])), types.pop()
+    return quantize_q8_0(np.concatenate([dequantize() for _, _, dequantize in parts]))
+
+
+def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: HF row (h, i, j) is GGUF row (h, j, i).
+
+    (i: which half of the head, j < head_dim / 2.) Whole rows move, so blocks are untouched.
+    """
+    return np.arange(num_heads * head_dim).reshape(num_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+class GgufWeights:
+    """A llama GGUF file's weights and shape."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self._reader = GGUFReader(path)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.config = self._config(path)
+
+    def _field(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        value = field.parts[field.data[0]]
+        return value.tobytes().decode() if value.dtype == np.uint8 else value[0].item()
+
+    def _config(self, path: Path) -> ModelConfig:
+        arch = self._field("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
+        heads = int(self._field("llama.attention.head_count"))
+        hidden = int(self._field("llama.embedding_length"))
+        embedding = self._tensors["token_embd.weight"]
+        return ModelConfig(
+            vocab_size=int(self._field("llama.vocab_size", embedding.shape[1])),
+            hidden_size=hidden,
+            intermediate_size=int(self._field("llama.feed_forward_length")),
+            num_layers=int(self._field("llama.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self._field("llama.attention.head_count_kv", heads)),
+            head_dim=int(self._field("llama.rope.dimension_count", hidden // heads)),
+            rope_theta=float(self._field("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(self._field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(self._field("llama.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in self._tensors,
+        )
+
+    def _part(self, name: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, int, callable]:
+        from gguf import quants
+
+        if name not in self._tensors:
+            raise ValueError(f"GGUF tensor {name!r} is missing")
+        tensor = self._tensors[name]
+        raw = tensor.data if rows is None else tensor.data[rows]
+        kind = int(tensor.tensor_type)
+        return raw, kind, lambda: quants.dequantize(raw, tensor.tensor_type).reshape(raw.shape[0], -1)
+
+    def _matrix(self, *names: str) -> Matrix:
+        return fuse([self._part(n) for n in names])
+
+    def _vector(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self._tensors[name].data, dtype=np.float32)
+
+    def layers(self) -> Iterator[LayerWeights]:
+        cfg = self.config
+        q_rows = unpermute_rope_rows(cfg.num_heads, cfg.head_dim)
+        k_rows = unpermute_rope_rows(cfg.num_kv_heads, cfg.head_dim)
+        for i in range(cfg.num_layers):
+            b = f"blk.{i}."
+            yield LayerWeights(
+                attn_norm=self._vector(b + "attn_norm.weight"),
+                ffn_norm=self._vector(b + "ffn_norm.weight"),
+                qkv=fuse([self._part(b + "attn_q.weight", q_rows), self._part(b + "attn_k.weight", k_rows),
+                          self._part(b + "attn_v.weight")]),
+                o=self._matrix(b + "attn_output.weight"),
+                gate_up=self._matrix(b + "ffn_gate.weight", b + "ffn_up.weight"),
+                down=self._matrix(b + "ffn_down.weight"),
+            )
+
+    def embedding(self) -> Matrix:
+        return self._matrix("token_embd.weight")
+
+    def head(self) -> Matrix | None:
+        return None if self.config.tie_word_embeddings else self._matrix("output.weight")
+
+    def final_norm(self) -> np.ndarray:
+        return self._vector("output_norm.weight")
+
+
+class HfWeights:
+    """A Hugging Face Llama checkpoint directory, quantised to Q8_0 as it is read."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from replicas.torch_engine.model import _load_hf_state
+
+        self.config = ModelConfig.from_hf_dir(model_dir)
+        import torch
+
+        self._state = {k: v.numpy() for k, v in _load_hf_state(model_dir, self.config, torch.float32, "cpu").items()}
+
+    def layers(self) -> Iterator[LayerWeights]:
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            yield LayerWeights(
+                attn_norm=np.ascontiguousarray(self._state[p + "input_layernorm.weight"]),
+                ffn_norm=np.ascontiguousarray(self._state[p + "post_attention_layernorm.weight"]),
+                qkv=quantize_q8_0(self._state[p + "self_attn.qkv_proj.weight"]),
+                o=quantize_q8_0(self._state[p + "self_attn.o_proj.weight"]),
+                gate_up=quantize_q8_0(self._state[p + "mlp.gate_up_proj.weight"]),
+                down=quantize_q8_0(self._state[p + "mlp.down_proj.weight"]),
+            )
+
+    def embedding(self) -> Matrix:
+        return quantize_q8_0(self._state["embed_tokens.weight"])
+
+    def head(self) -> Matrix | None:
+        return None if self.config.tie_word_embeddings else quantize_q8_0(self._state["lm_head.weight"])
+
+    def final_norm(self) -> np.ndarray:
+        return np.ascontiguousarray(self._state["norm.weight"])

@@ -1,0 +1,182 @@
+"""The quantized, row-invariant CPU forward (csrc/cpu) behind the same face as `LlamaModel`.
+
+Weights stay in GGUF blocks: the embedded default's Q4_1 layers and Q8_0 embedding are read
+straight from the packaged GGUF (about 100 MB in memory, no fp32 copy); a Hugging Face Llama
+checkpoint, or a GGUF tensor in another format, is quantised to Q8_0 at load. One native call
+runs the whole decoder for a packed step, and every row of it computes the same bits whatever
+else the step holds: a K-row verify equals K 1-row decodes, a request alone equals the same
+request in a busy batch, and prefill in one chunk equals prefill in several.
+
+The KV cache is fp16 (`KVCache(dtype=torch.float16)`); the native code writes and reads it
+through the tensors' memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from replicas.torch_engine import _cpu_forward
+from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.model import SeqSpan, validate_spans
+from replicas.torch_engine.model_config import ModelConfig
+
+Q4_1, Q8_0 = 3, 8  # GGML type numbers the kernels read
+MAX_CHUNK_TOKENS = 256  # rows per native call: bounds the step's scratch memory on long prompts
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_positions, head_dim] as `LlamaModel` builds them (fp32 angles, halves repeated)."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class NativeLlamaModel:
+    """A Llama decoder + head on the native CPU forward; the `LlamaModel` surface the engine uses."""
+
+    def __init__(self, cfg: ModelConfig, forward: "_cpu_forward.LlamaForward") -> None:
+        self.cfg = cfg
+        self._forward = forward
+        self.rope_cos, self.rope_sin = rope_tables(cfg)
+
+    @property
+    def isa(self) -> str:
+        """The kernel path in use: avx512, avx2 or scalar."""
+        return self._forward.isa
+
+    @property
+    def num_threads(self) -> int:
+        return self._forward.num_threads
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._forward.weight_bytes
+
+    # The MTP head runs in torch beside this model: fp32 on the CPU.
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, num_threads: int = 0, isa: str = "") -> "NativeLlamaModel":
+        """A `.gguf` file, or an HF Llama checkpoint directory (quantised to Q8_0 at load).
+
+        num_threads 0: every CPU this process may run on. isa "": the best path this CPU runs
+        (the environment variable SPECSERVE_CPU_ISA forces one: scalar, avx2, avx512).
+        """
+        path = Path(path)
+        if path.suffix == ".gguf":
+            from replicas.torch_engine.gguf_weights import GgufWeights
+
+            source = GgufWeights(path)
+        else:
+            from replicas.torch_engine.gguf_weights import HfWeights
+
+            source = HfWeights(path)
+        cfg = source.config
+        dims = _cpu_forward.ModelDims(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
+        forward = _cpu_forward.LlamaForward(dims, num_threads or default_num_threads(), isa)
+        for i, layer in enumerate(source.layers()):
+            forward.set_layer(i, layer.attn_norm, layer.ffn_norm, *layer.qkv, *layer.o, *layer.gate_up, *layer.down)
+        cos, sin = rope_tables(cfg)
+        half = cfg.head_dim // 2
+        head = source.head()
+        forward.set_globals(*source.embedding(), *(head if head is not None else (None, Q8_0)),
+                            source.final_norm(), np.ascontiguousarray(cos[:, :half].numpy()),
+                            np.ascontiguousarray(sin[:, :half].numpy()))
+        return cls(cfg, forward)
+
+    # -- the LlamaModel surface ---------------------------------------------------------------
+    def make_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
+        """An fp16 KVCache shaped for this model, its length rounded up to a multiple of 32.
+
+        The native code stores V as shaped and K in blocks of 32 positions, each transposed.
+        """
+        return KVCache(self.cfg.num_layers, max_slots, -(-max_seq_len // 32) * 32, self.cfg.num_kv_heads,
+                       self.cfg.head_dim, dtype=torch.float16)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> Tensor:
+        """input_ids [N] packed in span order -> hidden [N, d] float32 after the final norm.
+
+        Sets `cache.lengths[slot] = start + length` for every span.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [N] (packed), got shape {tuple(input_ids.shape)}")
+        validate_spans(spans, input_ids.shape[0], cache)
+        if cache.k.dtype != torch.float16 or cache.num_layers != self.cfg.num_layers:
+            raise ValueError("cache: the native forward needs an fp16 KVCache from make_cache()")
+        max_end = max(s.start + s.length for s in spans)
+        if max_end > self.cfg.max_position_embeddings:
+            raise ValueError(f"position {max_end - 1} exceeds max_position_embeddings {self.cfg.max_position_embeddings}")
+        ids = input_ids.to(torch.int32).numpy()
+        hidden = np.empty((len(ids), self.cfg.hidden_size), dtype=np.float32)
+        k, v = cache.k.numpy(), cache.v.numpy()
+        for rows, chunk in _chunks(spans, MAX_CHUNK_TOKENS):
+            self._forward.forward(np.ascontiguousarray(ids[rows]), chunk, k, v, hidden[rows])
+        for span in spans:
+            cache.lengths[span.slot] = span.start + span.length
+        return torch.from_numpy(hidden)
+
+    forward = __call__
+
+    @torch.inference_mode()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [M, d] -> logits [M, V] float32 (compute only the rows you need)."""
+        h = np.ascontiguousarray(hidden.float().numpy())
+        out = np.empty((h.shape[0], self.cfg.vocab_size), dtype=np.float32)
+        self._forward.logits(h, out)
+        return torch.from_numpy(out)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [N] -> dequantised embedding rows [N, d] float32 (for the MTP head)."""
+        ids = tokens.to(torch.int32).numpy()
+        out = np.empty((len(ids), self.cfg.hidden_size), dtype=np.float32)
+        self._forward.embed(np.ascontiguousarray(ids), out)
+        return torch.from_numpy(out)
+
+    def head_rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` of the output head, dequantised [len(ids), d] float32 (the MTP's reduced head)."""
+        idx = ids.to(torch.int32).numpy()
+        out = np.empty((len(idx), self.cfg.hidden_size), dtype=np.float32)
+        self._forward.head_rows(np.ascontiguousarray(idx), out)
+        return torch.from_numpy(out)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [N, head_dim] for positions [N] (the MTP head's torch layer uses them)."""
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+
+def _chunks(spans: Sequence[SeqSpan], max_tokens: int) -> Iterator[tuple[slice, np.ndarray]]:
+    """Split a packed step into native calls of at most `max_tokens` rows.
+
+    A span that crosses a boundary continues in the next call at its next position; the rows
+    compute the same bits either way (row invariance), only the scratch memory is bounded.
+    """
+    row, pending, used, first = 0, [], 0, 0
+    for span in spans:
+        start, left = span.start, span.length
+        while left:
+            take = min(left, max_tokens - used)
+            pending.append((span.slot, start, take))
+            start, left, used, row = start + take, left - take, used + take, row + take
+            if used == max_tokens:
+                yield slice(first, row), np.asarray(pending, dtype=np.int32)
+                pending, used, first = [], 0, row
+    if pending:
+        yield slice(first, row), np.asarray(pending, dtype=np.int32)

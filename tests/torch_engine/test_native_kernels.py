@@ -1,0 +1,149 @@
+"""The native CPU kernels against float64 references, and every kernel path against the others.
+
+Each kernel's error bound is derived from what it is allowed to lose (the activation
+quantisation, fp16 K/V, float rounding), not tuned to a CPU. Paths the CPU cannot run are
+skipped with the reason; the paths it can run must agree bit for bit (they compute the same
+canonical arithmetic, see csrc/cpu/numerics.hpp).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replicas.torch_engine import _cpu_forward as native
+
+ISAS = ("scalar", "avx2", "avx512")
+Q4_1, Q8_0 = 3, 8
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def runnable(isa: str):
+    return pytest.param(isa, marks=pytest.mark.skipif(not native.cpu_supports(isa),
+                                                      reason=f"this CPU cannot run the {isa} kernels"))
+
+
+def quantized(rng, n: int, k: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF rows of a random [n, k] matrix and their dequantised values."""
+    from gguf import GGMLQuantizationType, quants
+
+    gtype = GGMLQuantizationType(kind)
+    rows = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gtype)
+    return rows, quants.dequantize(rows, gtype).astype(np.float64)
+
+
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+def test_quantize_rows_rounds_to_nearest_within_half_a_step(isa):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 96)) * rng.uniform(1e-3, 1e3, (5, 1))).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+    q, d, s, total = native.quantize_rows(x, isa)
+    blocks = x.reshape(5, 3, 32).astype(np.float64)
+    step = d[..., None].astype(np.float64)
+    assert np.all(np.abs(q.reshape(5, 3, 32) * step - blocks) <= step / 2 * (1 + 1e-5) + 1e-30)
+    assert np.abs(q).max() <= 127
+    np.testing.assert_array_equal(total, q.reshape(5, 3, 32).astype(np.int64).sum(-1))
+    np.testing.assert_array_equal(s, (d * total.astype(np.float32)).astype(np.float32))
+    assert np.all(q[0, :32] == 0) and d[0, 0] == 0
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+def test_linear_against_float64(isa, kind):
+    rng = np.random.default_rng(kind)
+    rows, w = quantized(rng, 48, 192, kind)
+    x = rng.standard_normal((7, 192)).astype(np.float32)
+    got = native.linear(rows, kind, x, isa, 2)
+    # The kernel multiplies the dequantised weights by the row's quantised activations exactly
+    # (integer block sums), then rounds one fma chain of 2 per block: that chain's error only.
+    q, d, _, _ = native.quantize_rows(x, "scalar")
+    xq = (q.reshape(7, 6, 32) * d[..., None].astype(np.float64)).reshape(7, 192)
+    exact = xq @ w.T
+    chain = 2 * 6 * F32_EPS * (np.abs(xq) @ np.abs(w).T)
+    assert np.all(np.abs(got - exact) <= chain + 1e-6)
+    # Against unquantised activations: at most half a step per value.
+    step = np.repeat(d.astype(np.float64) / 2, 32, axis=1)
+    assert np.all(np.abs(got - x.astype(np.float64) @ w.T) <= step @ np.abs(w).T + chain + 1e-6)
+
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_pos: int) -> np.ndarray:
+    scores = q.astype(np.float64) @ k[:n_pos].astype(np.float64).T  # [group, n_pos]
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v[:n_pos].astype(np.float64)
+
+
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+@pytest.mark.parametrize("n_pos, rows", [(1, 1), (31, 1), (32, 1), (33, 1), (100, 17), (70, 32)])
+def test_attention_against_float64(isa, n_pos, rows):
+    rng = np.random.default_rng(n_pos * 100 + rows)
+    q = (rng.standard_normal((rows, 3, 64)) * 0.125).astype(np.float32)
+    k = rng.standard_normal((n_pos, 64)).astype(np.float16)
+    v = rng.standard_normal((n_pos, 64)).astype(np.float16)
+    first = n_pos - rows + 1
+    got = native.attend(q, k, v, first, isa)
+    for r in range(rows):
+        expected = reference_attention(q[r], k, v, first + r)
+        # exp within a few ulp, scores and sums of <= n_pos terms: a few hundred ulp at most.
+        assert np.abs(got[r] - expected).max() <= 64 * (first + r + 32) * F32_EPS * np.abs(v).max()
+
+
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+def test_silu_mul_against_float64(isa):
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal(1003) * 20).astype(np.float32)
+    u = rng.standard_normal(1003).astype(np.float32)
+    expected = g / (1 + np.exp(-g.astype(np.float64))) * u
+    assert np.all(np.abs(native.silu_mul(g, u, isa) - expected) <= 8 * F32_EPS * np.abs(expected) + 1e-30)
+
+
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS[1:]])
+def test_simd_paths_equal_the_scalar_path_bitwise(isa):
+    rng = np.random.default_rng(4)
+    for kind in (Q4_1, Q8_0):
+        rows, _ = quantized(rng, 64, 256, kind)
+        x = rng.standard_normal((9, 256)).astype(np.float32)
+        np.testing.assert_array_equal(native.linear(rows, kind, x, isa, 2), native.linear(rows, kind, x, "scalar", 1))
+    x = (rng.standard_normal((3, 160)) * 5).astype(np.float32)
+    for a, b in zip(native.quantize_rows(x, isa), native.quantize_rows(x, "scalar")):
+        np.testing.assert_array_equal(a, b)
+    q = (rng.standard_normal((17, 3, 64)) * 0.125).astype(np.float32)
+    k, v = (rng.standard_normal((2, 90, 64)) * 3).astype(np.float16)
+    np.testing.assert_array_equal(native.attend(q, k, v, 74, isa), native.attend(q, k, v, 74, "scalar"))
+    g, u = (rng.standard_normal((2, 77)) * 30).astype(np.float32)
+    np.testing.assert_array_equal(native.silu_mul(g, u, isa), native.silu_mul(g, u, "scalar"))
+
+
+def test_linear_rows_are_independent_of_the_batch_and_threads():
+    rng = np.random.default_rng(5)
+    rows, _ = quantized(rng, 96, 128, Q4_1)
+    x = rng.standard_normal((11, 128)).astype(np.float32)
+    isa = native.best_isa()
+    together = native.linear(rows, Q4_1, x, isa, 2)
+    alone = np.concatenate([native.linear(rows, Q4_1, x[i:i + 1], isa, 1) for i in range(11)])
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_bad_arguments_raise_value_error():
+    rng = np.random.default_rng(6)
+    rows, _ = quantized(rng, 8, 64, Q8_0)
+    with pytest.raises(ValueError, match="x: dtype must be float32"):
+        native.linear(rows, Q8_0, np.zeros((1, 64)), "scalar")
+    with pytest.raises(ValueError, match="weights: dimension 1 must be"):
+        native.linear(rows, Q4_1, np.zeros((1, 64), np.float32), "scalar")
+    with pytest.raises(ValueError, match="weight type must be"):
+        native.linear(rows, 2, np.zeros((1, 64), np.float32), "scalar")
+    with pytest.raises(ValueError, match="unknown or not supported"):
+        native.linear(rows, Q8_0, np.zeros((1, 64), np.float32), "neon")
+    with pytest.raises(ValueError, match="first_n_pos"):
+        native.attend(np.zeros((2, 1, 8), np.float32), np.zeros((1, 8), np.float16), np.zeros((1, 8), np.float16), 1,
+                      "scalar")
+    with pytest.raises(ValueError, match="num_threads"):
+        native.linear(rows, Q8_0, np.zeros((1, 64), np.float32), "scalar", 0)
+
+
+def test_environment_variable_forces_a_path(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "scalar")
+    assert native.best_isa() == "scalar"
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_ISA=sse9"):
+        native.best_isa()

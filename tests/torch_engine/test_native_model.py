@@ -1,0 +1,200 @@
+"""The native forward on the real model: bitwise row invariance, and closeness to fp32.
+
+Row invariance is what makes speculation exact: every row of a step must compute the same
+bits as that token decoded alone, whatever else the step holds (a K-row verify, other
+requests, a prefill chunk) and however many threads run it. Compared with `torch.equal`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replicas.torch_engine import native_model
+from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
+from replicas.torch_engine.model import SeqSpan
+from replicas.torch_engine.native_model import NativeLlamaModel
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model() -> NativeLlamaModel:
+    return NativeLlamaModel.load(packaged_gguf_path(), num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def model_1t() -> NativeLlamaModel:
+    return NativeLlamaModel.load(packaged_gguf_path(), num_threads=1)
+
+
+def random_ids(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_of(model: NativeLlamaModel, ids: torch.Tensor, spans: list[SeqSpan], cache) -> torch.Tensor:
+    return model.logits(model(ids, spans, cache))
+
+
+def prefilled(model: NativeLlamaModel, prompt: torch.Tensor, slots: int = 1, max_seq_len: int = 256):
+    cache = model.make_cache(slots, max_seq_len)
+    slot = cache.allocate()
+    model(prompt, [SeqSpan(slot, 0, len(prompt))], cache)
+    return cache, slot
+
+
+@pytest.mark.parametrize("seed, prompt_len, k", [(0, 5, 2), (1, 40, 9), (2, 31, 17), (3, 100, 17), (4, 64, 5)])
+def test_verify_rows_equal_one_row_decodes(model, seed, prompt_len, k):
+    ids = random_ids(seed, prompt_len + k)
+    cache, slot = prefilled(model, ids[:prompt_len])
+    verify = logits_of(model, ids[prompt_len:], [SeqSpan(slot, prompt_len, k)], cache)
+    cache.truncate(slot, prompt_len)
+    decodes = torch.cat([logits_of(model, ids[prompt_len + i:prompt_len + i + 1], [SeqSpan(slot, prompt_len + i, 1)], cache)
+                         for i in range(k)])
+    assert torch.equal(verify, decodes)
+
+
+def test_packed_step_equals_each_request_alone(model):
+    # Three requests in one step: a 1-token decode, a 7-token verify, a 12-token prefill.
+    prompts = [random_ids(10, 20), random_ids(11, 45), random_ids(12, 12)]
+    news = [random_ids(13, 1), random_ids(14, 7), prompts[2]]
+    cache = model.make_cache(3, 128)
+    slots = [cache.allocate() for _ in range(3)]
+    for slot, prompt in zip(slots[:2], prompts[:2]):
+        model(prompt, [SeqSpan(slot, 0, len(prompt))], cache)
+    spans = [SeqSpan(slots[0], 20, 1), SeqSpan(slots[1], 45, 7), SeqSpan(slots[2], 0, 12)]
+    packed = logits_of(model, torch.cat(news), spans, cache)
+    alone = []
+    for prompt, new, span in zip(prompts, news, spans):
+        one, slot = prefilled(model, prompt[:span.start], max_seq_len=128) if span.start else (model.make_cache(1, 128), None)
+        slot = one.allocate() if slot is None else slot
+        alone.append(logits_of(model, new, [SeqSpan(slot, span.start, span.length)], one))
+    assert torch.equal(packed, torch.cat(alone))
+
+
+def test_thread_count_does_not_change_a_bit(model, model_1t):
+    ids = random_ids(20, 60)
+    results = []
+    for m in (model, model_1t):
+        cache, slot = prefilled(m, ids[:50])
+        results.append(logits_of(m, ids[50:], [SeqSpan(slot, 50, 10)], cache))
+    assert torch.equal(*results)
+
+
+def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
+    ids = random_ids(30, 70)
+    cache, slot = prefilled(model, ids)
+    whole = model(ids, [SeqSpan(slot, 0, 70)], cache)
+    chunked = [model(ids[i:i + 16], [SeqSpan(slot, i, len(ids[i:i + 16]))], cache) for i in range(0, 70, 16)]
+    assert torch.equal(whole, torch.cat(chunked))
+    monkeypatch.setattr(native_model, "MAX_CHUNK_TOKENS", 9)  # the face's own split of a long step
+    assert torch.equal(whole, model(ids, [SeqSpan(slot, 0, 70)], cache))
+
+
+def test_scalar_path_equals_the_best_path():
+    best = NativeLlamaModel.load(packaged_gguf_path(), num_threads=1)
+    if best.isa == "scalar":
+        pytest.skip("this CPU runs only the scalar path")
+    scalar = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2, isa="scalar")
+    ids = random_ids(40, 6)
+    got = []
+    for m in (best, scalar):
+        cache = m.make_cache(1, 32)
+        got.append(logits_of(m, ids, [SeqSpan(cache.allocate(), 0, 6)], cache))
+    assert torch.equal(*got)
+
+
+AGREEMENT_PROMPTS = [
+    "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Why is the sky blue? Answer in one sentence.", "import numpy as np\n\ndef normalize(x):\n",
+    "Write a haiku about autumn leaves.", "List three uses of a hash map.",
+    "class Stack:\n    def __init__(self):\n", "The quick brown fox jumps over the lazy dog. The quick",
+    "Translate 'good morning' into Spanish.", "SELECT name, count(*) FROM users GROUP BY",
+    "Explain recursion to a child.", "for i in range(10):\n    print(",
+    "What is the boiling point of water at sea level?", "Once upon a time, in a small village,",
+    "The three primary colors are", "<html>\n<head>\n<title>",
+    "Summarize the plot of Romeo and Juliet.", "def is_prime(n: int) -> bool:\n",
+    "The derivative of x squared is", "Give me a recipe for pancakes.",
+]
+
+
+def test_greedy_tokens_agree_with_the_dequantised_fp32_reference(model):
+    """Teacher-forced argmax of the quantized forward against the fp32 forward of the same
+    (dequantised) weights, on 20 prompts. Activation quantisation may flip near-ties, so
+    this is a rate, reported, with a floor far below what any CPU gives (0.93-0.95)."""
+    from transformers import AutoTokenizer
+
+    from replicas.torch_engine.model import LlamaModel
+
+    model_dir = resolve_model_dir()
+    fp32 = LlamaModel.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    agree = total = 0
+    for text in AGREEMENT_PROMPTS:
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        got = []
+        for m in (model, fp32):
+            cache = m.make_cache(1, len(ids))
+            got.append(m.logits(m(ids, [SeqSpan(cache.allocate(), 0, len(ids))], cache)).argmax(-1))
+        agree += int((got[0] == got[1]).sum())
+        total += len(ids)
+    rate = agree / total
+    print(f"greedy agreement with the fp32 reference: {rate:.3f} over {total} positions")
+    assert rate >= 0.85
+
+
+def test_embedding_and_head_rows_are_the_gguf_values(model):
+    from gguf import GGUFReader, quants
+
+    reader = GGUFReader(packaged_gguf_path())
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    ids = torch.tensor([0, 1, 7, 4095, 49151])
+    expected = torch.from_numpy(quants.dequantize(embedding.data[ids.numpy()], embedding.tensor_type))
+    assert torch.equal(model.embed(ids), expected)
+    assert torch.equal(model.head_rows(ids), expected)  # tied
+    assert model.weight_bytes < 120e6  # the GGUF's blocks, no fp32 copy
+
+
+def tiny_llama_dir(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=104, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def test_hf_checkpoint_loads_quantised_and_stays_row_invariant(tmp_path):
+    hf = tiny_llama_dir(tmp_path)
+    model = NativeLlamaModel.load(tmp_path, num_threads=2)
+    ids = torch.randint(0, 104, (24,), generator=torch.Generator().manual_seed(5))
+    cache = model.make_cache(1, 64)
+    slot = cache.allocate()
+    got = logits_of(model, ids, [SeqSpan(slot, 0, 24)], cache)
+    with torch.inference_mode():
+        expected = hf(ids[None]).logits[0]
+    # Q8_0 weights and activations: about 1% relative error per matmul.
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
+    cache.truncate(slot, 20)
+    decodes = torch.cat([logits_of(model, ids[i:i + 1], [SeqSpan(slot, i, 1)], cache) for i in range(20, 24)])
+    assert torch.equal(decodes, got[20:])
+
+
+def test_bad_steps_are_value_errors(model):
+    cache = model.make_cache(1, 32)
+    slot = cache.allocate()
+    with pytest.raises(ValueError, match="exceeds the cache capacity"):
+        model(random_ids(50, 40), [SeqSpan(slot, 0, 40)], cache)
+    with pytest.raises(ValueError, match="fp16 KVCache"):
+        from replicas.torch_engine.kv_cache import KVCache
+
+        fp32_cache = KVCache(30, 1, 32, 3, 64)
+        model(random_ids(51, 3), [SeqSpan(fp32_cache.allocate(), 0, 3)], fp32_cache)
+    with pytest.raises(ValueError, match="spans cover 2 tokens but input_ids has 3"):
+        model(random_ids(52, 3), [SeqSpan(slot, 0, 2)], cache)
+    with pytest.raises(ValueError, match="tokens: id"):
+        model._forward.embed(np.array([49152], dtype=np.int32), np.zeros((1, 576), np.float32))
