@@ -60,13 +60,13 @@ async def run_batch(engine: TorchEngine, prompts: list[str], mode: str, max_toke
     async def one(i: int, prompt: str) -> dict:
         req = GenerationRequest(f"{mode}-{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens),
                                 RequestSpeculation(mode="auto"))
-        tokens, first, last = [], None, None
+        tokens, first, last, submitted = [], None, None, time.perf_counter()
         async for delta in engine.generate(req):
             now = time.perf_counter()
             first = first or now
             tokens += delta.token_ids
             last = delta
-        return {"tokens": tokens, "first_s": first, "end_s": now, "spec": last.speculation}
+        return {"tokens": tokens, "submit_s": submitted, "first_s": first, "end_s": now, "spec": last.speculation}
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
@@ -98,12 +98,16 @@ def mtp_by_position(core, drafted: list[int], accepted: list[int]):
         del totals.record  # the class's own method again
 
 
-def summarize(results: list[dict], wall_s: float) -> dict:
+def summarize(results: list[dict], wall_s: float, e2e_wall_s: float) -> dict:
+    """Decode tokens/s (first token to last), end-to-end tokens/s (submission to last token,
+    prefill included), median TTFT, MAT (tokens per verify step, bonus included)."""
     decode_tokens = sum(len(r["tokens"]) - 1 for r in results)
     steps = sum(r["spec"]["steps"] for r in results)
     accepted = sum(r["spec"]["accepted_tokens"] for r in results)
     return {
         "tokens_per_s": decode_tokens / wall_s,
+        "e2e_tokens_per_s": sum(len(r["tokens"]) for r in results) / e2e_wall_s,
+        "ttft_ms": statistics.median((r["first_s"] - r["submit_s"]) * 1e3 for r in results),
         "mat": (accepted + steps) / steps if steps else 1.0,
         "draft_tokens": sum(r["spec"]["draft_tokens"] for r in results),
         "accepted_tokens": accepted,
@@ -125,7 +129,7 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
     core = engine.core
     for workload, texts in prompts.items():
         groups = [texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1 else [(texts * batch)[:batch]]
-        walls = dict.fromkeys(MODES, 0.0)
+        walls, e2e_walls = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)
         results: dict[str, list[dict]] = {mode: [] for mode in MODES}
         mtp_counts = {mode: ([], []) for mode in MODES}  # (drafted, accepted) by draft position
         for group in groups:
@@ -135,15 +139,17 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
                     res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
                 # decode time of the group: first token of any request to the last token of all
                 walls[mode] += max(r["end_s"] for r in res) - min(r["first_s"] for r in res)
+                e2e_walls[mode] += max(r["end_s"] for r in res) - min(r["submit_s"] for r in res)
                 results[mode] += res
         for mode in MODES:
-            summary = summarize(results[mode], walls[mode])
+            summary = summarize(results[mode], walls[mode], e2e_walls[mode])
             drafted, accepted = mtp_counts[mode]
             summary["mtp_accept_by_position"] = [round(a / d, 4) for a, d in zip(accepted, drafted) if d][:8]
             out[f"{workload}/{mode}"] = summary
             outputs[f"{workload}/{mode}"] = [r["tokens"] for r in results[mode]]
             print(f"  batch {batch}{' gate open' if open_gate else ''} {workload:9s} {mode:6s} "
-                  f"{summary['tokens_per_s']:7.2f} tok/s  MAT {summary['mat']:.2f}", flush=True)
+                  f"{summary['tokens_per_s']:7.2f} tok/s decode, {summary['e2e_tokens_per_s']:7.2f} end-to-end  "
+                  f"MAT {summary['mat']:.2f}", flush=True)
     engine.configure(base)
     for workload in prompts:  # speculation must never change greedy output
         ref = outputs[f"{workload}/off"]

@@ -1,19 +1,16 @@
-"""Forward-pass cost, side by side: Hugging Face (DynamicCache) vs our lean forward.
+"""Forward-pass cost, side by side: the native quantized forward vs the fp32 torch forward.
 
 Each case is one forward of T new tokens per sequence on top of a `context`-token KV cache
 (logits for every new token included, as a verify step needs them), timed repeatedly and
-rolled back after each run. The two implementations alternate inside every repeat so that
-load from other processes on this shared machine hits both alike. Reported per case: the
-median wall time, its p10-p90 spread (how noisy the machine was), and the median process
-CPU time (robust to other tenants when threads=1; with more threads it sums all threads,
-including OpenMP spin-waiting).
+rolled back after each run; the two forwards alternate inside every repeat so that load from
+other processes hits both alike. Reported: median wall time and its p10-p90 spread, the cost
+of a 1..17-row verify relative to one row, batch 8, the time to first token of a 1,000-token
+prompt, decode tokens/s against the memory-bandwidth roofline (weights + KV read per token),
+and the CPU model and the kernel path used.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.forward [--threads 1 2] [--repeats 15]
+    .venv/bin/python -m benchmarks.forward [--threads 1 2] [--repeats 15] [--context 1024]
 
-On a shared machine run with OMP_WAIT_POLICY=PASSIVE: with the default (spinning) policy,
-2 threads on 2 busy cores measured 5-20x slower than 1 thread (see the report).
-
-Writes benchmarks/results/forward.json and prints a table.
+Writes benchmarks/results/forward.json and forward.png.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -29,11 +25,13 @@ from pathlib import Path
 
 import torch
 
-from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.loader import resolve_model_dir
+from benchmarks.machine import cpu_description, read_bandwidth_gbs
+from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model import LlamaModel, SeqSpan
+from replicas.torch_engine.native_model import NativeLlamaModel
 
-CASES = ((1, 1), (1, 2), (1, 5), (1, 9), (1, 17), (8, 1), (8, 9))  # (batch, new tokens each)
+CASES = ((1, 1), (1, 2), (1, 3), (1, 5), (1, 9), (1, 13), (1, 17), (8, 1), (8, 9))  # (batch, new tokens)
+PREFILL_TOKENS = 1000
 
 
 @dataclass(frozen=True)
@@ -41,127 +39,165 @@ class Row:
     threads: int
     batch: int
     new_tokens: int
-    hf_ms: float
-    ours_ms: float
-    hf_spread_ms: tuple[float, float]    # wall p10, p90
-    ours_spread_ms: tuple[float, float]
-    hf_cpu_ms: float                     # median process CPU time
-    ours_cpu_ms: float
+    ours_ms: float                       # the native forward (what the CPU engine runs)
+    fp32_ms: float                       # the fp32 torch forward it replaced
+    ours_spread_ms: tuple[float, float]  # wall p10, p90
+    fp32_spread_ms: tuple[float, float]
 
 
 def _quantiles_ms(samples_s: list[float]) -> tuple[float, tuple[float, float]]:
     ms = sorted(s * 1e3 for s in samples_s)
     deciles = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
-    return statistics.median(ms), (round(deciles[0], 1), round(deciles[-1], 1))
+    return round(statistics.median(ms), 2), (round(deciles[0], 2), round(deciles[-1], 2))
 
 
-def _timed(fn) -> tuple[float, float]:
-    """(wall s, process CPU s) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
+def _timed(fn) -> float:
+    started = time.perf_counter()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return time.perf_counter() - started
 
 
-class HfSide:
-    """HF forward with a DynamicCache holding `context` tokens per row; crops back after a run."""
+class Side:
+    """One model over `batch` slots, each holding the same `context` tokens; truncates back."""
 
-    def __init__(self, model_dir: Path, prompt_ids: torch.Tensor, batch: int) -> None:
-        from transformers import AutoModelForCausalLM, DynamicCache
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.context = prompt_ids.shape[0]
-        self.cache = DynamicCache(config=self.model.config)
-        with torch.inference_mode():
-            self.model(prompt_ids[None].expand(batch, -1), past_key_values=self.cache, use_cache=True)
-
-    def step(self, new_ids: torch.Tensor) -> None:  # new_ids [B, T]
-        with torch.inference_mode():
-            self.model(new_ids, past_key_values=self.cache, use_cache=True)
-        self.cache.crop(-new_ids.shape[1])  # transformers 5: a negative count drops tokens
-
-
-class OursSide:
-    """Our forward over `batch` slots, each holding the same `context` tokens; truncates back."""
-
-    def __init__(self, model: LlamaModel, prompt_ids: torch.Tensor, batch: int) -> None:
+    def __init__(self, model, prompt_ids: torch.Tensor, batch: int) -> None:
         self.model = model
         self.context = prompt_ids.shape[0]
-        self.cache: KVCache = model.make_cache(max_slots=batch, max_seq_len=self.context + 32)
+        self.cache = model.make_cache(batch, self.context + 32)
         self.slots = [self.cache.allocate() for _ in range(batch)]
-        model(prompt_ids, [SeqSpan(self.slots[0], 0, self.context)], self.cache)
+        with torch.inference_mode():
+            model(prompt_ids, [SeqSpan(self.slots[0], 0, self.context)], self.cache)
         for slot in self.slots[1:]:  # same prefix in every slot: copy instead of re-prefilling
             self.cache.k[:, slot] = self.cache.k[:, self.slots[0]]
             self.cache.v[:, slot] = self.cache.v[:, self.slots[0]]
             self.cache.lengths[slot] = self.context
 
     def step(self, new_ids: torch.Tensor) -> None:  # new_ids [B, T]
-        t = new_ids.shape[1]
-        spans = [SeqSpan(slot, self.context, t) for slot in self.slots]
-        self.model.logits(self.model(new_ids.reshape(-1), spans, self.cache))
+        spans = [SeqSpan(slot, self.context, new_ids.shape[1]) for slot in self.slots]
+        with torch.inference_mode():
+            self.model.logits(self.model(new_ids.reshape(-1), spans, self.cache))
         for slot in self.slots:
             self.cache.truncate(slot, self.context)
 
 
-def run(context: int, repeats: int, threads: list[int], warmup: int = 2) -> list[Row]:
-    model_dir = resolve_model_dir()
-    ours_model = LlamaModel.from_pretrained(model_dir)
+def time_to_first_token_ms(model, prompt_ids: torch.Tensor, repeats: int) -> float:
+    cache = model.make_cache(1, prompt_ids.shape[0])
+    slot = cache.allocate()
+
+    def prefill() -> None:
+        with torch.inference_mode():
+            model.logits(model(prompt_ids, [SeqSpan(slot, 0, prompt_ids.shape[0])], cache)[-1:])
+
+    return round(statistics.median(_timed(prefill) for _ in range(repeats)) * 1e3, 1)
+
+
+def run(context: int, repeats: int, threads: list[int], warmup: int = 2) -> tuple[list[Row], dict]:
+    fp32 = LlamaModel.from_pretrained(resolve_model_dir())
     gen = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(100, ours_model.cfg.vocab_size, (context,), generator=gen)
-    rows = []
-    for batch in sorted({b for b, _ in CASES}):
-        hf, ours = HfSide(model_dir, prompt_ids, batch), OursSide(ours_model, prompt_ids, batch)
-        for num_threads in threads:
-            torch.set_num_threads(num_threads)
+    prompt_ids = torch.randint(100, fp32.cfg.vocab_size, (context,), generator=gen)
+    long_prompt = torch.randint(100, fp32.cfg.vocab_size, (PREFILL_TOKENS,), generator=gen)
+    rows, per_threads = [], {}
+    for num_threads in threads:
+        torch.set_num_threads(num_threads)
+        native = NativeLlamaModel.load(packaged_gguf_path(), num_threads=num_threads)
+        per_threads[num_threads] = {
+            "kernel_path": native.isa, "weight_bytes": native.weight_bytes,
+            # one decode step reads every layer's K and V of the context, fp16
+            "kv_bytes_per_token": 2 * 2 * native.cfg.num_layers * native.cfg.num_kv_heads * native.cfg.head_dim * context,
+            "ttft_ms": {"ours": time_to_first_token_ms(native, long_prompt, 3),
+                        "fp32": time_to_first_token_ms(fp32, long_prompt, 3)},
+        }
+        for batch in sorted({b for b, _ in CASES}):
+            sides = Side(native, prompt_ids, batch), Side(fp32, prompt_ids, batch)
             for _, t in (c for c in CASES if c[0] == batch):
-                new_ids = torch.randint(100, ours_model.cfg.vocab_size, (batch, t), generator=gen)
-                hf_s, ours_s = [], []
+                new_ids = torch.randint(100, fp32.cfg.vocab_size, (batch, t), generator=gen)
+                samples: tuple[list[float], list[float]] = ([], [])
                 for i in range(warmup + repeats):
-                    a, b = _timed(lambda: hf.step(new_ids)), _timed(lambda: ours.step(new_ids))
-                    if i >= warmup:
-                        hf_s.append(a)
-                        ours_s.append(b)
-                (hf_ms, hf_spread), (ours_ms, ours_spread) = (_quantiles_ms([w for w, _ in x]) for x in (hf_s, ours_s))
-                hf_cpu, ours_cpu = (statistics.median(c for _, c in x) * 1e3 for x in (hf_s, ours_s))
-                rows.append(Row(num_threads, batch, t, round(hf_ms, 1), round(ours_ms, 1), hf_spread, ours_spread,
-                                round(hf_cpu, 1), round(ours_cpu, 1)))
+                    for side, out in zip(sides, samples):
+                        elapsed = _timed(lambda: side.step(new_ids))
+                        if i >= warmup:
+                            out.append(elapsed)
+                (ours, ours_spread), (ref, ref_spread) = (_quantiles_ms(s) for s in samples)
+                rows.append(Row(num_threads, batch, t, ours, ref, ours_spread, ref_spread))
                 print(_format(rows[-1]), flush=True)
-        del hf
-    return rows
+    return rows, per_threads
 
 
-HEADER = (f"{'threads':>7} {'batch':>5} {'tokens':>6} | {'HF ms':>7} {'ours ms':>7} {'speedup':>7} | "
-          f"{'HF p10-p90':>11} {'ours p10-p90':>12} | {'HF cpu':>7} {'ours cpu':>8}")
+HEADER = f"{'threads':>7} {'batch':>5} {'tokens':>6} | {'ours ms':>8} {'fp32 ms':>8} {'speedup':>7} | {'ours p10-p90':>13}"
 
 
 def _format(r: Row) -> str:
-    return (f"{r.threads:>7} {r.batch:>5} {r.new_tokens:>6} | {r.hf_ms:>7.1f} {r.ours_ms:>7.1f} "
-            f"{r.hf_ms / r.ours_ms:>6.2f}x | {r.hf_spread_ms[0]:>5.0f}-{r.hf_spread_ms[1]:<5.0f} "
-            f"{r.ours_spread_ms[0]:>6.0f}-{r.ours_spread_ms[1]:<5.0f} | {r.hf_cpu_ms:>7.1f} {r.ours_cpu_ms:>8.1f}")
+    return (f"{r.threads:>7} {r.batch:>5} {r.new_tokens:>6} | {r.ours_ms:>8.2f} {r.fp32_ms:>8.1f} "
+            f"{r.fp32_ms / r.ours_ms:>6.2f}x | {r.ours_spread_ms[0]:>6.1f}-{r.ours_spread_ms[1]:<6.1f}")
+
+
+def summarize(rows: list[Row], per_threads: dict, bandwidth: dict[int, float]) -> dict:
+    """Per thread count: verify cost over one row, decode tokens/s, and the roofline."""
+    out = {}
+    for num_threads, extra in per_threads.items():
+        ms = {(r.batch, r.new_tokens): r for r in rows if r.threads == num_threads}
+        one = ms[(1, 1)]
+        bytes_per_token = extra["weight_bytes"] + extra["kv_bytes_per_token"]
+        roofline = bandwidth[num_threads] * 1e9 / bytes_per_token
+        decode = 1e3 / one.ours_ms
+        out[str(num_threads)] = {
+            **extra,
+            "verify_cost_vs_one_row": {str(t): {"ours": round(ms[(1, t)].ours_ms / one.ours_ms, 2),
+                                                "fp32": round(ms[(1, t)].fp32_ms / one.fp32_ms, 2)}
+                                       for b, t in CASES if b == 1},
+            "batch8_verify9_vs_decode": round(ms[(8, 9)].ours_ms / ms[(8, 1)].ours_ms, 2),
+            "decode_tok_s": {"ours": round(decode, 1), "fp32": round(1e3 / one.fp32_ms, 1)},
+            "read_bandwidth_gb_s": round(bandwidth[num_threads], 1),
+            "bytes_read_per_token_mb": round(bytes_per_token / 1e6, 1),
+            "roofline_tok_s": round(roofline, 1),
+            "decode_fraction_of_roofline": round(decode / roofline, 2),
+        }
+    return out
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for num_threads in sorted({r.threads for r in rows}):
+        own = sorted((r for r in rows if r.threads == num_threads and r.batch == 1), key=lambda r: r.new_tokens)
+        for field, style in (("ours_ms", "-o"), ("fp32_ms", "--s")):
+            base = getattr(own[0], field)
+            label = f"{'native' if field == 'ours_ms' else 'fp32 torch'}, {num_threads} thread(s)"
+            ax.plot([r.new_tokens for r in own], [getattr(r, field) / base for r in own], style, label=label)
+    ax.set_xlabel("rows in the step (1 = plain decode, K+1 = verify of K drafts)")
+    ax.set_ylabel("step time / 1-row step")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--threads", type=int, nargs="+", default=[len(os.sched_getaffinity(0))])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "forward.json")
     args = parser.parse_args()
-    wait_policy = os.environ.get("OMP_WAIT_POLICY", "(default: active)")
-    print(f"context {args.context} tokens, {args.repeats} repeats, OMP_WAIT_POLICY={wait_policy}; "
-          f"wall medians, p10-p90 and CPU medians in ms")
+    cpu = cpu_description()
+    print(f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), features {cpu['features']}; "
+          f"context {args.context} tokens, {args.repeats} repeats, medians in ms")
     print(HEADER)
-    rows = run(args.context, args.repeats, args.threads)
-    for num_threads in args.threads:
-        wall = {(r.batch, r.new_tokens): r.ours_ms for r in rows if r.threads == num_threads}
-        cpu = {(r.batch, r.new_tokens): r.ours_cpu_ms for r in rows if r.threads == num_threads}
-        print(f"threads {num_threads}: ours 9-token / 1-token = {wall[(1, 9)] / wall[(1, 1)]:.2f}x wall, "
-              f"{cpu[(1, 9)] / cpu[(1, 1)]:.2f}x cpu; batch 8x9 / 8x1 = {wall[(8, 9)] / wall[(8, 1)]:.2f}x wall")
+    rows, per_threads = run(args.context, args.repeats, args.threads)
+    bandwidth = {t: read_bandwidth_gbs(t) for t in args.threads}
+    summary = summarize(rows, per_threads, bandwidth)
+    print(json.dumps(summary, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "context_tokens": args.context, "repeats": args.repeats, "torch": torch.__version__,
-        "omp_wait_policy": wait_policy, "load_average_at_end": os.getloadavg(),
-        "machine": platform.processor() or platform.machine(), "rows": [asdict(r) for r in rows],
-    }, indent=2))
+    result = {"cpu": cpu, "context_tokens": args.context, "repeats": args.repeats, "torch": torch.__version__,
+              "load_average_at_end": os.getloadavg(), "summary": summary, "rows": [asdict(r) for r in rows]}
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(rows, args.out.with_suffix(".png"), f"verify cost, {cpu['model']} fam {cpu['family']} model "
+                                             f"{cpu['model_number']}, {args.context}-token context")
     print(f"wrote {args.out}")
 
 

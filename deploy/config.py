@@ -27,7 +27,8 @@ class EngineArgs(_Strict):
     max_batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(4096, ge=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+    num_threads: int = Field(0, ge=0, description="native forward and torch threads; 0 = torch's default "
+                             "(under Serve: the replica's num_cpus)")
     mtp_weights: Optional[str] = "default"  # None disables MTP drafting
     sa_global_pool_tokens: int = Field(1 << 20, ge=0)
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,

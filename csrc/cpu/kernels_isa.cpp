@@ -92,9 +92,17 @@ struct AttendScratch {
 
 // Positions [j0, j0 + nb) of K and V as floats (exact). K is stored in blocks of 32
 // positions transposed ([hd][32] per block), so both copies are contiguous conversions.
+// A last block's positions past nb were never written (the cache is not initialised): zero
+// their K lanes so no stray bit pattern (a NaN, a slow denormal) enters the arithmetic.
+void clear_unwritten(int nb, int hd, AttendScratch& st) {
+  if (nb == kBlock) return;
+  for (int d = 0; d < hd; ++d) std::fill(st.kt + d * kBlock + nb, st.kt + (d + 1) * kBlock, 0.0f);
+}
+
 [[maybe_unused]] void load_block_scalar(const uint16_t* k, const uint16_t* v, int j0, int nb, int hd, AttendScratch& st) {
   const uint16_t* kb = k + static_cast<size_t>(j0) * hd;
   for (int i = 0; i < kBlock * hd; ++i) st.kt[i] = half_to_float(kb[i]);
+  clear_unwritten(nb, hd, st);
   for (int i = 0; i < nb * hd; ++i) st.vf[i] = half_to_float(v[static_cast<size_t>(j0) * hd + i]);
 }
 
@@ -389,6 +397,7 @@ void attend_simd(const float* q, size_t q_stride, int rows, int first_n_pos, int
   auto load_block = [](const uint16_t* k, const uint16_t* v, int j0, int nb, int hd, AttendScratch& st) {
     const uint16_t* kb = k + static_cast<size_t>(j0) * hd;
     for (int i = 0; i < kBlock * hd; i += kLanes) _mm256_storeu_ps(st.kt + i, load_half8(kb + i));
+    clear_unwritten(nb, hd, st);
     const uint16_t* vb = v + static_cast<size_t>(j0) * hd;
     for (int i = 0; i < nb * hd; i += kLanes) _mm256_storeu_ps(st.vf + i, load_half8(vb + i));
   };

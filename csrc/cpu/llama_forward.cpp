@@ -213,6 +213,11 @@ void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int 
   const size_t slot_stride = static_cast<size_t>(kvh) * cache.max_seq_len * hd;
   const size_t layer_stride = slot_stride * cache.num_slots;
 
+  auto add_residual = [&](int r) {  // x += y for row r
+    float* xr = x.data() + static_cast<size_t>(r) * d;
+    const float* yr = y.data() + static_cast<size_t>(r) * d;
+    for (int i = 0; i < d; ++i) xr[i] = xr[i] + yr[i];
+  };
   pool_.parallel_for(n, [&](int r0, int r1, int) {
     for (int r = r0; r < r1; ++r) embedding_.dequantize_row(tokens[r], x.data() + static_cast<size_t>(r) * d);
   });
@@ -266,11 +271,9 @@ void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int 
     matmul(layer.o, quant.rows(q_size), n, y.data());
     pool_.parallel_for(n, [&](int r0, int r1, int) {
       for (int r = r0; r < r1; ++r) {
-        float* xr = x.data() + static_cast<size_t>(r) * d;
-        const float* yr = y.data() + static_cast<size_t>(r) * d;
-        for (int i = 0; i < d; ++i) xr[i] = xr[i] + yr[i];
+        add_residual(r);
         float* hr = h.data() + static_cast<size_t>(r) * d;
-        kernels_->rms_norm(xr, layer.ffn_norm.data(), d, dm.rms_norm_eps, hr);
+        kernels_->rms_norm(x.data() + static_cast<size_t>(r) * d, layer.ffn_norm.data(), d, dm.rms_norm_eps, hr);
         quant.quantize(*kernels_, hr, r, d);
       }
     });
@@ -285,11 +288,7 @@ void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int 
     });
     matmul(layer.down, quant.rows(inter), n, y.data());
     pool_.parallel_for(n, [&](int r0, int r1, int) {
-      for (int r = r0; r < r1; ++r) {
-        float* xr = x.data() + static_cast<size_t>(r) * d;
-        const float* yr = y.data() + static_cast<size_t>(r) * d;
-        for (int i = 0; i < d; ++i) xr[i] = xr[i] + yr[i];
-      }
+      for (int r = r0; r < r1; ++r) add_residual(r);
     });
   }
   pool_.parallel_for(n, [&](int r0, int r1, int) {

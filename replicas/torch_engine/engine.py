@@ -35,7 +35,7 @@ class TorchEngineConfig:
     max_batch_size: int = 8  # KV cache slots: requests decoding at once
     max_seq_len: int = 4096  # context window per request (prompt + output + drafts)
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int = 0  # native forward and torch threads; 0 = every CPU this process may use
+    num_threads: int = 0  # native forward and torch threads; 0 = torch's default
     mtp_weights: str | None = DEFAULT_MTP_WEIGHTS  # None disables MTP drafting
     # MTP drafts stop at the first token the head is less sure of than this. Its confidence
     # is calibrated (acceptance ~ confidence, mtp.json); verifying 2-3 rows costs 1.03-1.15x

@@ -14,7 +14,8 @@ class KVCache:
     """Preallocated per-slot KV storage for `num_layers` layers; rollback = set the length."""
 
     def __init__(self, num_layers: int, max_slots: int, max_seq_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 zeroed: bool = True) -> None:
         for name, value in (("num_layers", num_layers), ("max_slots", max_slots), ("max_seq_len", max_seq_len),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if value < 1:
@@ -24,9 +25,13 @@ class KVCache:
         self.max_seq_len = max_seq_len
         shape = (num_layers, max_slots, num_kv_heads, max_seq_len, head_dim)
         # Heads before positions so that a slot's head is one contiguous [len, head_dim] block:
-        # attention reads a prefix of it as a strided view, with no copy.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kvh, max_seq_len, hd]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # attention reads a prefix of it as a strided view, with no copy. `zeroed=False` for a
+        # reader that never lets an unwritten position into its arithmetic (the native
+        # forward): untouched pages then cost no memory, so the footprint follows the context
+        # requests actually reach. Masked torch attention still multiplies masked keys.
+        new = torch.zeros if zeroed else torch.empty
+        self.k = new(shape, dtype=dtype, device=device)  # [layers, slots, kvh, max_seq_len, hd]
+        self.v = new(shape, dtype=dtype, device=device)
         self.lengths: list[int] = [0] * max_slots  # valid positions per slot
         self._free: list[int] = list(range(max_slots - 1, -1, -1))  # stack: lowest slot pops first
 

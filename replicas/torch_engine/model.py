@@ -107,6 +107,18 @@ def validate_spans(spans: Sequence[SeqSpan], num_tokens: int, cache: KVCache) ->
         raise ValueError(f"spans cover {total} tokens but input_ids has {num_tokens}")
 
 
+def validate_step(cfg: ModelConfig, input_ids: Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> None:
+    """ValueError unless `input_ids` [N] and `spans` form a step this model and cache can run."""
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D [N] (packed), got shape {tuple(input_ids.shape)}")
+    validate_spans(spans, input_ids.shape[0], cache)
+    if cache.num_layers != cfg.num_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, the model {cfg.num_layers}")
+    max_end = max(s.start + s.length for s in spans)
+    if max_end > cfg.max_position_embeddings:
+        raise ValueError(f"position {max_end - 1} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Llama's "rotate half" RoPE: pairs are (i, i + hd/2), not adjacent elements.
     half = x.shape[-1] // 2
@@ -305,14 +317,7 @@ class LlamaModel(nn.Module):
 
         Sets `cache.lengths[slot] = start + length` for every span.
         """
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D [N] (packed), got shape {tuple(input_ids.shape)}")
-        validate_spans(spans, input_ids.shape[0], cache)
-        if cache.num_layers != self.cfg.num_layers:
-            raise ValueError(f"cache has {cache.num_layers} layers, the model {self.cfg.num_layers}")
-        max_end = max(s.start + s.length for s in spans)
-        if max_end > self.cfg.max_position_embeddings:
-            raise ValueError(f"position {max_end - 1} exceeds max_position_embeddings {self.cfg.max_position_embeddings}")
+        validate_step(self.cfg, input_ids, spans, cache)
         plan = AttentionPlan.build(spans, self.cfg.num_heads // self.cfg.num_kv_heads, input_ids.device,
                                    self.embed_tokens.weight.dtype)
         rope = self.rope(plan.positions)

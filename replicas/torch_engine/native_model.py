@@ -13,7 +13,6 @@ through the tensors' memory.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -23,7 +22,7 @@ from torch import Tensor
 
 from replicas.torch_engine import _cpu_forward
 from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.model import SeqSpan, validate_spans
+from replicas.torch_engine.model import SeqSpan, validate_step
 from replicas.torch_engine.model_config import ModelConfig
 
 Q4_1, Q8_0 = 3, 8  # GGML type numbers the kernels read
@@ -37,10 +36,6 @@ def rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
     angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
-
-
-def default_num_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class NativeLlamaModel:
@@ -73,7 +68,8 @@ class NativeLlamaModel:
     def load(cls, path: str | Path, num_threads: int = 0, isa: str = "") -> "NativeLlamaModel":
         """A `.gguf` file, or an HF Llama checkpoint directory (quantised to Q8_0 at load).
 
-        num_threads 0: every CPU this process may run on. isa "": the best path this CPU runs
+        num_threads 0: torch's intra-op thread count (under Ray, the replica's num_cpus; else
+        the cores this process may use). isa "": the best path this CPU runs
         (the environment variable SPECSERVE_CPU_ISA forces one: scalar, avx2, avx512).
         """
         path = Path(path)
@@ -90,7 +86,7 @@ class NativeLlamaModel:
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
-        forward = _cpu_forward.LlamaForward(dims, num_threads or default_num_threads(), isa)
+        forward = _cpu_forward.LlamaForward(dims, num_threads or torch.get_num_threads(), isa)
         for i, layer in enumerate(source.layers()):
             forward.set_layer(i, layer.attn_norm, layer.ffn_norm, *layer.qkv, *layer.o, *layer.gate_up, *layer.down)
         cos, sin = rope_tables(cfg)
@@ -108,7 +104,7 @@ class NativeLlamaModel:
         The native code stores V as shaped and K in blocks of 32 positions, each transposed.
         """
         return KVCache(self.cfg.num_layers, max_slots, -(-max_seq_len // 32) * 32, self.cfg.num_kv_heads,
-                       self.cfg.head_dim, dtype=torch.float16)
+                       self.cfg.head_dim, dtype=torch.float16, zeroed=False)
 
     @torch.inference_mode()
     def __call__(self, input_ids: Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> Tensor:
@@ -116,14 +112,9 @@ class NativeLlamaModel:
 
         Sets `cache.lengths[slot] = start + length` for every span.
         """
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D [N] (packed), got shape {tuple(input_ids.shape)}")
-        validate_spans(spans, input_ids.shape[0], cache)
-        if cache.k.dtype != torch.float16 or cache.num_layers != self.cfg.num_layers:
+        if cache.k.dtype != torch.float16:
             raise ValueError("cache: the native forward needs an fp16 KVCache from make_cache()")
-        max_end = max(s.start + s.length for s in spans)
-        if max_end > self.cfg.max_position_embeddings:
-            raise ValueError(f"position {max_end - 1} exceeds max_position_embeddings {self.cfg.max_position_embeddings}")
+        validate_step(self.cfg, input_ids, spans, cache)
         ids = input_ids.to(torch.int32).numpy()
         hidden = np.empty((len(ids), self.cfg.hidden_size), dtype=np.float32)
         k, v = cache.k.numpy(), cache.v.numpy()

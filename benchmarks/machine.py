@@ -1,0 +1,52 @@
+"""What every benchmark records about the machine it ran on: CPU model, features, bandwidth."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def cpu_description() -> dict:
+    """Model, family/model numbers (AMD reports every EPYC as 'AMD EPYC'), SIMD features, cores."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break
+    flags = set(info.get("flags", "").split())
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "amx_int8", "amx_bf16")
+    return {
+        "model": info.get("model name", "unknown"),
+        "vendor": info.get("vendor_id", "unknown"),
+        "family": info.get("cpu family"), "model_number": info.get("model"),
+        "features": [f for f in wanted if f in flags],
+        "cpus": len(os.sched_getaffinity(0)),
+    }
+
+
+def read_bandwidth_gbs(threads: int, size_mb: int = 512, repeats: int = 5) -> float:
+    """Best-of read bandwidth: torch summing a buffer far larger than the caches."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(size_mb * (1 << 20) // 4)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - started)
+        return buffer.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
