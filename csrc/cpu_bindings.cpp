@@ -70,32 +70,42 @@ class PyForward {
                     gguf_matrix(down, down_type, d.intermediate_size, "down"));
   }
 
-  void set_globals(py::array embedding, int embedding_type, std::optional<py::array> head, int head_type,
-                   py::array final_norm, py::array rope_cos, py::array rope_sin) {
+  void set_globals(std::optional<py::array> embedding, int embedding_type, std::optional<py::array> head,
+                   int head_type, py::array final_norm, py::array rope_cos, py::array rope_sin) {
     const auto& d = impl_.dims();
-    const cpu::GgufMatrix emb = gguf_matrix(embedding, embedding_type, d.hidden_size, "embedding");
-    cpu::GgufMatrix head_matrix{};
+    cpu::GgufMatrix emb{}, head_matrix{};
+    if (embedding) emb = gguf_matrix(*embedding, embedding_type, d.hidden_size, "embedding");
     if (head) head_matrix = gguf_matrix(*head, head_type, d.hidden_size, "head");
-    impl_.set_globals(emb, head ? &head_matrix : nullptr, checked<float>(final_norm, "final_norm", 'f', {d.hidden_size}),
+    impl_.set_globals(embedding ? &emb : nullptr, head ? &head_matrix : nullptr,
+                      checked<float>(final_norm, "final_norm", 'f', {d.hidden_size}),
                       checked<float>(rope_cos, "rope_cos", 'f', {d.max_positions, d.head_dim / 2}),
                       checked<float>(rope_sin, "rope_sin", 'f', {d.max_positions, d.head_dim / 2}));
   }
 
-  void forward(py::array tokens, py::array spans, py::array k_cache, py::array v_cache, py::array hidden) {
+  void set_fusion(py::array hidden_norm, py::array embed_norm, py::array proj, int proj_type) {
     const auto& d = impl_.dims();
+    impl_.set_fusion(checked<float>(hidden_norm, "hidden_norm", 'f', {d.hidden_size}),
+                     checked<float>(embed_norm, "embed_norm", 'f', {d.hidden_size}),
+                     gguf_matrix(proj, proj_type, 2 * d.hidden_size, "proj"));
+  }
+
+  void forward(py::array tokens, py::array spans, py::array k_cache, py::array v_cache, py::array hidden) {
     auto* tok = checked<int32_t>(tokens, "tokens", 'i', {-1});
     const int n = static_cast<int>(tokens.shape(0));
-    auto* sp = checked<int32_t>(spans, "spans", 'i', {-1, 3});
-    auto* k = checked<uint16_t>(k_cache, "k_cache", 'e', {d.num_layers, -1, d.num_kv_heads, -1, d.head_dim}, true);
-    require(k_cache.shape(1) > 0 && k_cache.shape(3) > 0, "k_cache: slots and positions must be > 0");
-    auto* v = checked<uint16_t>(v_cache, "v_cache", 'e',
-                                {d.num_layers, k_cache.shape(1), d.num_kv_heads, k_cache.shape(3), d.head_dim}, true);
-    auto* out = checked<float>(hidden, "hidden", 'f', {n, d.hidden_size}, true);
-    const cpu::KvCache cache{k, v, static_cast<int>(k_cache.shape(1)), static_cast<int>(k_cache.shape(3))};
-    const auto* span_ptr = reinterpret_cast<const cpu::Span*>(sp);
-    const int num_spans = static_cast<int>(spans.shape(0));
+    const Step step = checked_step(n, spans, k_cache, v_cache, hidden);
     py::gil_scoped_release release;
-    impl_.forward(tok, n, span_ptr, num_spans, cache, out);
+    impl_.forward(tok, n, step.spans, step.num_spans, step.cache, step.out);
+  }
+
+  void forward_fused(py::array hidden_in, py::array embeds, py::array spans, py::array k_cache, py::array v_cache,
+                     py::array hidden) {
+    const int d = impl_.dims().hidden_size;
+    auto* h = checked<float>(hidden_in, "hidden_in", 'f', {-1, d});
+    const int n = static_cast<int>(hidden_in.shape(0));
+    auto* e = checked<float>(embeds, "embeds", 'f', {n, d});
+    const Step step = checked_step(n, spans, k_cache, v_cache, hidden);
+    py::gil_scoped_release release;
+    impl_.forward_fused(h, e, n, step.spans, step.num_spans, step.cache, step.out);
   }
 
   void logits(py::array hidden, py::array out) {
@@ -120,6 +130,26 @@ class PyForward {
   }
 
   cpu::LlamaForward impl_;
+
+ private:
+  struct Step {
+    const cpu::Span* spans;
+    int num_spans;
+    cpu::KvCache cache;
+    float* out;
+  };
+
+  Step checked_step(int n, py::array& spans, py::array& k_cache, py::array& v_cache, py::array& hidden) {
+    const auto& d = impl_.dims();
+    auto* sp = checked<int32_t>(spans, "spans", 'i', {-1, 3});
+    auto* k = checked<uint16_t>(k_cache, "k_cache", 'e', {d.num_layers, -1, d.num_kv_heads, -1, d.head_dim}, true);
+    require(k_cache.shape(1) > 0 && k_cache.shape(3) > 0, "k_cache: slots and positions must be > 0");
+    auto* v = checked<uint16_t>(v_cache, "v_cache", 'e',
+                                {d.num_layers, k_cache.shape(1), d.num_kv_heads, k_cache.shape(3), d.head_dim}, true);
+    auto* out = checked<float>(hidden, "hidden", 'f', {n, d.hidden_size}, true);
+    return Step{reinterpret_cast<const cpu::Span*>(sp), static_cast<int>(spans.shape(0)),
+                cpu::KvCache{k, v, static_cast<int>(k_cache.shape(1)), static_cast<int>(k_cache.shape(3))}, out};
+  }
 };
 
 // Kernel-level entry points, for tests and the forward benchmark.
@@ -227,6 +257,10 @@ PYBIND11_MODULE(_cpu_forward, m) {
            py::arg("isa") = "", "isa '' picks the best path this CPU runs (SPECSERVE_CPU_ISA overrides)")
       .def("set_layer", &PyForward::set_layer)
       .def("set_globals", &PyForward::set_globals)
+      .def("set_fusion", &PyForward::set_fusion)
+      .def("forward_fused", &PyForward::forward_fused, py::arg("hidden_in"), py::arg("embeds"), py::arg("spans"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("hidden"),
+           "an MTP head's step: hidden_in, embeds [N, d] float32 -> hidden [N, d] after its output norm")
       .def("forward", &PyForward::forward, py::arg("tokens"), py::arg("spans"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("hidden"),
            "tokens [N] int32, spans [S, 3] int32 (slot, start, length); writes hidden [N, d] float32")

@@ -1,6 +1,7 @@
 #include "llama_forward.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -117,11 +118,12 @@ void LlamaForward::set_layer(int layer, const float* attn_norm, const float* ffn
   l.down = OwnedMatrix(down);
 }
 
-void LlamaForward::set_globals(const GgufMatrix& embedding, const GgufMatrix* head, const float* final_norm,
+void LlamaForward::set_globals(const GgufMatrix* embedding, const GgufMatrix* head, const float* final_norm,
                                const float* rope_cos, const float* rope_sin) {
-  check_matrix(embedding, dims_.vocab_size, dims_.hidden_size, "embedding");
+  require(embedding != nullptr || head != nullptr, "set_globals: an embedding, a head or both");
+  if (embedding != nullptr) check_matrix(*embedding, dims_.vocab_size, dims_.hidden_size, "embedding");
   if (head != nullptr) check_matrix(*head, dims_.vocab_size, dims_.hidden_size, "head");
-  embedding_ = OwnedMatrix(embedding);
+  embedding_ = embedding != nullptr ? OwnedMatrix(*embedding) : OwnedMatrix();
   head_ = head != nullptr ? OwnedMatrix(*head) : OwnedMatrix();
   final_norm_.assign(final_norm, final_norm + dims_.hidden_size);
   const size_t table = static_cast<size_t>(dims_.max_positions) * (dims_.head_dim / 2);
@@ -130,13 +132,21 @@ void LlamaForward::set_globals(const GgufMatrix& embedding, const GgufMatrix* he
 }
 
 void LlamaForward::check_ready() const {
-  require(!embedding_.empty(), "model: set_globals was not called");
+  require(!embedding_.empty() || !head_.empty(), "model: set_globals was not called");
   for (int i = 0; i < dims_.num_layers; ++i)
     require(!layers_[i].qkv.empty(), "model: layer " + std::to_string(i) + " was not set");
 }
 
+void LlamaForward::set_fusion(const float* hidden_norm, const float* embed_norm, const GgufMatrix& proj) {
+  const int d = dims_.hidden_size;
+  check_matrix(proj, d, 2 * d, "proj");
+  fusion_hidden_norm_.assign(hidden_norm, hidden_norm + d);
+  fusion_embed_norm_.assign(embed_norm, embed_norm + d);
+  fusion_ = OwnedMatrix(proj);
+}
+
 size_t LlamaForward::weight_bytes() const {
-  size_t total = embedding_.num_bytes() + head_.num_bytes();
+  size_t total = embedding_.num_bytes() + head_.num_bytes() + fusion_.num_bytes();
   for (const Layer& l : layers_) total += l.qkv.num_bytes() + l.o.num_bytes() + l.gate_up.num_bytes() + l.down.num_bytes();
   return total;
 }
@@ -168,7 +178,39 @@ void LlamaForward::matmul(const OwnedMatrix& w, const QuantRows& a, int rows, fl
 
 void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int num_spans, const KvCache& cache,
                            float* hidden) {
-  check_ready();
+  require(!embedding_.empty(), "model: no embedding (set_globals)");
+  for (int i = 0; i < n; ++i)
+    require(0 <= tokens[i] && tokens[i] < dims_.vocab_size, "tokens: id " + std::to_string(tokens[i]) + " out of range");
+  run_decoder(n, spans, num_spans, cache, hidden, [&](float* x) {
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r)
+        embedding_.dequantize_row(tokens[r], x + static_cast<size_t>(r) * dims_.hidden_size);
+    });
+  });
+}
+
+void LlamaForward::forward_fused(const float* hidden_in, const float* embeds, int n, const Span* spans, int num_spans,
+                                 const KvCache& cache, float* hidden) {
+  require(!fusion_.empty(), "model: no input fusion (set_fusion)");
+  const int d = dims_.hidden_size;
+  run_decoder(n, spans, num_spans, cache, hidden, [&](float* x) {
+    Scratch quant(n, 2 * d);
+    std::vector<float> both(static_cast<size_t>(n) * 2 * d);
+    pool_.parallel_for(n, [&](int r0, int r1, int) {
+      for (int r = r0; r < r1; ++r) {
+        float* row = both.data() + static_cast<size_t>(r) * 2 * d;
+        kernels_->rms_norm(hidden_in + static_cast<size_t>(r) * d, fusion_hidden_norm_.data(), d, dims_.rms_norm_eps, row);
+        kernels_->rms_norm(embeds + static_cast<size_t>(r) * d, fusion_embed_norm_.data(), d, dims_.rms_norm_eps, row + d);
+        quant.quantize(*kernels_, row, r, 2 * d);
+      }
+    });
+    matmul(fusion_, quant.rows(2 * d), n, x);
+  });
+}
+
+void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const KvCache& cache, float* hidden,
+                               const std::function<void(float*)>& input) {
+  require(!layers_.empty() && !layers_.back().qkv.empty(), "model: layers were not set");
   const ModelDims& dm = dims_;
   const int d = dm.hidden_size, hd = dm.head_dim, heads = dm.num_heads, kvh = dm.num_kv_heads;
   const int group = heads / kvh, q_size = heads * hd, kv_size = kvh * hd, qkv_n = q_size + 2 * kv_size;
@@ -200,8 +242,6 @@ void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int 
   for (int i = 0, first = 0; i < num_spans; first += spans[i].length, ++i)
     for (int t = 0; t < spans[i].length; t += kAttendRows)
       tiles.push_back({spans[i].slot, first + t, spans[i].start + t, std::min(kAttendRows, spans[i].length - t)});
-  for (int i = 0; i < n; ++i)
-    require(0 <= tokens[i] && tokens[i] < dm.vocab_size, "tokens: id " + std::to_string(tokens[i]) + " out of range");
 
   std::vector<float> x(static_cast<size_t>(n) * d), y(x.size()), h(x.size());
   std::vector<float> qkv(static_cast<size_t>(n) * qkv_n), attn(static_cast<size_t>(n) * q_size);
@@ -218,9 +258,7 @@ void LlamaForward::forward(const int32_t* tokens, int n, const Span* spans, int 
     const float* yr = y.data() + static_cast<size_t>(r) * d;
     for (int i = 0; i < d; ++i) xr[i] = xr[i] + yr[i];
   };
-  pool_.parallel_for(n, [&](int r0, int r1, int) {
-    for (int r = r0; r < r1; ++r) embedding_.dequantize_row(tokens[r], x.data() + static_cast<size_t>(r) * d);
-  });
+  input(x.data());
   for (int li = 0; li < dm.num_layers; ++li) {
     const Layer& layer = layers_[li];
     uint16_t* k_layer = cache.k + li * layer_stride;
@@ -311,7 +349,7 @@ void LlamaForward::logits(const float* hidden, int rows, float* out) {
 }
 
 void LlamaForward::embed(const int32_t* tokens, int n, float* out) {
-  check_ready();
+  require(!embedding_.empty(), "model: no embedding (set_globals)");
   for (int i = 0; i < n; ++i) {
     require(0 <= tokens[i] && tokens[i] < dims_.vocab_size, "tokens: id " + std::to_string(tokens[i]) + " out of range");
     embedding_.dequantize_row(tokens[i], out + static_cast<size_t>(i) * dims_.hidden_size);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,13 +65,19 @@ class LlamaForward {
 
   void set_layer(int layer, const float* attn_norm, const float* ffn_norm, const GgufMatrix& qkv,
                  const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down);
-  // head may be null: the output head is the (tied) embedding.
-  void set_globals(const GgufMatrix& embedding, const GgufMatrix* head, const float* final_norm,
-                   const float* rope_cos, const float* rope_sin);  // rope: [max_positions, head_dim / 2]
+  // Either may be null: no head means the (tied) embedding is the head; no embedding is a
+  // model that only runs forward_fused (an MTP head). rope: [max_positions, head_dim / 2].
+  void set_globals(const GgufMatrix* embedding, const GgufMatrix* head, const float* final_norm,
+                   const float* rope_cos, const float* rope_sin);
+  // The MTP head's input: x = proj([rms_norm(hidden) * hidden_norm ; rms_norm(embeds) * embed_norm]).
+  void set_fusion(const float* hidden_norm, const float* embed_norm, const GgufMatrix& proj);
 
   // hidden [n, hidden_size] after the final norm, for tokens packed in span order.
   void forward(const int32_t* tokens, int n, const Span* spans, int num_spans, const KvCache& cache,
                float* hidden);
+  // The same, from the fused (hidden state, embedding) rows of an MTP head.
+  void forward_fused(const float* hidden_in, const float* embeds, int n, const Span* spans, int num_spans,
+                     const KvCache& cache, float* hidden);
   void logits(const float* hidden, int rows, float* out);  // out [rows, vocab]
   void embed(const int32_t* tokens, int n, float* out);     // dequantised embedding rows
   void head_rows(const int32_t* ids, int n, float* out);    // dequantised output-head rows
@@ -89,14 +96,17 @@ class LlamaForward {
   struct Scratch;
 
   void matmul(const OwnedMatrix& w, const QuantRows& a, int rows, float* out);
+  // The decoder layers and final norm over n rows whose input `input(x)` writes into x [n, d].
+  void run_decoder(int n, const Span* spans, int num_spans, const KvCache& cache, float* hidden,
+                   const std::function<void(float*)>& input);
   void check_matrix(const GgufMatrix& m, int n, int k, const char* name) const;
 
   ModelDims dims_;
   const Kernels* kernels_;
   ThreadPool pool_;
   std::vector<Layer> layers_;
-  OwnedMatrix embedding_, head_;
-  std::vector<float> final_norm_, rope_cos_, rope_sin_;
+  OwnedMatrix embedding_, head_, fusion_;
+  std::vector<float> final_norm_, rope_cos_, rope_sin_, fusion_hidden_norm_, fusion_embed_norm_;
 };
 
 }  // namespace cpu

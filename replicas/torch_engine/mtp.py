@@ -168,10 +168,9 @@ class MTPDrafter:
         if module.cfg.hidden_size != cfg.hidden_size or module.cfg.vocab_size != cfg.vocab_size:
             raise ValueError("MTP module and target disagree on hidden_size / vocab_size")
         self.module, self.target = module.eval(), target
-        # [N, d]: the reduced lm_head
-        self._head = target.head_rows(module.draft_vocab).to(target.dtype).contiguous()
-        self._cache = KVCache(1, max_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=target.dtype, device=target.device)
+        self._hidden_size = cfg.hidden_size
+        self._runner = _runner_for(module, target, max_slots, max_seq_len)
+        self._cache = self._runner.cache
         self._cache_slot: dict[int, int] = {}           # engine slot -> head cache slot
         self._pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._tail: dict[int, tuple[Tensor, int, float]] = {}  # h'_last [d], first draft id, its prob
@@ -184,7 +183,7 @@ class MTPDrafter:
 
     @property
     def draft_vocab_size(self) -> int:
-        return self._head.shape[0]
+        return int(self.module.draft_vocab.numel())
 
     def add(self, slot: int) -> None:
         if slot in self._cache_slot:
@@ -200,8 +199,8 @@ class MTPDrafter:
     def observe(self, slot: int, hidden: Tensor, next_tokens: Tensor) -> None:
         """Queue accepted positions: hidden [n, d], next_tokens [n] int. Tensors are kept, not copied."""
         self._require(slot)
-        if hidden.dim() != 2 or hidden.shape[1] != self._head.shape[1]:
-            raise ValueError(f"hidden must be [n, {self._head.shape[1]}], got {tuple(hidden.shape)}")
+        if hidden.dim() != 2 or hidden.shape[1] != self._hidden_size:
+            raise ValueError(f"hidden must be [n, {self._hidden_size}], got {tuple(hidden.shape)}")
         if next_tokens.shape != hidden.shape[:1]:
             raise ValueError(f"next_tokens must be [{hidden.shape[0]}], got {tuple(next_tokens.shape)}")
         queued = sum(h.shape[0] for h, _ in self._pending[slot])
@@ -272,8 +271,8 @@ class MTPDrafter:
             cs = self._cache_slot[slot]
             spans.append(SeqSpan(cs, self._cache.lengths[cs], h.shape[0]))
             self._pending[slot] = []
-        w = self._head
-        h_out = self._step(torch.cat(hiddens).to(w.dtype), torch.cat(nexts).to(device=w.device, dtype=torch.int64), spans)
+        dtype, device = self.target.dtype, self.target.device
+        h_out = self._step(torch.cat(hiddens).to(dtype), torch.cat(nexts).to(device=device, dtype=torch.int64), spans)
         last_rows = torch.tensor([s.length for s in spans]).cumsum(0) - 1
         for span in spans:
             self._cache.lengths[span.slot] = span.start + span.length
@@ -283,12 +282,10 @@ class MTPDrafter:
             self._tail[slot] = (tails[i], ids[i], conf[i])
 
     def _step(self, hidden: Tensor, tokens: Tensor, spans: list[SeqSpan]) -> Tensor:
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(hidden.device)
-        embeds = self.target.embed(tokens)
-        return self.module.step(hidden, embeds, self.target.rope(positions), spans, self._cache.k[0], self._cache.v[0])
+        return self._runner.step(hidden, self.target.embed(tokens), spans)
 
     def _greedy(self, h: Tensor) -> tuple[list[int], list[float]]:
-        logits = F.linear(h, self._head).float()             # [B, N]
+        logits = self._runner.logits(h)                        # [B, N]
         conf, idx = logits.softmax(dim=-1).max(dim=-1)
         return self.module.draft_vocab[idx].tolist(), conf.tolist()
 
@@ -296,6 +293,32 @@ class MTPDrafter:
         if slot not in self._cache_slot:
             raise ValueError(f"MTP slot {slot} was not added")
         return slot
+
+
+class TorchHeadRunner:
+    """The head's cached step in torch (the CUDA target, and training's reference)."""
+
+    def __init__(self, module: MTPModule, target: Target, max_slots: int, max_seq_len: int) -> None:
+        cfg = target.cfg
+        self.module, self.target = module, target
+        self.head = target.head_rows(module.draft_vocab).to(target.dtype).contiguous()  # [N, d] reduced lm_head
+        self.cache = KVCache(1, max_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim, dtype=target.dtype,
+                             device=target.device)
+
+    def step(self, hidden: Tensor, embeds: Tensor, spans: list[SeqSpan]) -> Tensor:
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(hidden.device)
+        return self.module.step(hidden, embeds, self.target.rope(positions), spans, self.cache.k[0], self.cache.v[0])
+
+    def logits(self, h: Tensor) -> Tensor:
+        return F.linear(h, self.head).float()
+
+
+def _runner_for(module: MTPModule, target: Target, max_slots: int, max_seq_len: int):
+    from replicas.torch_engine.native_model import NativeLlamaModel, NativeMtpHead
+
+    if isinstance(target, NativeLlamaModel):
+        return NativeMtpHead(module, target, max_slots, max_seq_len)
+    return TorchHeadRunner(module, target, max_slots, max_seq_len)
 
 
 def chain_mask(num_positions: int, step: int, device: torch.device | str = "cpu") -> Tensor:

