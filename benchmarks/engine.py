@@ -1,10 +1,13 @@
-"""Embedded-engine benchmark: speculation off / SA / MTP / hybrid vs transformers, side by side.
+"""Embedded-engine benchmark: speculation off / SA / MTP / hybrid vs llama.cpp and transformers.
 
-One run, same prompts: decode tokens/s and mean accepted tokens per verify step (MAT) on
-code edits (answer start prefilled, see DESIGN.md) and open chat, at batch 1 and 8; MTP
-acceptance by draft position; the cost of a gated-off step against speculation disabled;
-and transformers' `generate`, plain and with prompt-lookup decoding (10 tokens), the
-anchor users would reach for. Writes benchmarks/results/engine.json and engine.png.
+One run, same prompts, same thread count: decode and end-to-end tokens/s, TTFT and mean
+accepted tokens per verify step (MAT) on code edits (answer start prefilled, see DESIGN.md)
+and open chat, at batch 1 and 8; MTP acceptance by draft position; the cost of a gated-off
+step against speculation disabled; llama.cpp's server on the same GGUF through `xllamacpp`
+(plain, `ngram_mod`, `ngram_map_k`; run in the bench venv by benchmarks/llamacpp_peer.py);
+and transformers' `generate`, plain and with prompt lookup (10 tokens). Every request
+decodes exactly `--max-tokens` (EOS ignored, as for llama.cpp). Writes
+benchmarks/results/engine.json, engine.png and engine.md (the batch-1 table).
 
     .venv/bin/python benchmarks/engine.py [--prompts 4] [--max-tokens 128]
 """
@@ -16,9 +19,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,13 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
-from replicas.torch_engine.loader import resolve_model_dir  # noqa: E402
+from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
 from training.corpora import EDIT_PREFILL, SPEC_BENCH, code_edits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "sa", "mtp", "hybrid")
+WORKLOADS = ("code_edit", "chat")
 
 
 def workloads(tokenizer, count: int) -> dict[str, list[str]]:
@@ -58,8 +64,8 @@ def workloads(tokenizer, count: int) -> dict[str, list[str]]:
 async def run_batch(engine: TorchEngine, prompts: list[str], mode: str, max_tokens: int) -> list[dict]:
     """Run prompts concurrently; per request: tokens, decode time (first token to last), spec usage."""
     async def one(i: int, prompt: str) -> dict:
-        req = GenerationRequest(f"{mode}-{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens),
-                                RequestSpeculation(mode="auto"))
+        req = GenerationRequest(f"{mode}-{i}-{time.monotonic_ns()}", prompt,
+                                SamplingParams(max_tokens=max_tokens, ignore_eos=True), RequestSpeculation(mode="auto"))
         tokens, first, last, submitted = [], None, None, time.perf_counter()
         async for delta in engine.generate(req):
             now = time.perf_counter()
@@ -200,31 +206,122 @@ def bench_transformers(prompts: dict[str, list[str]], max_tokens: int) -> dict:
     return out
 
 
+BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+
+
+def bench_llamacpp(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict | None:
+    """llama.cpp's server (xllamacpp, the bench venv) on the same GGUF and prompts, batch 1 and 8."""
+    if not BENCH_PYTHON.exists():
+        print(f"  skipped: {BENCH_PYTHON} missing (`make bench-engine` installs it)", flush=True)
+        return None
+    out = {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompts, f)
+        f.flush()
+        for batch in (1, 8):
+            proc = subprocess.run([str(BENCH_PYTHON), str(ROOT / "benchmarks" / "llamacpp_peer.py"),
+                                   "--gguf", str(packaged_gguf_path()), "--prompts-json", f.name,
+                                   "--max-tokens", str(max_tokens), "--threads", str(threads), "--batch", str(batch)],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+            run = json.loads(proc.stdout)
+            out[f"batch{batch}"] = run
+            for mode, entry in run["modes"].items():
+                for workload, figures in entry["workloads"].items():
+                    m = figures["median"]
+                    print(f"  batch {batch} {workload:9s} {mode:11s} {m['decode_tok_s']:7.2f} tok/s decode, "
+                          f"{figures['throughput_tok_s']:7.2f} end-to-end, acceptance {figures['acceptance']}", flush=True)
+    return out
+
+
+LLAMACPP_MODES = ("plain", "ngram_mod", "ngram_map_k")
+
+
+def llamacpp_figures(result: dict, batch: str, workload: str, mode: str) -> tuple[float, float]:
+    """(decode tok/s, end-to-end tok/s) of one llama.cpp run: the median request's decode rate,
+    and all tokens over the run's wall time (as ours: requests at batch 1 run one after another)."""
+    figures = result["llamacpp"][batch]["modes"][mode]["workloads"][workload]
+    return figures["median"]["decode_tok_s"], figures["throughput_tok_s"]
+
+
+def table_rows(result: dict, batch: str = "batch1") -> list[tuple[str, dict[str, tuple[float, float]]]]:
+    """Rows of (name, {workload: (decode tok/s, end-to-end tok/s)}) for the side-by-side table."""
+    rows = []
+    for mode in MODES:
+        rows.append((f"ours, {mode}", {w: (result[batch][f"{w}/{mode}"]["tokens_per_s"],
+                                           result[batch][f"{w}/{mode}"]["e2e_tokens_per_s"]) for w in WORKLOADS}))
+    if result.get("llamacpp"):
+        for mode in LLAMACPP_MODES:
+            rows.append((f"llama.cpp, {mode}", {w: llamacpp_figures(result, batch, w, mode) for w in WORKLOADS}))
+    if batch == "batch1":
+        for name in ("hf_plain", "hf_prompt_lookup"):
+            rows.append((f"transformers, {name[3:]}", {w: (result["transformers"][f"{w}/{name}"]["tokens_per_s"], None)
+                                                       for w in WORKLOADS}))
+    return rows
+
+
+def markdown_table(result: dict) -> str:
+    cpu = result["machine"]
+    lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['torch_threads']} threads, "
+             f"kernels {result['kernel_path']}, greedy, {result['settings']['max_tokens']} tokens per request", ""]
+    for batch in ("batch1", "batch8"):
+        lines += [f"{batch}: tokens/s | edit decode | edit end-to-end | chat decode | chat end-to-end",
+                  "|---|---:|---:|---:|---:|"]
+        for name, figures in table_rows(result, batch):
+            cells = [f"{v:.1f}" if v is not None else "-" for w in WORKLOADS for v in figures[w]]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = (("batch1", "b1"), ("batch8", "b8"), ("batch8_gate_open", "b8 open"))
-    fig, axes = plt.subplots(1, 2, figsize=(15, 4.5))
-    for ax, workload in zip(axes, ("code_edit", "chat")):
-        names, values, colors = [], [], []
-        for batch, label in groups:
-            for mode in MODES:
-                names.append(f"{mode}\n{label}")
-                values.append(result[batch][f"{workload}/{mode}"]["tokens_per_s"])
-                colors.append("#999" if mode == "off" else "#4a7")
-        for name in ("hf_plain", "hf_prompt_lookup"):
-            names.append({"hf_plain": "HF plain", "hf_prompt_lookup": "HF lookup"}[name] + "\nb1")
-            values.append(result["transformers"][f"{workload}/{name}"]["tokens_per_s"])
-            colors.append("#c66")
-        ax.bar(range(len(values)), values, color=colors)
-        ax.set_xticks(range(len(values)), names, fontsize=6)
-        ax.set_ylabel("decode tokens/s (CPU, 2 cores)")
-        ax.set_title(f"{workload} (b8: shipped gate; b8 open: gate lifted)")
+    fig, axes = plt.subplots(2, 2, figsize=(15, 8))
+    for row, batch in enumerate(("batch1", "batch8")):
+        rows = table_rows(result, batch)
+        for ax, workload in zip(axes[row], WORKLOADS):
+            x = range(len(rows))
+            decode = [figures[workload][0] for _, figures in rows]
+            e2e = [figures[workload][1] or 0.0 for _, figures in rows]
+            colors = ["#4a7" if name.startswith("ours") else "#57b" if "llama" in name else "#c66" for name, _ in rows]
+            ax.bar([i - 0.2 for i in x], decode, width=0.4, color=colors, label="decode")
+            ax.bar([i + 0.2 for i in x], e2e, width=0.4, color=colors, alpha=0.5, label="end-to-end")
+            ax.set_xticks(list(x), [name.replace(", ", "\n") for name, _ in rows], fontsize=7)
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"{workload}, {batch} (solid: decode, pale: end-to-end)")
+    fig.suptitle(f"{result['machine']['model']}, {result['torch_threads']} threads, kernels {result['kernel_path']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def compute_ratios(result: dict) -> dict[str, float]:
+    ratios = {}
+    for workload in WORKLOADS:
+        for batch in ("batch1", "batch8", "batch8_gate_open"):
+            off = result[batch][f"{workload}/off"]
+            for mode in MODES[1:]:
+                ours = result[batch][f"{workload}/{mode}"]
+                ratios[f"{batch}/{workload}/{mode}_vs_off"] = ours["tokens_per_s"] / off["tokens_per_s"]
+                ratios[f"{batch}/{workload}/{mode}_vs_off_e2e"] = ours["e2e_tokens_per_s"] / off["e2e_tokens_per_s"]
+        b1 = result["batch1"]
+        ratios[f"batch1/{workload}/hybrid_vs_hf_prompt_lookup"] = (
+            b1[f"{workload}/hybrid"]["tokens_per_s"] / result["transformers"][f"{workload}/hf_prompt_lookup"]["tokens_per_s"])
+        ratios[f"batch1/{workload}/off_vs_hf_plain"] = (
+            b1[f"{workload}/off"]["tokens_per_s"] / result["transformers"][f"{workload}/hf_plain"]["tokens_per_s"])
+        if result.get("llamacpp"):
+            for batch in ("batch1", "batch8"):
+                plain_decode, _ = llamacpp_figures(result, batch, workload, "plain")
+                best_e2e = max(llamacpp_figures(result, batch, workload, m)[1] for m in LLAMACPP_MODES[1:])
+                ours = result[batch]
+                ratios[f"{batch}/{workload}/off_vs_llamacpp_plain"] = ours[f"{workload}/off"]["tokens_per_s"] / plain_decode
+                ratios[f"{batch}/{workload}/hybrid_e2e_vs_llamacpp_best_ngram_e2e"] = (
+                    ours[f"{workload}/hybrid"]["e2e_tokens_per_s"] / best_e2e)
+    return ratios
 
 
 def main() -> None:
@@ -233,6 +330,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=6, help="repeats of the gated-step comparison")
     parser.add_argument("--mtp-weights", default="default", help="'none' runs without MTP heads")
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine.json")
     args = parser.parse_args()
 
@@ -244,9 +342,10 @@ def main() -> None:
                                            sa_global_pool_tokens=0, speculation=SpeculationConfig()))
     loop.run_until_complete(engine.start())
     prompts = workloads(engine.tokenizer, args.prompts)
-    result = {"settings": vars(args) | {"out": str(args.out)}, "machine": platform.processor() or platform.machine(),
-              "torch_threads": torch.get_num_threads(), "speculation": dataclasses.asdict(engine.config.speculation)}
-    print("our engine:")
+    result = {"settings": vars(args) | {"out": str(args.out)}, "machine": cpu_description(),
+              "kernel_path": getattr(engine.core.model, "isa", "torch"), "torch_threads": torch.get_num_threads(),
+              "speculation": dataclasses.asdict(engine.config.speculation)}
+    print(f"our engine ({result['kernel_path']} kernels, {result['torch_threads']} threads):")
     result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
     result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
     result["batch8_gate_open"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True)
@@ -254,27 +353,21 @@ def main() -> None:
     loop.run_until_complete(engine.shutdown())
     print("transformers:")
     result["transformers"] = bench_transformers(prompts, args.max_tokens)
+    print("llama.cpp:")
+    result["llamacpp"] = None if args.no_llamacpp else bench_llamacpp(prompts, args.max_tokens, result["torch_threads"])
 
-    ratios = {}
-    for workload in prompts:
-        off = result["batch1"][f"{workload}/off"]["tokens_per_s"]
-        for batch in ("batch1", "batch8", "batch8_gate_open"):
-            off_b = result[batch][f"{workload}/off"]["tokens_per_s"]
-            for mode in MODES[1:]:
-                ratios[f"{batch}/{workload}/{mode}_vs_off"] = result[batch][f"{workload}/{mode}"]["tokens_per_s"] / off_b
-        hybrid = result["batch1"][f"{workload}/hybrid"]["tokens_per_s"]
-        ratios[f"batch1/{workload}/hybrid_vs_hf_prompt_lookup"] = (
-            hybrid / result["transformers"][f"{workload}/hf_prompt_lookup"]["tokens_per_s"])
-        ratios[f"batch1/{workload}/off_vs_hf_plain"] = off / result["transformers"][f"{workload}/hf_plain"]["tokens_per_s"]
-    result["ratios"] = ratios
+    result["ratios"] = compute_ratios(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
+    table = markdown_table(result)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
     print("ratios:")
-    for key, value in ratios.items():
-        print(f"  {key:45s} {value:5.2f}x")
+    for key, value in result["ratios"].items():
+        print(f"  {key:55s} {value:5.2f}x")
     print(f"gated-off step cost vs off: {result['gated_step']['gated_step_cost_ratio']:.3f}x")
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out} and its .png and .md")
 
 
 if __name__ == "__main__":

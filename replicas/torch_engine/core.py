@@ -17,7 +17,7 @@ import torch
 
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
-from replicas.speculation.hybrid import DraftPlan, effective_settings, plan_draft
+from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, effective_settings, next_mtp_backoff, plan_draft
 from replicas.speculation.sampling import position_uniforms, sampling_probs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import EngineStats, Ewma, SpecCounters
@@ -142,16 +142,24 @@ class EngineCore:
     def _decode(self, seqs: list[Sequence]) -> None:
         speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
         plans = [self._plan(s, speculate) for s in seqs]
-        mtp_seqs = [(i, s) for i, s in enumerate(seqs) if plans[i][0].source == "mtp"]
+        mtp_seqs = []
+        for i, seq in enumerate(seqs):
+            if plans[i][0].source != "mtp":
+                continue
+            if seq.mtp_skip:  # backing off after unfruitful proposals
+                seq.mtp_skip -= 1
+                plans[i] = self._sa_fallback(seq, plans[i][0])
+            else:
+                mtp_seqs.append((i, seq))
         if mtp_seqs:
             proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs],
                                          self.mtp_min_confidence)
             for (i, seq), draft in zip(mtp_seqs, proposals):
-                plan = plans[i][0]
-                if not draft and plan.sa_fallback:  # the head is unsure: a short SA match instead
-                    plans[i] = (DraftPlan("sa", plan.sa_fallback), seq.sa_draft[: plan.sa_fallback])
-                else:
-                    plans[i] = (plan, list(draft))
+                if draft:
+                    plans[i] = (plans[i][0], list(draft))
+                else:  # the head is unsure
+                    self._mtp_outcome(seq, 0)
+                    plans[i] = self._sa_fallback(seq, plans[i][0])
         self.last_speculated = any(draft for _, draft in plans)
 
         input_ids, spans = [], []
@@ -171,6 +179,8 @@ class EngineCore:
                 seq.num_cached += kept
                 self.cache.truncate(seq.slot, seq.num_cached)
                 if draft:
+                    if plan.source == "mtp":
+                        self._mtp_outcome(seq, verdict.num_accepted)
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     self.acceptance_ewma.update(kept)
@@ -179,6 +189,17 @@ class EngineCore:
                 self._emit(seq, verdict.tokens)
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
+
+    @staticmethod
+    def _sa_fallback(seq: Sequence, plan: DraftPlan) -> tuple[DraftPlan, list[int]]:
+        """A step planned for MTP without it: the short SA match behind it, or no draft."""
+        if not plan.sa_fallback:
+            return NO_DRAFT, []
+        return DraftPlan("sa", plan.sa_fallback), seq.sa_draft[: plan.sa_fallback]
+
+    @staticmethod
+    def _mtp_outcome(seq: Sequence, num_accepted: int) -> None:
+        seq.mtp_backoff = seq.mtp_skip = next_mtp_backoff(seq.mtp_backoff, num_accepted)
 
     def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
         """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts)."""

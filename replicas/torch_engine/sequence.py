@@ -27,6 +27,8 @@ class Sequence:
     num_cached: int = 0  # positions whose KV is in the cache
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
+    mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
+    mtp_skip: int = 0  # of those, steps still to go without MTP
     counters: SpecCounters = field(default_factory=SpecCounters)
     finish_reason: FinishReason | None = None
     error: str | None = None

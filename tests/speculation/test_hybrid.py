@@ -8,7 +8,8 @@ import pytest
 
 from replicas.engine import REQUEST_MODES, SERVER_MODES, RequestSpeculation, SpeculationConfig
 from replicas.speculation.hybrid import (
-    SA_DRAFT_PER_MATCHED_TOKEN, SA_MIN_MATCH, DraftPlan, effective_settings, plan_draft,
+    MTP_MAX_BACKOFF, SA_DRAFT_PER_MATCHED_TOKEN, SA_MIN_MATCH, DraftPlan, effective_settings, next_mtp_backoff,
+    plan_draft,
 )
 
 # (server mode, request mode) -> effective mode. Requests narrow; they never add a source.
@@ -155,3 +156,13 @@ def test_settings_feed_the_plan():
     result = plan_draft(mode, max_draft_len, server.sa_threshold, sa_match_len=2,
                         mtp_available=True, speculate=True, tokens_left=50)
     assert result == DraftPlan(source="sa", num_draft=2)
+
+
+def test_mtp_backoff_doubles_on_failure_and_resets_on_success():
+    backoff, seen = 0, []
+    for _ in range(8):
+        backoff = next_mtp_backoff(backoff, num_accepted=0)
+        seen.append(backoff)
+    assert seen == [1, 2, 4, 8, 16, 16, 16, 16] and MTP_MAX_BACKOFF == 16
+    assert next_mtp_backoff(backoff, num_accepted=1) == 0
+    assert next_mtp_backoff(0, num_accepted=3) == 0

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from replicas.engine import SpeculationConfig
+from replicas.speculation.hybrid import MTP_MAX_BACKOFF
 from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect, request
 
 pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
@@ -106,3 +107,25 @@ def test_sa_fallback_behind_an_unsure_head_is_exact(engine, loop, prompts, refer
         engine.configure(engine.config.speculation)
     assert core.totals.draft_tokens["mtp"] == before["mtp"]
     assert core.totals.draft_tokens["sa"] > before["sa"]
+
+
+def test_an_unsure_head_is_asked_less_and_less(engine, loop, prompts, reference):
+    # The head proposes nothing at confidence 1.01, so each ask backs MTP off for 1, 2, 4 ...
+    # up to MTP_MAX_BACKOFF steps: over a request's decode steps it is asked a handful of
+    # times, not every step, and the output is the same.
+    core = engine.core
+    asked = []
+    propose = core.mtp.propose
+    core.mtp.propose = lambda slots, *args: asked.append(len(slots)) or propose(slots, *args)
+    engine.configure(dataclasses.replace(engine.config.speculation, mode="mtp"))
+    core.mtp_min_confidence = 1.01
+    try:
+        tokens, _, last = loop.run_until_complete(collect(engine, request(prompts[0], mode="auto")))
+    finally:
+        del core.mtp.propose
+        core.mtp_min_confidence = engine.config.mtp_min_confidence
+        engine.configure(engine.config.speculation)
+    assert tokens == reference[0]
+    steps = len(tokens) - 1  # decode steps after the token prefill emitted
+    assert last.speculation["draft_tokens"] == 0
+    assert 1 <= sum(asked) <= 2 + steps // MTP_MAX_BACKOFF + 5, (sum(asked), steps)

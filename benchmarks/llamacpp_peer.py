@@ -1,0 +1,223 @@
+"""llama.cpp peer for the engine benchmark: plain decoding and its two model-free drafters.
+
+Runs llama.cpp's server in process through the `xllamacpp` wheel (prebuilt, no compiler) on
+the same GGUF our engine serves, and reports per request and as medians: decode tokens/s,
+end-to-end tokens/s, TTFT and, for `ngram_mod` / `ngram_map_k`, the draft acceptance
+llama.cpp itself counts. Lives in the bench venv only; xllamacpp is imported on first use,
+so importing this module needs nothing and does nothing.
+
+    .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --prompts-json P.json \
+        [--max-tokens 64] [--threads 2] [--batch 1] [--modes plain,ngram_mod,ngram_map_k]
+
+P.json maps a workload name to raw, already chat-templated prompts: {"chat": ["<|im_start|>..."]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+MODES = ("plain", "ngram_mod", "ngram_map_k")
+_SPEC_TYPE = {"ngram_mod": "COMMON_SPECULATIVE_TYPE_NGRAM_MOD", "ngram_map_k": "COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K"}
+_WARMUP_PROMPT = "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"
+# In this build predicted_per_second is (predicted_n - 1) / predicted_ms, timed from the first
+# sampled token: exactly "tokens after the first / first token to last" (streams agree).
+DECODE_RATE_SOURCE = ("decode_tok_s = llama.cpp timings.predicted_per_second = (predicted_n - 1) / predicted_ms; "
+                      "decode_tok_s_stream = the same ratio from streamed chunk times (a cross-check); "
+                      "ttft_s and e2e_tok_s from our clock around the in-process call")
+
+
+def _xllamacpp():
+    """Import xllamacpp with libgomp's default wait policy; returns (module, policy note).
+
+    The Makefile exports OMP_WAIT_POLICY=PASSIVE for torch's sake; llama.cpp's OpenMP barriers
+    then sleep between ops and decode halves (measured 115 -> 50-65 tok/s). libgomp reads the
+    variable once, when xllamacpp loads it, so it is hidden for the import alone. torch bundles
+    its own libgomp, which keeps whatever it read.
+    """
+    if "xllamacpp" in sys.modules:
+        return sys.modules["xllamacpp"], "unknown: xllamacpp was imported before this module"
+    with open("/proc/self/maps") as maps:
+        gomp_loaded = any(line.rstrip().endswith("/libgomp.so.1") for line in maps)
+    saved = os.environ.pop("OMP_WAIT_POLICY", None)
+    try:
+        import xllamacpp
+    finally:
+        if saved is not None:
+            os.environ["OMP_WAIT_POLICY"] = saved
+    note = f"inherited {saved}: libgomp was already loaded" if gomp_loaded and saved else "libgomp default"
+    return xllamacpp, note
+
+
+def llamacpp_version() -> str:
+    """The xllamacpp wheel's version and revision (it reports llama.cpp's own build as unknown)."""
+    xllamacpp, _ = _xllamacpp()
+    from xllamacpp import _version
+
+    build = xllamacpp.BUILD_INFO
+    return (f"xllamacpp {xllamacpp.__version__} ({_version.get_versions()['full-revisionid'][:12]}), "
+            f"llama.cpp build {build['build_number']}/{build['commit']}")
+
+
+def _start_server(gguf_path: str, mode: str, threads: int, n_parallel: int, slot_ctx: int):
+    xllamacpp, _ = _xllamacpp()
+    params = xllamacpp.CommonParams()
+    params.model.path = gguf_path
+    params.n_parallel = n_parallel
+    params.n_ctx = slot_ctx * n_parallel  # split evenly between the slots (kv_unified is off)
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
+    params.verbosity = -1  # the default level logs every request to stderr
+    if mode != "plain":
+        params.speculative.types = [getattr(xllamacpp.common_speculative_type, _SPEC_TYPE[mode])]
+    return xllamacpp.Server(params), _spec_settings(params.speculative, mode)
+
+
+def _spec_settings(spec, mode: str) -> dict:
+    """llama.cpp's defaults for the drafter, recorded because they decide acceptance."""
+    if mode == "ngram_mod":
+        return {k: getattr(spec.ngram_mod, k) for k in ("n_match", "n_min", "n_max")}
+    if mode == "ngram_map_k":
+        return {k: getattr(spec.ngram_map_k, k) for k in ("size_n", "size_m", "min_hits")}
+    return {}
+
+
+def _complete(server, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy completion; figures from llama.cpp's timings plus our own clock."""
+    request = {
+        "prompt": prompt,  # the server tokenises prompt text with special tokens parsed
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,  # exactly max_tokens, so every mode decodes the same length
+        "cache_prompt": False,  # the same prompts recur across modes and batches: prefill cold
+        "stream": True,
+    }
+    chunk_times: list[float] = []
+    chunks: list[dict] = []
+
+    def on_chunk(chunk: dict) -> bool:
+        chunk_times.append(time.perf_counter())
+        chunks.append(chunk)
+        return False  # True would tell the server to stop streaming
+
+    start = time.perf_counter()
+    server.handle_completions(request, on_chunk)  # blocks, with the GIL released
+    final = chunks[-1] if chunks else {}
+    if "timings" not in final:  # errors arrive through the same callback, without timings
+        raise RuntimeError(f"llama.cpp returned no timings: {json.dumps(final)[:500]}")
+    timings, usage = final["timings"], final["usage"]
+    # One chunk per token, then a last one with only finish_reason, usage and timings.
+    token_times = [t for t, c in zip(chunk_times, chunks) if c.get("choices") and c["choices"][0]["text"]]
+    span_s = token_times[-1] - token_times[0] if token_times else 0.0
+    wall_s = chunk_times[-1] - start
+    new_tokens = usage["completion_tokens"]
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "new_tokens": new_tokens,
+        "finish_reason": final["choices"][0]["finish_reason"] if final.get("choices") else None,
+        "ttft_s": (token_times or chunk_times)[0] - start,
+        "wall_s": wall_s,
+        "prompt_ms": timings["prompt_ms"],
+        "predicted_ms": timings["predicted_ms"],
+        "decode_tok_s": timings["predicted_per_second"],
+        "decode_tok_s_stream": (len(token_times) - 1) / span_s if span_s > 0 else None,
+        "e2e_tok_s": new_tokens / wall_s,
+        "draft_n": timings.get("draft_n", 0),  # absent when nothing was drafted
+        "draft_n_accepted": timings.get("draft_n_accepted", 0),
+        "text": "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")),
+    }
+
+
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _run_workload(server, prompts: list[str], max_tokens: int, batch: int) -> dict:
+    """Run the prompts `batch` at a time; fewer prompts than `batch` are repeated to fill it."""
+    indices = [i % len(prompts) for i in range(max(batch, len(prompts)))]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=batch) as pool:
+        rows = list(pool.map(lambda i: _complete(server, prompts[i], max_tokens), indices))
+    wall_s = time.perf_counter() - start
+    for i, row in zip(indices, rows):
+        row["prompt_index"] = i
+    drafted = sum(r["draft_n"] for r in rows)
+    accepted = sum(r["draft_n_accepted"] for r in rows)
+    return {
+        "median": {key: _median([r[key] for r in rows]) for key in
+                   ("decode_tok_s", "decode_tok_s_stream", "e2e_tok_s", "ttft_s", "prompt_ms")},
+        "draft_n": drafted,
+        "draft_n_accepted": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+        "wall_s": wall_s,
+        "throughput_tok_s": sum(r["new_tokens"] for r in rows) / wall_s,  # all requests together
+        "requests": rows,
+    }
+
+
+def run_llamacpp(gguf_path: str, prompts: dict[str, list[str]], max_tokens: int, threads: int = 2,
+                 batch: int = 1, modes=MODES) -> dict:
+    """Benchmark llama.cpp's server on `prompts` (workload -> raw prompts) in each mode.
+
+    Greedy, `max_tokens` new tokens per request (EOS ignored). `batch` requests run at once
+    against one server with `batch` slots; batch 1 runs them one after another. Each
+    (mode, workload) gets a fresh server, so ngram_mod's hash pool, which outlives a request,
+    learns nothing from another workload or batch size. Returns
+    {"llamacpp_version", "system_info", "omp_wait_policy", "threads", "batch", "max_tokens",
+     "slot_ctx", "decode_rate_source", "modes": {mode: {"spec_settings": {...}, "workloads":
+     {name: {"median": {...}, "draft_n", "draft_n_accepted", "acceptance", "wall_s",
+     "throughput_tok_s", "requests": [{...}, ...]}}}}}.
+    """
+    xllamacpp, omp_note = _xllamacpp()
+    longest = max(len(p) for group in prompts.values() for p in group)
+    # A token covers at least one character of prompt text, so this always fits; 256-aligned.
+    slot_ctx = -(-(longest + max_tokens + 16) // 256) * 256
+    result = {
+        "llamacpp_version": llamacpp_version(),
+        "system_info": xllamacpp.get_system_info().strip(),
+        "omp_wait_policy": omp_note,
+        "threads": threads, "batch": batch, "max_tokens": max_tokens, "slot_ctx": slot_ctx,
+        "decode_rate_source": DECODE_RATE_SOURCE,
+        "modes": {},
+    }
+    for mode in modes:
+        entry = {"workloads": {}}
+        for name, group in prompts.items():
+            server, entry["spec_settings"] = _start_server(gguf_path, mode, threads, batch, slot_ctx)
+            _complete(server, _WARMUP_PROMPT, 8)  # first-request allocations stay out of the figures
+            entry["workloads"][name] = _run_workload(server, group, max_tokens, batch)
+            del server  # joins llama.cpp's loop and frees the model before the next one loads
+        result["modes"][mode] = entry
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--prompts-json", required=True, help='{"workload": ["raw prompt", ...]}')
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--with-text", action="store_true", help="keep each request's generated text")
+    args = parser.parse_args()
+    with open(args.prompts_json, encoding="utf-8") as f:
+        prompts = json.load(f)
+    result = run_llamacpp(args.gguf, prompts, args.max_tokens, args.threads, args.batch,
+                          tuple(args.modes.split(",")))
+    if not args.with_text:
+        for entry in result["modes"].values():
+            for workload in entry["workloads"].values():
+                for row in workload["requests"]:
+                    del row["text"]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
