@@ -53,7 +53,12 @@ bench-serve: install
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/serve.py $(SERVE_BENCH_ARGS)
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
-bench: bench-drafters bench-engine bench-serve bench-autoscaling
+bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling
+
+# Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
+.PHONY: bench-forward
+bench-forward: install
+	$(PY) -m benchmarks.forward
 
 # Drafter benchmark: the peers (Arctic Inference, vLLM's n-gram kernel) live in their own
 # venv, never in the project's dependencies. Arctic builds from source against the
