@@ -121,6 +121,8 @@ def _complete(server, prompt: str, max_tokens: int) -> dict:
         "new_tokens": new_tokens,
         "finish_reason": final["choices"][0]["finish_reason"] if final.get("choices") else None,
         "ttft_s": (token_times or chunk_times)[0] - start,
+        "first_token_at": token_times[0] if token_times else None,  # perf_counter, for wave spans
+        "last_token_at": token_times[-1] if token_times else None,
         "wall_s": wall_s,
         "prompt_ms": timings["prompt_ms"],
         "predicted_ms": timings["predicted_ms"],
@@ -147,6 +149,10 @@ def _run_workload(server, prompts: list[str], max_tokens: int, batch: int) -> di
     wall_s = time.perf_counter() - start
     for i, row in zip(indices, rows):
         row["prompt_index"] = i
+    # As ours counts it: decode tokens (after each first) over the time from a wave's first
+    # token to its last, waves being the `batch` requests that run together.
+    waves = [rows[i:i + batch] for i in range(0, len(rows), batch)]
+    decode_span_s = sum(max(r["last_token_at"] for r in w) - min(r["first_token_at"] for r in w) for w in waves)
     drafted = sum(r["draft_n"] for r in rows)
     accepted = sum(r["draft_n_accepted"] for r in rows)
     return {
@@ -157,6 +163,7 @@ def _run_workload(server, prompts: list[str], max_tokens: int, batch: int) -> di
         "acceptance": accepted / drafted if drafted else None,
         "wall_s": wall_s,
         "throughput_tok_s": sum(r["new_tokens"] for r in rows) / wall_s,  # all requests together
+        "decode_throughput_tok_s": sum(r["new_tokens"] - 1 for r in rows) / decode_span_s,
         "requests": rows,
     }
 
@@ -172,7 +179,7 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str]], max_tokens: int,
     {"llamacpp_version", "system_info", "omp_wait_policy", "threads", "batch", "max_tokens",
      "slot_ctx", "decode_rate_source", "modes": {mode: {"spec_settings": {...}, "workloads":
      {name: {"median": {...}, "draft_n", "draft_n_accepted", "acceptance", "wall_s",
-     "throughput_tok_s", "requests": [{...}, ...]}}}}}.
+     "throughput_tok_s", "decode_throughput_tok_s", "requests": [{...}, ...]}}}}}.
     """
     xllamacpp, omp_note = _xllamacpp()
     longest = max(len(p) for group in prompts.values() for p in group)
