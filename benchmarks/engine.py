@@ -7,7 +7,7 @@ step against speculation disabled; llama.cpp's server on the same GGUF through `
 (plain, `ngram_mod`, `ngram_map_k`; run in the bench venv by benchmarks/llamacpp_peer.py);
 and transformers' `generate`, plain and with prompt lookup (10 tokens). Every request
 decodes exactly `--max-tokens` (EOS ignored, as for llama.cpp). Writes
-benchmarks/results/engine.json, engine.png and engine.md (the batch-1 table).
+benchmarks/results/engine.json, engine.png and engine.md (the side-by-side tables).
 
     .venv/bin/python benchmarks/engine.py [--prompts 4] [--max-tokens 128]
 """
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.llamacpp_peer import MODES as LLAMACPP_MODES  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
@@ -236,9 +237,6 @@ def bench_llamacpp(prompts: dict[str, list[str]], max_tokens: int, threads: int)
     return out
 
 
-LLAMACPP_MODES = ("plain", "ngram_mod", "ngram_map_k")
-
-
 def llamacpp_figures(result: dict, batch: str, workload: str, mode: str) -> tuple[float, float]:
     """(decode tok/s, end-to-end tok/s) of one llama.cpp run, counted as ours: decode tokens over
     first-to-last-token time of each wave of concurrent requests, and all tokens over wall time."""
@@ -267,7 +265,7 @@ def markdown_table(result: dict) -> str:
     lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['torch_threads']} threads, "
              f"kernels {result['kernel_path']}, greedy, {result['settings']['max_tokens']} tokens per request", ""]
     for batch in ("batch1", "batch8"):
-        lines += [f"{batch}: tokens/s | edit decode | edit end-to-end | chat decode | chat end-to-end",
+        lines += [f"| {batch}, tokens/s | edit decode | edit end-to-end | chat decode | chat end-to-end |",
                   "|---|---:|---:|---:|---:|"]
         for name, figures in table_rows(result, batch):
             cells = [f"{v:.1f}" if v is not None else "-" for w in WORKLOADS for v in figures[w]]
