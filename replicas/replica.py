@@ -127,7 +127,9 @@ class Replica:
         return await self.stats()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return await self.stats()
+        """`stats()`, or nothing while the engine is being built: Serve asks from the replica's
+        start, and a replica that reports nothing counts as not reporting (policy.py)."""
+        return await self.stats() if self._engine is not None else {}
 
     async def pid(self) -> int:
         """The replica's process id (tells a live reconfigure from a restart)."""

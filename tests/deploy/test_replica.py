@@ -54,6 +54,15 @@ def test_reconfigure_changes_the_engine_and_the_stats():
     run(scenario())
 
 
+def test_autoscaling_stats_are_empty_until_the_engine_is_built():
+    async def scenario():
+        replica = Replica(FakeEngine, metrics=False)
+        assert await replica.record_autoscaling_stats() == {}  # Serve asks before reconfigure
+        await replica.reconfigure({})
+        assert await replica.record_autoscaling_stats() == await replica.stats()
+    run(scenario())
+
+
 def test_stats_report_the_settings_the_engine_runs_with():
     async def scenario():
         replica = await make_replica({"batch_gate": 2}, engine_cls=StagingEngine)
