@@ -216,8 +216,8 @@ py::array_t<float> attend(py::array q, py::array k, py::array v, int first_n_pos
     }
   std::vector<float> scratch(cpu::attend_scratch_floats(group, hd));
   py::array_t<float> out({rows, group, hd});
-  kernels->attend(qp, static_cast<size_t>(group) * hd, rows, first_n_pos, group, hd, k_blocked.data(), v_padded.data(),
-                  out.mutable_data(), static_cast<size_t>(group) * hd, scratch.data());
+  cpu::attend(*kernels, qp, static_cast<size_t>(group) * hd, rows, first_n_pos, group, hd, k_blocked.data(),
+              v_padded.data(), out.mutable_data(), static_cast<size_t>(group) * hd, scratch.data());
   return out;
 }
 

@@ -51,9 +51,29 @@ std::string best_isa() {
   return "scalar";
 }
 
-// K^T and V of one block, then per (row, head): accumulator [hd], running max and sum; scores.
+// The scores of the group's heads and their rescale factors.
+size_t attend_chunk_scratch_floats(int group) {
+  return static_cast<size_t>(group) * (kBlock + 1);
+}
+
 size_t attend_scratch_floats(int group, int hd) {
-  return 2 * static_cast<size_t>(kBlock) * hd + static_cast<size_t>(kAttendRows) * group * (hd + 2) + 2 * kBlock;
+  return attend_chunk_scratch_floats(group) + 2 * static_cast<size_t>(kAttendRows) * group * state_floats(hd);
+}
+
+void attend(const Kernels& kernels, const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
+            const uint16_t* k, const uint16_t* v, float* out, size_t out_stride, float* scratch) {
+  const int sf = state_floats(hd), states = rows * group;
+  float* total = scratch;
+  float* part = total + static_cast<size_t>(kAttendRows) * group * sf;
+  float* chunk_scratch = part + static_cast<size_t>(kAttendRows) * group * sf;
+  const int chunks = (first_n_pos + rows - 1 + kChunk - 1) / kChunk;
+  kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, k, v, 0, total, chunk_scratch);
+  for (int c = 1; c < chunks; ++c) {
+    kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, k, v, c, part, chunk_scratch);
+    for (int i = 0; i < states; ++i) merge_state(total + i * sf, part + i * sf, hd);
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < group; ++h) finish_state(total + (r * group + h) * sf, hd, out + r * out_stride + h * hd);
 }
 
 }  // namespace cpu

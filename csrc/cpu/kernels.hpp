@@ -52,13 +52,15 @@ struct Kernels {
   // out[m][c] for rows [0, rows) and column groups [g0, g1); ldo = row stride of out.
   void (*matmul)(const PackedMatrix& w, const QuantRows& a, int rows, int g0, int g1, float* out,
                  size_t ldo);
-  // Attention for `rows` consecutive rows of one span against one KV head (that head's fp16
-  // cache: v [positions][hd]; k in blocks of 32 positions, each transposed: [blocks][hd][32]). Row r's `group` query heads (already scaled) are at
-  // q + r * q_stride; it attends positions [0, first_n_pos + r) and writes out + r * out_stride.
-  // Per row and head: an online softmax over blocks of 32 positions in order, each score a
-  // chain of fmas over hd. K/V blocks are converted once and applied to every row.
-  void (*attend)(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                 const uint16_t* k, const uint16_t* v, float* out, size_t out_stride, float* scratch);
+  // Attention of `rows` consecutive rows of one span against one KV head, over chunk `chunk`
+  // (positions [chunk * kChunk, (chunk + 1) * kChunk)) of that head's fp16 cache: v
+  // [positions][hd]; k in blocks of 32 positions, each transposed ([blocks][hd][32]). Row r's
+  // `group` query heads (already scaled) are at q + r * q_stride; it attends positions below
+  // first_n_pos + r. Writes each (row, head)'s online-softmax state (numerics.hpp) to
+  // states + (r * group + h) * state_floats(hd): per block of 32 in order, each score a chain
+  // of fmas over hd; a row with no position in the chunk gets the empty state.
+  void (*attend_chunk)(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
+                       const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch);
   // out[i] = silu(g[i]) * u[i].
   void (*silu_mul)(const float* g, const float* u, float* out, int n);
   // out = rms_norm(x) * w over n values (n % 8 == 0).
@@ -72,7 +74,13 @@ const Kernels* kernels_by_name(const std::string& name);  // nullptr if unknown
 bool cpu_supports(const std::string& name);
 std::string best_isa();  // SPECSERVE_CPU_ISA overrides (scalar | avx2 | avx512)
 
-constexpr int kAttendRows = 32;  // most rows per attend call
-size_t attend_scratch_floats(int group, int hd);
+constexpr int kAttendRows = 32;  // most rows per attention call
+size_t attend_chunk_scratch_floats(int group);
+size_t attend_scratch_floats(int group, int hd);  // attend's: the chunk's and two state buffers
+
+// The whole attention of `rows` rows (arguments as attend_chunk's): every chunk, merged in
+// order, into out + r * out_stride ([group][hd] per row).
+void attend(const Kernels& kernels, const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
+            const uint16_t* k, const uint16_t* v, float* out, size_t out_stride, float* scratch);
 
 }  // namespace cpu

@@ -77,113 +77,88 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   }
 }
 
-// The attention scratch: one K/V block as floats (K transposed), then the running state.
-struct AttendScratch {
-  float* kt;   // [hd][kBlock]: K^T of the block, zero past its last position
-  float* vf;   // [kBlock][hd]
-  float* acc;  // [rows][group][hd]
-  float* m;    // [rows][group] running max
-  float* l;    // [rows][group] running sum
-  float* s;    // [2][kBlock] scores, then probabilities, of up to two heads
-  AttendScratch(float* p, int rows, int group, int hd)
-      : kt(p), vf(kt + kBlock * hd), acc(vf + kBlock * hd), m(acc + rows * group * hd), l(m + rows * group),
-        s(l + rows * group) {}
-};
-
-// Positions [j0, j0 + nb) of K and V as floats (exact). K is stored in blocks of 32
-// positions transposed ([hd][32] per block), so both copies are contiguous conversions.
-// A last block's positions past nb were never written (the cache is not initialised): zero
-// their K lanes so no stray bit pattern (a NaN, a slow denormal) enters the arithmetic.
-void clear_unwritten(int nb, int hd, AttendScratch& st) {
-  if (nb == kBlock) return;
-  for (int d = 0; d < hd; ++d) std::fill(st.kt + d * kBlock + nb, st.kt + (d + 1) * kBlock, 0.0f);
-}
-
-[[maybe_unused]] void load_block_scalar(const uint16_t* k, const uint16_t* v, int j0, int nb, int hd, AttendScratch& st) {
-  const uint16_t* kb = k + static_cast<size_t>(j0) * hd;
-  for (int i = 0; i < kBlock * hd; ++i) st.kt[i] = half_to_float(kb[i]);
-  clear_unwritten(nb, hd, st);
-  for (int i = 0; i < nb * hd; ++i) st.vf[i] = half_to_float(v[static_cast<size_t>(j0) * hd + i]);
-}
-
-// The online-softmax step of one (row, head) for a block whose scores are in s[0, nb):
-// rescale by exp(m_old - m_new), add exp(s - m_new) and its weighted V rows in order.
-template <typename Exp, typename Accumulate>
-void softmax_block(float* s, int nb, float& m, float& l, Exp exp_scores, Accumulate accumulate) {
-  float block_max = kNegInf;
-  for (int j = 0; j < nb; ++j) block_max = max_canonical(block_max, s[j]);
-  const float m_new = max_canonical(m, block_max);
-  const float alpha = m == kNegInf ? 0.0f : exp_canonical(m - m_new);
-  exp_scores(s, nb, m_new);
-  float block_sum = 0.0f;
-  for (int j = 0; j < nb; ++j) block_sum += s[j];
-  l = l * alpha + block_sum;
-  m = m_new;
-  accumulate(alpha);
-}
-
-// The block loop shared by every path; `scores(q_row, h, heads, st)` fills st.s for
-// `heads` (1 or 2) heads starting at h, `exp_scores` and `accumulate_v` do the rest.
-template <typename LoadBlock, typename Scores, typename ExpScores, typename AccumulateV>
-void attend_blocks(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                   const uint16_t* k, const uint16_t* v, float* out, size_t out_stride, float* scratch,
-                   int max_heads, LoadBlock load_block, Scores scores, ExpScores exp_scores,
-                   AccumulateV accumulate_v) {
-  AttendScratch st(scratch, rows, group, hd);
-  std::fill(st.acc, st.acc + rows * group * hd, 0.0f);
-  std::fill(st.m, st.m + rows * group, kNegInf);
-  std::fill(st.l, st.l + rows * group, 0.0f);
-  const int max_n_pos = first_n_pos + rows - 1;
-  for (int j0 = 0; j0 < max_n_pos; j0 += kBlock) {
-    load_block(k, v, j0, std::min(kBlock, max_n_pos - j0), hd, st);
+// The chunk loop shared by every path. Per block and row: `scores(q_row, group, hd, kt, s)`
+// fills s [group][32] from the block's K^T (fp16, straight from the cache); per head,
+// `block_max` is the largest of the block's nb scores and `exp_sum` turns s into
+// p = exp(s - m_new) (zero past nb) and returns block_sum_canonical(p); then
+// `accumulate_v(states, alpha, s, nb, v, group, hd)` rescales each head's acc by its alpha
+// and adds p's weighted V rows in order. A last block's K lanes past nb were never written
+// (the cache is not initialised): their scores are computed and then never used.
+template <typename Scores, typename BlockMax, typename ExpSum, typename AccumulateV>
+void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
+                         const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch,
+                         Scores scores, BlockMax block_max, ExpSum exp_sum, AccumulateV accumulate_v) {
+  float* s = scratch;                   // [group][kBlock]: scores, then p
+  float* alpha = s + group * kBlock;    // [group]: each head's rescale of its state by the block
+  const int sf = state_floats(hd);
+  for (int i = 0; i < rows * group; ++i) {
+    float* state = states + i * sf;
+    std::fill(state, state + hd, 0.0f);
+    state[hd] = kNegInf;
+    state[hd + 1] = 0.0f;
+  }
+  const int end = std::min((chunk + 1) * kChunk, first_n_pos + rows - 1);
+  for (int j0 = chunk * kChunk; j0 < end; j0 += kBlock) {
+    const uint16_t* kt = k + static_cast<size_t>(j0) * hd;
+    const uint16_t* vb = v + static_cast<size_t>(j0) * hd;
     for (int r = 0; r < rows; ++r) {
       const int n_pos = first_n_pos + r;
       if (j0 >= n_pos) continue;
       const int nb = std::min(kBlock, n_pos - j0);
-      const float* q_row = q + r * q_stride;
-      for (int h = 0; h < group;) {
-        const int heads = std::min(max_heads, group - h);
-        scores(q_row, h, heads, st);
-        for (int i = 0; i < heads; ++i) {
-          const int state = r * group + h + i;
-          float* acc = st.acc + state * hd;
-          softmax_block(st.s + i * kBlock, nb, st.m[state], st.l[state], exp_scores,
-                        [&](float alpha) { accumulate_v(acc, alpha, st.s + i * kBlock, nb, st.vf, hd); });
-        }
-        h += heads;
+      float* row_states = states + r * group * sf;
+      scores(q + r * q_stride, group, hd, kt, s);
+      for (int h = 0; h < group; ++h) {
+        float* state = row_states + h * sf;
+        const float m = state[hd];
+        const float m_new = max_canonical(m, block_max(s + h * kBlock, nb));
+        alpha[h] = m == kNegInf ? 0.0f : exp_canonical(m - m_new);
+        const float sum = exp_sum(s + h * kBlock, nb, m_new);
+        state[hd + 1] = state[hd + 1] * alpha[h] + sum;
+        state[hd] = m_new;
       }
+      accumulate_v(row_states, alpha, s, nb, vb, group, hd);
     }
   }
-  for (int r = 0; r < rows; ++r)
-    for (int h = 0; h < group; ++h) {
-      const int state = r * group + h;
-      for (int d = 0; d < hd; ++d) out[r * out_stride + h * hd + d] = st.acc[state * hd + d] / st.l[state];
-    }
 }
 
-[[maybe_unused]] void attend_scalar(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                                    const uint16_t* k, const uint16_t* v, float* out, size_t out_stride,
-                                    float* scratch) {
-  auto scores = [&](const float* q_row, int h, int, AttendScratch& st) {
-    const float* qh = q_row + h * hd;
-    for (int j = 0; j < kBlock; ++j) {
-      float x = 0.0f;
-      for (int d = 0; d < hd; ++d) x = std::fma(qh[d], st.kt[d * kBlock + j], x);
-      st.s[j] = x;
-    }
-  };
-  auto exp_scores = [](float* s, int nb, float m_new) {
-    for (int j = 0; j < nb; ++j) s[j] = exp_canonical(s[j] - m_new);
-  };
-  auto accumulate_v = [](float* acc, float alpha, const float* p, int nb, const float* vf, int hd) {
+[[maybe_unused]] void attend_chunk_scalar(const float* q, size_t q_stride, int rows, int first_n_pos, int group,
+                                          int hd, const uint16_t* k, const uint16_t* v, int chunk, float* states,
+                                          float* scratch) {
+  auto scores = [](const float* q_row, int group, int hd, const uint16_t* kt, float* s) {
+    std::fill(s, s + group * kBlock, 0.0f);
     for (int d = 0; d < hd; ++d) {
-      float x = acc[d] * alpha;
-      for (int j = 0; j < nb; ++j) x = std::fma(p[j], vf[j * hd + d], x);
-      acc[d] = x;
+      float kd[kBlock];
+      for (int j = 0; j < kBlock; ++j) kd[j] = half_to_float(kt[d * kBlock + j]);
+      for (int h = 0; h < group; ++h)
+        for (int j = 0; j < kBlock; ++j) s[h * kBlock + j] = std::fma(q_row[h * hd + d], kd[j], s[h * kBlock + j]);
     }
   };
-  attend_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, out, out_stride, scratch, 1, load_block_scalar,
-                scores, exp_scores, accumulate_v);
+  auto block_max = [](const float* s, int nb) {
+    float m = kNegInf;
+    for (int j = 0; j < nb; ++j) m = max_canonical(m, s[j]);
+    return m;
+  };
+  auto exp_sum = [](float* s, int nb, float m_new) {
+    for (int j = 0; j < kBlock; ++j) s[j] = j < nb ? exp_canonical(s[j] - m_new) : 0.0f;
+    return block_sum_canonical(s);
+  };
+  auto accumulate_v = [](float* states, const float* alpha, const float* p, int nb, const uint16_t* v, int group,
+                         int hd) {
+    for (int h = 0; h < group; ++h) {
+      float* acc = states + h * state_floats(hd);
+      for (int d = 0; d < hd; ++d) acc[d] = acc[d] * alpha[h];
+    }
+    for (int j = 0; j < nb; ++j)
+      for (int d = 0; d < hd; ++d) {
+        const float vd = half_to_float(v[j * hd + d]);
+        for (int h = 0; h < group; ++h) {
+          float* acc = states + h * state_floats(hd);
+          acc[d] = std::fma(p[h * kBlock + j], vd, acc[d]);
+        }
+      }
+  };
+  attend_chunk_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,
+                      exp_sum, accumulate_v);
 }
 
 [[maybe_unused]] void silu_mul_scalar(const float* g, const float* u, float* out, int n) {
@@ -348,67 +323,118 @@ void matmul_simd(const PackedMatrix& w, const QuantRows& a, int rows, int g0, in
   }
 }
 
-void attend_simd(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd, const uint16_t* k,
-                 const uint16_t* v, float* out, size_t out_stride, float* scratch) {
-  // Scores of 32 positions for two heads at once: 8 independent fma chains over hd, one lane
-  // per position, so each score is exactly the scalar chain.
-  auto scores = [&](const float* q_row, int h, int heads, AttendScratch& st) {
-    const float* q0 = q_row + h * hd;
-    const float* q1 = heads == 2 ? q0 + hd : q0;
-    __m256 a0[4], a1[4];
-    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (int d = 0; d < hd; ++d) {
-      const __m256 b0 = _mm256_set1_ps(q0[d]), b1 = _mm256_set1_ps(q1[d]);
-      const float* kd = st.kt + d * kBlock;
-      for (int i = 0; i < 4; ++i) {
-        const __m256 kv = _mm256_loadu_ps(kd + 8 * i);
-        a0[i] = _mm256_fmadd_ps(b0, kv, a0[i]);
-        a1[i] = _mm256_fmadd_ps(b1, kv, a1[i]);
-      }
-    }
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(st.s + 8 * i, a0[i]);
-      _mm256_storeu_ps(st.s + kBlock + 8 * i, a1[i]);
-    }
-  };
-  auto exp_scores = [](float* s, int nb, float m_new) {
-    int j = 0;
-    for (; j + kLanes <= nb; j += kLanes)
-      _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m_new))));
-    for (; j < nb; ++j) s[j] = exp_canonical(s[j] - m_new);
-  };
-  // 64 dims at a time held in registers over the block's positions (elementwise in d, so the
-  // same chain per element as the scalar loop).
-  auto accumulate_v = [](float* acc, float alpha, const float* p, int nb, const float* vf, int hd) {
-    constexpr int kVecs = 8;
-    const __m256 alpha8 = _mm256_set1_ps(alpha);
-    for (int d0 = 0; d0 < hd; d0 += kVecs * kLanes) {
-      const int vecs = std::min(kVecs, (hd - d0) / kLanes);
-      __m256 x[kVecs];
-      for (int i = 0; i < vecs; ++i) x[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + kLanes * i), alpha8);
-      for (int j = 0; j < nb; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const float* vj = vf + j * hd + d0;
-        for (int i = 0; i < vecs; ++i) x[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + kLanes * i), x[i]);
-      }
-      for (int i = 0; i < vecs; ++i) _mm256_storeu_ps(acc + d0 + kLanes * i, x[i]);
-    }
-  };
-  auto load_block = [](const uint16_t* k, const uint16_t* v, int j0, int nb, int hd, AttendScratch& st) {
-    const uint16_t* kb = k + static_cast<size_t>(j0) * hd;
-    for (int i = 0; i < kBlock * hd; i += kLanes) _mm256_storeu_ps(st.kt + i, load_half8(kb + i));
-    clear_unwritten(nb, hd, st);
-    const uint16_t* vb = v + static_cast<size_t>(j0) * hd;
-    for (int i = 0; i < nb * hd; i += kLanes) _mm256_storeu_ps(st.vf + i, load_half8(vb + i));
-  };
-  attend_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, out, out_stride, scratch, 2, load_block, scores,
-                exp_scores, accumulate_v);
-}
-
 inline float hsum8(__m256 v) {  // numerics.hpp's hsum8 fold
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// Scores of 32 positions for H heads at once: 4H independent fma chains over hd, one lane per
+// position, so each score is exactly the scalar chain (fp16 -> fp32 is exact).
+template <int H>
+void scores_simd(const float* qh, int hd, const uint16_t* kt, float* s) {
+  __m256 acc[H][4];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int d = 0; d < hd; ++d) {
+    __m256 b[H];
+    for (int h = 0; h < H; ++h) b[h] = _mm256_set1_ps(qh[h * hd + d]);
+    const uint16_t* kd = kt + d * kBlock;
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kv = load_half8(kd + kLanes * i);
+      for (int h = 0; h < H; ++h) acc[h][i] = _mm256_fmadd_ps(b[h], kv, acc[h][i]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(s + h * kBlock + kLanes * i, acc[h][i]);
+}
+
+// acc of H heads, dims [d0, d0 + 8 NV): rescaled by alpha, then p's weighted V rows added in
+// order (elementwise in d, so the same chain per element as the scalar loop).
+template <int H, int NV>
+void accumulate_v_simd(float* states, const float* alpha, const float* p, int nb, const uint16_t* v, int hd,
+                       int d0) {
+  const int sf = state_floats(hd);
+  __m256 x[H][NV];
+  for (int h = 0; h < H; ++h) {
+    const __m256 a = _mm256_set1_ps(alpha[h]);
+    for (int i = 0; i < NV; ++i) x[h][i] = _mm256_mul_ps(_mm256_loadu_ps(states + h * sf + d0 + kLanes * i), a);
+  }
+  for (int j = 0; j < nb; ++j) {
+    __m256 vj[NV];
+    for (int i = 0; i < NV; ++i) vj[i] = load_half8(v + j * hd + d0 + kLanes * i);
+    for (int h = 0; h < H; ++h) {
+      const __m256 pj = _mm256_set1_ps(p[h * kBlock + j]);
+      for (int i = 0; i < NV; ++i) x[h][i] = _mm256_fmadd_ps(pj, vj[i], x[h][i]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(states + h * sf + d0 + kLanes * i, x[h][i]);
+}
+
+// Lanes of position j0 + 8i + l that lie below nb, as an all-ones mask.
+inline __m256 valid_lanes(int i, int nb) {
+  const __m256i index = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kLanes * i));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), index));
+}
+
+void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
+                       const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch) {
+  // Heads go 3 at a time: 12 accumulators, which with their operands fit AVX2's 16 registers.
+  auto scores = [](const float* q_row, int group, int hd, const uint16_t* kt, float* s) {
+    for (int h = 0; h < group; h += 3) {
+      const float* qh = q_row + h * hd;
+      switch (std::min(3, group - h)) {
+        case 3: scores_simd<3>(qh, hd, kt, s + h * kBlock); break;
+        case 2: scores_simd<2>(qh, hd, kt, s + h * kBlock); break;
+        default: scores_simd<1>(qh, hd, kt, s + h * kBlock); break;
+      }
+    }
+  };
+  auto block_max = [](const float* s, int nb) {  // max is exact in any order
+    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    __m256 m = neg_inf;
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + kLanes * i), valid_lanes(i, nb)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  };
+  auto exp_sum = [](float* s, int nb, float m_new) {
+    const __m256 m8 = _mm256_set1_ps(m_new);
+    __m256 p[4];
+    for (int i = 0; i < 4; ++i) {
+      p[i] = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + kLanes * i), m8)), valid_lanes(i, nb));
+      _mm256_storeu_ps(s + kLanes * i, p[i]);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2]), p[3]));
+  };
+  // 32 dims of 3 heads at a time (12 accumulators); 8 at a time for a head_dim's tail.
+  auto accumulate_v = [](float* states, const float* alpha, const float* p, int nb, const uint16_t* v, int group,
+                         int hd) {
+    for (int h = 0; h < group; h += 3) {
+      float* sh = states + h * state_floats(hd);
+      const float* ah = alpha + h;
+      const float* ph = p + h * kBlock;
+      const int heads = std::min(3, group - h);
+      int d0 = 0;
+      for (; d0 + 4 * kLanes <= hd; d0 += 4 * kLanes) {
+        switch (heads) {
+          case 3: accumulate_v_simd<3, 4>(sh, ah, ph, nb, v, hd, d0); break;
+          case 2: accumulate_v_simd<2, 4>(sh, ah, ph, nb, v, hd, d0); break;
+          default: accumulate_v_simd<1, 4>(sh, ah, ph, nb, v, hd, d0); break;
+        }
+      }
+      for (; d0 < hd; d0 += kLanes) {
+        switch (heads) {
+          case 3: accumulate_v_simd<3, 1>(sh, ah, ph, nb, v, hd, d0); break;
+          case 2: accumulate_v_simd<2, 1>(sh, ah, ph, nb, v, hd, d0); break;
+          default: accumulate_v_simd<1, 1>(sh, ah, ph, nb, v, hd, d0); break;
+        }
+      }
+    }
+  };
+  attend_chunk_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,
+                      exp_sum, accumulate_v);
 }
 
 void rms_norm_simd(const float* x, const float* w, int n, float eps, float* out) {
@@ -467,9 +493,9 @@ void silu_mul_simd(const float* g, const float* u, float* out, int n) {
 }  // namespace
 
 #ifdef CPU_SIMD
-extern const Kernels kernels{ISA_NAME, matmul_simd, attend_simd, silu_mul_simd, rms_norm_simd, quantize_row_simd};
+extern const Kernels kernels{ISA_NAME, matmul_simd, attend_chunk_simd, silu_mul_simd, rms_norm_simd, quantize_row_simd};
 #else
-extern const Kernels kernels{ISA_NAME,      matmul_scalar,  attend_scalar,
+extern const Kernels kernels{ISA_NAME,      matmul_scalar,  attend_chunk_scalar,
                              silu_mul_scalar, rms_norm_scalar, quantize_row_scalar};
 #endif
 

@@ -11,6 +11,10 @@
 namespace cpu {
 namespace {
 
+// Attention is cut into chunk tasks when a step has fewer (tile, KV head) tasks than this many
+// per thread (see run_decoder).
+constexpr int kSplitBelowTasksPerThread = 2;
+
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
 }
@@ -243,6 +247,34 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
     for (int t = 0; t < spans[i].length; t += kAttendRows)
       tiles.push_back({spans[i].slot, first + t, spans[i].start + t, std::min(kAttendRows, spans[i].length - t)});
 
+  // Few tiles (a decode, a verify): each (tile, KV head) is cut further into its chunks of
+  // kChunk positions so that every thread has work, and each row's chunk states are merged
+  // afterwards. Otherwise a (tile, KV head) runs all its chunks and merges them itself. Both
+  // merge the same states in the same order: the choice never changes a bit.
+  const int sf = state_floats(hd);
+  const bool split_chunks = static_cast<int>(tiles.size()) * kvh < kSplitBelowTasksPerThread * pool_.size();
+  struct ChunkTask {
+    int tile, head, chunk;
+    size_t states;  // offset of its [rows][group] states in chunk_states
+  };
+  std::vector<ChunkTask> chunk_tasks;
+  std::vector<int> row_tile(n), tile_tasks, tile_chunks;  // a tile's first task and its chunks per KV head
+  size_t chunk_state_floats = 0;
+  if (split_chunks) {
+    for (int i = 0; i < static_cast<int>(tiles.size()); ++i) {
+      const RowTile& t = tiles[i];
+      tile_tasks.push_back(static_cast<int>(chunk_tasks.size()));
+      tile_chunks.push_back((t.first_pos + t.rows - 1) / kChunk + 1);
+      std::fill(row_tile.begin() + t.first_row, row_tile.begin() + t.first_row + t.rows, i);
+      for (int head = 0; head < kvh; ++head)
+        for (int c = 0; c < tile_chunks.back(); ++c) {
+          chunk_tasks.push_back({i, head, c, chunk_state_floats});
+          chunk_state_floats += static_cast<size_t>(t.rows) * group * sf;
+        }
+    }
+  }
+  std::vector<float> chunk_states(chunk_state_floats);
+
   std::vector<float> x(static_cast<size_t>(n) * d), y(x.size()), h(x.size());
   std::vector<float> qkv(static_cast<size_t>(n) * qkv_n), attn(static_cast<size_t>(n) * q_size);
   std::vector<float> gate_up(static_cast<size_t>(n) * 2 * inter), act(static_cast<size_t>(n) * inter);
@@ -252,6 +284,9 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const size_t slot_stride = static_cast<size_t>(kvh) * cache.max_seq_len * hd;
   const size_t layer_stride = slot_stride * cache.num_slots;
+  auto head_base = [&](int slot, int head) {  // a (slot, KV head)'s cache inside a layer's
+    return slot * slot_stride + static_cast<size_t>(head) * cache.max_seq_len * hd;
+  };
 
   auto add_residual = [&](int r) {  // x += y for row r
     float* xr = x.data() + static_cast<size_t>(r) * d;
@@ -280,7 +315,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
         for (int i = 0; i < q_size; ++i) qr[i] = qr[i] * scale;
         const int pos = row_pos[r];
         for (int head = 0; head < kvh; ++head) {
-          const size_t base = row_slot[r] * slot_stride + static_cast<size_t>(head) * cache.max_seq_len * hd;
+          const size_t base = head_base(row_slot[r], head);
           const size_t k_at = base + static_cast<size_t>(pos / kBlock) * kBlock * hd + pos % kBlock;  // blocked K^T
           const size_t v_at = base + static_cast<size_t>(pos) * hd;
           const float* kr = qr + q_size + head * hd;
@@ -292,17 +327,45 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
         }
       }
     });
-    pool_.parallel_for(static_cast<int>(tiles.size()) * kvh, [&](int i0, int i1, int thread) {
-      float* scratch = attend_scratch.data() + thread * attend_floats;
-      for (int i = i0; i < i1; ++i) {
-        const RowTile& t = tiles[i / kvh];
-        const int head = i % kvh;
-        const size_t base = t.slot * slot_stride + static_cast<size_t>(head) * cache.max_seq_len * hd;
-        kernels_->attend(qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + head * group * hd, qkv_n, t.rows,
-                         t.first_pos + 1, group, hd, k_layer + base, v_layer + base,
-                         attn.data() + static_cast<size_t>(t.first_row) * q_size + head * group * hd, q_size, scratch);
-      }
-    });
+    if (split_chunks) {
+      pool_.parallel_for(static_cast<int>(chunk_tasks.size()), [&](int i0, int i1, int thread) {
+        float* scratch = attend_scratch.data() + thread * attend_floats;
+        for (int i = i0; i < i1; ++i) {
+          const ChunkTask& c = chunk_tasks[i];
+          const RowTile& t = tiles[c.tile];
+          kernels_->attend_chunk(qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + c.head * group * hd, qkv_n,
+                                 t.rows, t.first_pos + 1, group, hd, k_layer + head_base(t.slot, c.head),
+                                 v_layer + head_base(t.slot, c.head), c.chunk, chunk_states.data() + c.states, scratch);
+        }
+      });
+      pool_.parallel_for(n, [&](int r0, int r1, int) {  // each row's chunks merged in position order
+        for (int r = r0; r < r1; ++r) {
+          const int tile = row_tile[r], chunks = row_pos[r] / kChunk + 1;
+          for (int head = 0; head < heads; ++head) {
+            // Chunk c of this (row, head) in the task (tile, KV head, c)'s states.
+            auto state = [&](int c) {
+              const ChunkTask& task = chunk_tasks[tile_tasks[tile] + (head / group) * tile_chunks[tile] + c];
+              return chunk_states.data() + task.states +
+                     static_cast<size_t>((r - tiles[tile].first_row) * group + head % group) * sf;
+            };
+            float* total = state(0);
+            for (int c = 1; c < chunks; ++c) merge_state(total, state(c), hd);
+            finish_state(total, hd, attn.data() + static_cast<size_t>(r) * q_size + head * hd);
+          }
+        }
+      });
+    } else {
+      pool_.parallel_for(static_cast<int>(tiles.size()) * kvh, [&](int i0, int i1, int thread) {
+        float* scratch = attend_scratch.data() + thread * attend_floats;
+        for (int i = i0; i < i1; ++i) {
+          const RowTile& t = tiles[i / kvh];
+          const int head = i % kvh;
+          attend(*kernels_, qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + head * group * hd, qkv_n, t.rows,
+                 t.first_pos + 1, group, hd, k_layer + head_base(t.slot, head), v_layer + head_base(t.slot, head),
+                 attn.data() + static_cast<size_t>(t.first_row) * q_size + head * group * hd, q_size, scratch);
+        }
+      });
+    }
     pool_.parallel_for(n, [&](int r0, int r1, int) {
       for (int r = r0; r < r1; ++r) quant.quantize(*kernels_, attn.data() + static_cast<size_t>(r) * q_size, r, q_size);
     });

@@ -117,6 +117,38 @@ inline float exp_canonical(float x) {
   return y * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
+// Attention's online softmax, per (row, query head). A state is acc[hd] (the p-weighted sum
+// of V rows), then m (the largest score seen) and l (the sum of p = exp(score - m)); its output
+// is acc / l. Positions are taken in chunks of kChunk (blocks of 32 in order inside a chunk,
+// from a fresh state), and the chunks' states are merged in position order: the chunks of one
+// row may run on different threads without changing a bit.
+constexpr int kChunk = 128;
+constexpr int state_floats(int hd) { return hd + 2; }
+
+// The running sum of one block's p (32 values, zero past the block's last position):
+// lane l adds p[l], p[l + 8], p[l + 16], p[l + 24] in order, then the lanes fold as hsum8.
+inline float block_sum_canonical(const float* p) {
+  float lane[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane[l] = ((p[l] + p[l + 8]) + p[l + 16]) + p[l + 24];
+  return hsum8(lane);
+}
+
+// total = total merged with part (a later chunk): both rescaled to the larger max, without
+// fma. An empty part (no position in its chunk, m = -inf) leaves total as it is.
+inline void merge_state(float* total, const float* part, int hd) {
+  const float m_part = part[hd];
+  if (!(m_part > -INFINITY)) return;
+  const float m = max_canonical(total[hd], m_part);
+  const float a = exp_canonical(total[hd] - m), b = exp_canonical(m_part - m);
+  for (int d = 0; d < hd; ++d) total[d] = total[d] * a + part[d] * b;
+  total[hd + 1] = total[hd + 1] * a + part[hd + 1] * b;
+  total[hd] = m;
+}
+
+inline void finish_state(const float* state, int hd, float* out) {
+  for (int d = 0; d < hd; ++d) out[d] = state[d] / state[hd + 1];
+}
+
 // silu(g) * u, elementwise.
 inline float silu_mul(float g, float u) { return g / (1.0f + exp_canonical(-g)) * u; }
 

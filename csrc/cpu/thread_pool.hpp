@@ -4,7 +4,7 @@
 // workers spin briefly on the loop counter, then sleep on a condition variable. A loop is cut
 // into more chunks than threads and every participant claims chunks until none are left, so
 // a worker the OS has descheduled (a busy machine) delays nothing: the others take its share.
-// The kernels give every item (a column group, a row, a span x KV head) the same arithmetic
+// The kernels give every item (a column group, a row, a tile x KV head or one of its chunks) the same arithmetic
 // whichever thread runs it, so the split never changes a result.
 #pragma once
 

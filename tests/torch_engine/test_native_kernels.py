@@ -72,13 +72,17 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_pos: int)
     return (p / p.sum(-1, keepdims=True)) @ v[:n_pos].astype(np.float64)
 
 
+# Positions past 128 span several chunks (merged in order); group 4 runs its heads 3 + 1 and
+# head_dim 72 ends on a dims tail of 8.
 @pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
-@pytest.mark.parametrize("n_pos, rows", [(1, 1), (31, 1), (32, 1), (33, 1), (100, 17), (70, 32)])
-def test_attention_against_float64(isa, n_pos, rows):
+@pytest.mark.parametrize("n_pos, rows, group, hd", [
+    (1, 1, 3, 64), (31, 1, 3, 64), (32, 1, 3, 64), (33, 1, 3, 64), (100, 17, 3, 64), (70, 32, 3, 64),
+    (129, 1, 3, 64), (300, 5, 3, 64), (290, 32, 4, 72), (257, 3, 1, 32)])
+def test_attention_against_float64(isa, n_pos, rows, group, hd):
     rng = np.random.default_rng(n_pos * 100 + rows)
-    q = (rng.standard_normal((rows, 3, 64)) * 0.125).astype(np.float32)
-    k = rng.standard_normal((n_pos, 64)).astype(np.float16)
-    v = rng.standard_normal((n_pos, 64)).astype(np.float16)
+    q = (rng.standard_normal((rows, group, hd)) * 0.125).astype(np.float32)
+    k = rng.standard_normal((n_pos, hd)).astype(np.float16)
+    v = rng.standard_normal((n_pos, hd)).astype(np.float16)
     first = n_pos - rows + 1
     got = native.attend(q, k, v, first, isa)
     for r in range(rows):
@@ -106,9 +110,12 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     x = (rng.standard_normal((3, 160)) * 5).astype(np.float32)
     for a, b in zip(native.quantize_rows(x, isa), native.quantize_rows(x, "scalar")):
         np.testing.assert_array_equal(a, b)
-    q = (rng.standard_normal((17, 3, 64)) * 0.125).astype(np.float32)
-    k, v = (rng.standard_normal((2, 90, 64)) * 3).astype(np.float16)
-    np.testing.assert_array_equal(native.attend(q, k, v, 74, isa), native.attend(q, k, v, 74, "scalar"))
+    for group, hd in ((3, 64), (4, 72)):
+        q = (rng.standard_normal((17, group, hd)) * 0.125).astype(np.float32)
+        k, v = (rng.standard_normal((2, 300, hd)) * 3).astype(np.float16)
+        for first in (1, 284):  # one row alone, and 17 rows across chunk boundaries
+            np.testing.assert_array_equal(native.attend(q[:1] if first == 1 else q, k, v, first, isa),
+                                          native.attend(q[:1] if first == 1 else q, k, v, first, "scalar"))
     g, u = (rng.standard_normal((2, 77)) * 30).astype(np.float32)
     np.testing.assert_array_equal(native.silu_mul(g, u, isa), native.silu_mul(g, u, "scalar"))
 

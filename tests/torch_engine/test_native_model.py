@@ -37,14 +37,15 @@ def logits_of(model: NativeLlamaModel, ids: torch.Tensor, spans: list[SeqSpan], 
     return model.logits(model(ids, spans, cache))
 
 
-def prefilled(model: NativeLlamaModel, prompt: torch.Tensor, slots: int = 1, max_seq_len: int = 256):
+def prefilled(model: NativeLlamaModel, prompt: torch.Tensor, slots: int = 1, max_seq_len: int = 320):
     cache = model.make_cache(slots, max_seq_len)
     slot = cache.allocate()
     model(prompt, [SeqSpan(slot, 0, len(prompt))], cache)
     return cache, slot
 
 
-@pytest.mark.parametrize("seed, prompt_len, k", [(0, 5, 2), (1, 40, 9), (2, 31, 17), (3, 100, 17), (4, 64, 5)])
+@pytest.mark.parametrize("seed, prompt_len, k", [(0, 5, 2), (1, 40, 9), (2, 31, 17), (3, 100, 17), (4, 64, 5),
+                                                 (5, 300, 9)])
 def test_verify_rows_equal_one_row_decodes(model, seed, prompt_len, k):
     ids = random_ids(seed, prompt_len + k)
     cache, slot = prefilled(model, ids[:prompt_len])
@@ -74,22 +75,26 @@ def test_packed_step_equals_each_request_alone(model):
 
 
 def test_thread_count_does_not_change_a_bit(model, model_1t):
-    ids = random_ids(20, 60)
+    # Three chunks of 128 positions: 2 threads cut the verify's attention into chunk tasks, 1
+    # thread runs each KV head's chunks in one task.
+    ids = random_ids(20, 310)
     results = []
     for m in (model, model_1t):
-        cache, slot = prefilled(m, ids[:50])
-        results.append(logits_of(m, ids[50:], [SeqSpan(slot, 50, 10)], cache))
+        cache, slot = prefilled(m, ids[:300])
+        results.append(logits_of(m, ids[300:], [SeqSpan(slot, 300, 10)], cache))
     assert torch.equal(*results)
 
 
 def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
-    ids = random_ids(30, 70)
+    # Whole, each (tile, KV head) runs its chunks of 128 positions in one task; in calls of 16
+    # rows they are separate tasks whose states are merged afterwards.
+    ids = random_ids(30, 300)
     cache, slot = prefilled(model, ids)
-    whole = model(ids, [SeqSpan(slot, 0, 70)], cache)
-    chunked = [model(ids[i:i + 16], [SeqSpan(slot, i, len(ids[i:i + 16]))], cache) for i in range(0, 70, 16)]
+    whole = model(ids, [SeqSpan(slot, 0, 300)], cache)
+    chunked = [model(ids[i:i + 16], [SeqSpan(slot, i, len(ids[i:i + 16]))], cache) for i in range(0, 300, 16)]
     assert torch.equal(whole, torch.cat(chunked))
     monkeypatch.setattr(native_model, "MAX_CHUNK_TOKENS", 9)  # the face's own split of a long step
-    assert torch.equal(whole, model(ids, [SeqSpan(slot, 0, 70)], cache))
+    assert torch.equal(whole, model(ids, [SeqSpan(slot, 0, 300)], cache))
 
 
 def test_scalar_path_equals_the_best_path():
