@@ -53,7 +53,7 @@ bench-serve: install
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/serve.py $(SERVE_BENCH_ARGS)
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
-bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling
+bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured
 
 # Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
 .PHONY: bench-forward
@@ -103,11 +103,43 @@ $(LLAMACPP_STAMP):
 	$(BENCH_PIP) install xllamacpp==$(XLLAMACPP_VERSION)
 	touch $@
 
+# Grammar libraries for constrained decoding, side by side (benchmarks/grammar_libs.py).
+# xgrammar asks for triton, a GPU kernel compiler its CPU path never imports: it installs
+# without deps, plus the one runtime it loads (apache-tvm-ffi). Wheels stay in $(WHEELS),
+# where the benchmark weighs them.
+LLGUIDANCE_VERSION := 1.9.1
+XGRAMMAR_VERSION := 0.2.8
+TVM_FFI_VERSION := 0.1.15.post2
+GRAMMAR_WHEELS := llguidance==$(LLGUIDANCE_VERSION) xgrammar==$(XGRAMMAR_VERSION) \
+  apache-tvm-ffi==$(TVM_FFI_VERSION)
+GRAMMAR_STAMP := $(BENCH_VENV)/.installed-llguidance$(LLGUIDANCE_VERSION)-xgrammar$(XGRAMMAR_VERSION)
+
+$(GRAMMAR_STAMP):
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PIP) install torch==2.13.0
+	$(BENCH_PIP) install numpy==2.4.6 pydantic==2.14.3 transformers==5.23.0
+	mkdir -p $(WHEELS)
+	$(BENCH_PIP) download --no-deps -d $(WHEELS) $(GRAMMAR_WHEELS)
+	$(BENCH_PIP) install --no-deps --no-index --find-links $(WHEELS) $(GRAMMAR_WHEELS)
+	touch $@
+
+.PHONY: bench-grammar
+bench-grammar: $(VENV)/.installed $(GRAMMAR_STAMP)
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	PYTHONPATH=. $(BENCH_PY) benchmarks/grammar_libs.py
+
 # Engine benchmark: ours against llama.cpp (bench venv) and transformers; engine.json/.png/.md.
 ENGINE_BENCH_ARGS ?=
 .PHONY: bench-engine
 bench-engine: install $(LLAMACPP_STAMP)
 	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
+
+# Structured output: JSON records and tool calls with speculation off / hybrid / hybrid plus
+# grammar drafts, against llama.cpp under the same constraint; structured.json/.png/.md.
+STRUCTURED_BENCH_ARGS ?=
+.PHONY: bench-structured
+bench-structured: install $(LLAMACPP_STAMP)
+	$(PY) benchmarks/structured.py $(STRUCTURED_BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD_DIR) replicas/speculation/*.so replicas/torch_engine/*.so

@@ -9,7 +9,10 @@ so importing this module needs nothing and does nothing.
     .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --prompts-json P.json \
         [--max-tokens 64] [--threads 2] [--batch 1] [--modes plain,ngram_mod,ngram_map_k]
 
-P.json maps a workload name to raw, already chat-templated prompts: {"chat": ["<|im_start|>..."]}.
+P.json maps a workload name to raw, already chat-templated prompts: {"chat": ["<|im_start|>..."]},
+or, for constrained output, to {"prompts": [...], "json_schema": {...}} or {"prompts": [...],
+"grammar": "..."} (llama.cpp's own request fields; this build takes `%llguidance` grammars):
+those requests stop at EOS, since a schema output ends when complete.
 """
 
 from __future__ import annotations
@@ -87,8 +90,16 @@ def _spec_settings(spec, mode: str) -> dict:
     return {}
 
 
-def _complete(server, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy completion; figures from llama.cpp's timings plus our own clock."""
+def _workload(entry) -> tuple[list[str], dict]:
+    """A workload's prompts and its constraint fields: a plain list, or {"prompts", "json_schema" | "grammar"}."""
+    if isinstance(entry, list):
+        return entry, {}
+    return entry["prompts"], {k: entry[k] for k in ("json_schema", "grammar") if k in entry}
+
+
+def _complete(server, prompt: str, max_tokens: int, constraint: dict | None = None) -> dict:
+    """One streamed greedy completion; figures from llama.cpp's timings plus our own clock.
+    `constraint` ({"json_schema": ...} or {"grammar": ...}) constrains it, and then EOS ends it."""
     request = {
         "prompt": prompt,  # the server tokenises prompt text with special tokens parsed
         "max_tokens": max_tokens,
@@ -96,7 +107,10 @@ def _complete(server, prompt: str, max_tokens: int) -> dict:
         "ignore_eos": True,  # exactly max_tokens, so every mode decodes the same length
         "cache_prompt": False,  # the same prompts recur across modes and batches: prefill cold
         "stream": True,
+        **(constraint or {}),
     }
+    if constraint:
+        request["ignore_eos"] = False  # a schema output is over when the grammar is complete
     chunk_times: list[float] = []
     chunks: list[dict] = []
 
@@ -140,12 +154,12 @@ def _median(values: list) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _run_workload(server, prompts: list[str], max_tokens: int, batch: int) -> dict:
+def _run_workload(server, prompts: list[str], max_tokens: int, batch: int, constraint: dict | None = None) -> dict:
     """Run the prompts `batch` at a time; fewer prompts than `batch` are repeated to fill it."""
     indices = [i % len(prompts) for i in range(max(batch, len(prompts)))]
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=batch) as pool:
-        rows = list(pool.map(lambda i: _complete(server, prompts[i], max_tokens), indices))
+        rows = list(pool.map(lambda i: _complete(server, prompts[i], max_tokens, constraint), indices))
     wall_s = time.perf_counter() - start
     for i, row in zip(indices, rows):
         row["prompt_index"] = i
@@ -168,11 +182,12 @@ def _run_workload(server, prompts: list[str], max_tokens: int, batch: int) -> di
     }
 
 
-def run_llamacpp(gguf_path: str, prompts: dict[str, list[str]], max_tokens: int, threads: int = 2,
+def run_llamacpp(gguf_path: str, prompts: dict[str, list[str] | dict], max_tokens: int, threads: int = 2,
                  batch: int = 1, modes=MODES) -> dict:
     """Benchmark llama.cpp's server on `prompts` (workload -> raw prompts) in each mode.
 
-    Greedy, `max_tokens` new tokens per request (EOS ignored). `batch` requests run at once
+    Greedy, `max_tokens` new tokens per request (EOS ignored; a constrained workload, see the
+    module docstring, stops at EOS). `batch` requests run at once
     against one server with `batch` slots; batch 1 runs them one after another. Each
     (mode, workload) gets a fresh server, so ngram_mod's hash pool, which outlives a request,
     learns nothing from another workload or batch size. Returns
@@ -182,7 +197,7 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str]], max_tokens: int,
      "throughput_tok_s", "decode_throughput_tok_s", "requests": [{...}, ...]}}}}}.
     """
     xllamacpp, omp_note = _xllamacpp()
-    longest = max(len(p) for group in prompts.values() for p in group)
+    longest = max(len(p) for entry in prompts.values() for p in _workload(entry)[0])
     # A token covers at least one character of prompt text, so this always fits; 256-aligned.
     slot_ctx = -(-(longest + max_tokens + 16) // 256) * 256
     result = {
@@ -195,10 +210,13 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str]], max_tokens: int,
     }
     for mode in modes:
         entry = {"workloads": {}}
-        for name, group in prompts.items():
+        for name, workload in prompts.items():
+            group, constraint = _workload(workload)
             server, entry["spec_settings"] = _start_server(gguf_path, mode, threads, batch, slot_ctx)
             _complete(server, _WARMUP_PROMPT, 8)  # first-request allocations stay out of the figures
-            entry["workloads"][name] = _run_workload(server, group, max_tokens, batch)
+            entry["workloads"][name] = _run_workload(server, group, max_tokens, batch, constraint)
+            if constraint:
+                entry["workloads"][name]["constraint"] = sorted(constraint)
             del server  # joins llama.cpp's loop and frees the model before the next one loads
         result["modes"][mode] = entry
     return result
@@ -207,7 +225,8 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str]], max_tokens: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", required=True)
-    parser.add_argument("--prompts-json", required=True, help='{"workload": ["raw prompt", ...]}')
+    parser.add_argument("--prompts-json", required=True,
+                        help='{"workload": ["raw prompt", ...] or {"prompts": [...], "json_schema": {...}}}')
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)

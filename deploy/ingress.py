@@ -14,7 +14,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Union
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,6 +26,8 @@ from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
 from deploy.errors import ApiError, install_error_handlers
 from deploy.prompts import generation_request
+from deploy.tool_call_stream import ToolCallStream
+from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelCard, ModelList,
@@ -92,15 +95,22 @@ class Ingress:
             raise ApiError(404, f"model: {body.model!r} is not served here; try {self._config.model_name!r}",
                            "model", code="model_not_found")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        request = generation_request(request_id, await self.tokenizer(), body, self._config)
+        tokenizer = await self.tokenizer()
+        request = generation_request(request_id, tokenizer, body, self._config)
+        output = _Output(kind, request.sampling.logprobs is not None,
+                         isinstance(body, ChatCompletionRequest) and bool(body.functions),
+                         fmt.TokenTexts(tokenizer.decode))
         stream, first = await self._open(request)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(kind, request_id, created, stream, first, include_usage),
+            return StreamingResponse(self._sse(output, request_id, created, stream, first, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         acc = await self._collect(stream, first)
-        return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, acc))
+        logprobs = fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None
+        tool_calls = parse_tool_calls(acc.text) if output.tools else None
+        return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, acc,
+                                              logprobs, tool_calls))
 
     async def _open(self, request: GenerationRequest):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses)."""
@@ -143,9 +153,10 @@ class Ingress:
             if not done:  # error or client disconnect: stop the request in the engine
                 _cancel(stream)
 
-    async def _sse(self, kind: fmt.Kind, request_id: str, created: int, stream, delta: GenerationDelta,
+    async def _sse(self, output: _Output, request_id: str, created: int, stream, delta: GenerationDelta,
                    include_usage: bool) -> AsyncIterator[str]:
-        model, acc, done = self._config.model_name, fmt.Accumulated(), False
+        kind, model, acc, done = output.kind, self._config.model_name, fmt.Accumulated(), False
+        pieces = _StreamPieces(output)
         try:
             try:
                 if kind == "chat":
@@ -154,12 +165,15 @@ class Ingress:
                     if delta.finish_reason in ("error", "abort"):
                         raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
                     acc.add(delta)
-                    if delta.text:
-                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, delta.text))
+                    text, tool_calls, logprobs = pieces.of(delta)
+                    if text or tool_calls or logprobs:
+                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, text, logprobs=logprobs,
+                                                tool_calls=tool_calls))
                     if delta.finish_reason is not None:
                         done = True
                         text = None if kind == "chat" else ""
-                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, text, delta.finish_reason))
+                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, text,
+                                                pieces.finish_reason(delta.finish_reason)))
                         if include_usage:
                             yield fmt.sse(fmt.usage_chunk(kind, request_id, created, model, acc))
                         break
@@ -181,6 +195,52 @@ class Ingress:
     # -- models ---------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
         return ModelCard(id=self._config.model_name, created=self._created).model_dump()
+
+
+@dataclass(frozen=True)
+class _Output:
+    """What a response shows besides text: logprobs (when asked), tool calls (chat with tools)."""
+
+    kind: fmt.Kind
+    logprobs: bool
+    tools: bool
+    token_texts: fmt.TokenTexts
+
+
+class _StreamPieces:
+    """A stream's deltas as chunk parts: text (tool calls split out), tool-call fragments, logprobs."""
+
+    def __init__(self, output: _Output) -> None:
+        self._output = output
+        self._tools = ToolCallStream() if output.tools else None
+        self._call_ids: list[str] = []
+        self._text_offset = 0  # completions: characters of token text so far
+
+    def of(self, delta: GenerationDelta) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
+        out = self._output
+        logprobs = None
+        if out.logprobs and delta.logprobs:
+            logprobs = fmt.logprobs_body(out.kind, delta.logprobs, out.token_texts, self._text_offset)
+            self._text_offset += sum(len(out.token_texts(e.token_id)) for e in delta.logprobs)
+        if self._tools is None:
+            return delta.text, [], logprobs
+        events = self._tools.feed(delta.text) + (self._tools.finish() if delta.finish_reason else [])
+        text = "".join(e.content for e in events if e.content is not None)
+        fragments = []
+        for e in events:
+            if e.content is not None:
+                continue
+            if e.index == len(self._call_ids):  # a new call: its id, type and name come first
+                self._call_ids.append(fmt.tool_call_id())
+                fragments.append({"index": e.index, "id": self._call_ids[e.index], "type": "function",
+                                  "function": {"name": e.name, "arguments": e.arguments}})
+            else:
+                fragments.append({"index": e.index, "function": {"arguments": e.arguments}})
+        return text or None, fragments, logprobs
+
+    def finish_reason(self, reason: str) -> str:
+        tools = self._tools
+        return "tool_calls" if tools is not None and tools.ok and tools.num_calls else reason
 
 
 def build_api(ingress: Ingress) -> FastAPI:

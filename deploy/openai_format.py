@@ -1,16 +1,19 @@
 """Engine deltas -> OpenAI response bodies and SSE chunks. Pure functions over plain data.
 
-Completions and chat differ only in the choice shape (`text` vs `delta`/`message`), so
-each builder takes the endpoint `kind` and stays in one place.
+Completions and chat differ only in the choice shape (`text` vs `delta`/`message`) and in
+their logprobs shape (the legacy parallel lists vs a list of objects), so each builder takes
+the endpoint `kind` and stays in one place.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Sequence
 
-from replicas.engine import GenerationDelta
+from deploy.tool_calls import ToolCall
+from replicas.engine import GenerationDelta, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -25,9 +28,11 @@ class Accumulated:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
+        self.logprobs += delta.logprobs
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.prompt_tokens = delta.prompt_tokens
@@ -50,28 +55,78 @@ def usage(acc: Accumulated) -> dict[str, Any]:
     }
 
 
-def full_response(kind: Kind, response_id: str, created: int, model: str, acc: Accumulated) -> dict[str, Any]:
-    """The non-streaming body."""
+class TokenTexts:
+    """Token id -> its text (each token decoded alone), cached: what logprobs entries show."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
+
+
+def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: TokenTexts,
+                  text_offset: int = 0) -> dict[str, Any]:
+    """A choice's `logprobs`: chat's list of objects, or completions' parallel lists whose
+    `text_offset` counts characters from `text_offset` (where this chunk's text starts)."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": acc.text},
-                  "logprobs": None, "finish_reason": acc.finish_reason}
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top]}
+                            for e in entries]}
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def full_response(kind: Kind, response_id: str, created: int, model: str, acc: Accumulated,
+                  logprobs: Optional[dict[str, Any]] = None,
+                  tool_calls: tuple[Optional[str], list[ToolCall]] | None = None) -> dict[str, Any]:
+    """The non-streaming body; `tool_calls` is (content, calls) when the output made calls."""
+    finish_reason = acc.finish_reason
+    if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": acc.text}
+        if tool_calls is not None and tool_calls[1]:
+            message["content"] = tool_calls[0]
+            message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
+            finish_reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": acc.text, "logprobs": None, "finish_reason": acc.finish_reason}
+        choice = {"index": 0, "text": acc.text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": response_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created, "model": model, "choices": [choice], "usage": usage(acc)}
 
 
 def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional[str],
-          finish_reason: Optional[str] = None, role: bool = False) -> dict[str, Any]:
-    """One streamed chunk; for chat, `role=True` opens the assistant message."""
+          finish_reason: Optional[str] = None, role: bool = False, logprobs: Optional[dict[str, Any]] = None,
+          tool_calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """One streamed chunk; for chat, `role=True` opens the assistant message and `tool_calls`
+    carries `delta.tool_calls` fragments."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
 

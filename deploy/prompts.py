@@ -3,32 +3,92 @@
 The ingress tokenizes with the model's own tokenizer (fetched once from a replica), so
 limits on prompt length are enforced at the edge before anything is queued, and the
 replica receives token ids.
+
+Tools: a chat template that knows tools gets them (and earlier calls) in the Hugging Face
+convention; any other template gets our documented default (deploy/tool_calls.py): the
+functions described in the system message, earlier calls written as `<tool_call>` blocks.
+`response_format` and a forced tool choice become the request's grammar.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+import json
+from typing import Any, Optional, Union
 
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
-from deploy.protocol import ChatCompletionRequest, CompletionRequest
-from replicas.engine import GenerationRequest, RequestError, RequestSpeculation, SamplingParams
+from deploy.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
+from replicas.engine import GenerationRequest, GrammarSpec, RequestError, RequestSpeculation, SamplingParams
+
+
+def template_knows_tools(tokenizer: Any) -> bool:
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def _message(m: ChatMessage, native_tools: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
+    if m.tool_calls and native_tools:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+    elif m.tool_calls:
+        calls = format_tool_calls([(c.function.name, c.function.arguments) for c in m.tool_calls])
+        message["content"] = f"{m.text}\n{calls}" if m.text else calls
+    if m.tool_call_id and native_tools:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments(arguments: str) -> Any:
+    """Templates expect a call's arguments as a mapping; JSON text that is not one stays text."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
     """The chat as the model's template renders it (a 400 if the template refuses it)."""
-    messages = [
-        {"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-        for m in request.messages
-    ]
+    native_tools = template_knows_tools(tokenizer)
+    messages = [_message(m, native_tools) for m in request.messages]
+    functions = request.functions
+    extra: dict[str, Any] = {}
+    if functions and native_tools:
+        extra["tools"] = [{"type": "function", "function": f} for f in functions]
+    elif functions:
+        guide = tools_system_prompt(functions)
+        if messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{guide}"}
+        else:
+            messages.insert(0, {"role": "system", "content": guide})
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
+            continue_final_message=request.continue_final_message, **extra,
         )
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for bad chats
         raise ApiError(400, f"messages: the chat template rejected them: {exc}", "messages") from exc
+
+
+def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[GrammarSpec]:
+    """The request's constraint: its response_format, or the call a forced tool choice makes."""
+    fmt = request.response_format
+    forced_tool = isinstance(request, ChatCompletionRequest) and request.functions and \
+        (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
+    if forced_tool:
+        if fmt is not None and fmt.type != "text":
+            raise ApiError(400, "response_format: cannot constrain the output while tool_choice forces a call",
+                           "response_format")
+        functions = request.functions
+        if isinstance(request.tool_choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
+        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls), "tool_choice")
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object")
+    return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
 
 
 def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompletionRequest]) -> list[int]:
@@ -63,13 +123,18 @@ def generation_request(
         raise ApiError(400, f"{max_tokens_field}: {asked} + {len(prompt_ids)} prompt tokens exceed the context "
                             f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(config.default_max_tokens, room)
+    if isinstance(request, ChatCompletionRequest):
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings,
-            ignore_eos=request.ignore_eos,
+            ignore_eos=request.ignore_eos, logprobs=logprobs, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
         )
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
     return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
-                             speculation=request.speculation or RequestSpeculation())
+                             speculation=request.speculation or RequestSpeculation(), grammar=grammar_spec(request))

@@ -2,21 +2,75 @@
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
 ignored setting; the OpenAI fields we do not implement are accepted only at their
-neutral value (`n=1`, penalties 0, no logprobs). The OpenAPI schema FastAPI generates
-from these models is what schemathesis fuzzes.
+neutral value (`n=1`). Text a tokenizer will read must be valid Unicode: a
+lone UTF-16 surrogate (JSON `"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its
+field. The OpenAPI schema FastAPI generates from these models is what schemathesis fuzzes.
 """
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Union
+import json
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from replicas.engine import RequestSpeculation
+from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone UTF-16 surrogate at character {exc.start}") from None
+    return text
+
+
+def _unicode_json(value: dict) -> dict:
+    _unicode(json.dumps(value, ensure_ascii=False))
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # text the tokenizer or the grammar engine reads
+JsonSchema = Annotated[Dict[str, Any], AfterValidator(_unicode_json)]
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Request):
+    name: FunctionName
+    description: Optional[Text] = None
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormatJsonSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+def _format_tag(value: Any) -> Optional[str]:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type={kind}" if isinstance(kind, str) else None
+
+
+# Tagged "type=..." rather than by the bare type, so an error's field path skips the tag:
+# `response_format.json_schema`, not `response_format.json_schema.json_schema`.
+ResponseFormat = Annotated[Union[
+    Annotated[ResponseFormatText, Tag("type=text")],
+    Annotated[ResponseFormatJsonObject, Tag("type=json_object")],
+    Annotated[ResponseFormatJsonSchema, Tag("type=json_schema")],
+], Discriminator(_format_tag)]
 
 
 class StreamOptions(_Request):
@@ -30,16 +84,16 @@ class _Sampling(_Request):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
-    stop: Optional[Union[str, List[str]]] = None
+    stop: Optional[Union[Text, List[Text]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+    response_format: Optional[ResponseFormat] = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # OpenAI fields accepted at their neutral values only
     n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    logprobs: Optional[Literal[False]] = None
     user: Optional[str] = None
 
     @field_validator("stop")
@@ -58,8 +112,10 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     """`POST /v1/completions`: a raw prompt (text or token ids), continued as it is."""
 
-    prompt: Union[str, List[int]]
+    prompt: Union[Text, List[int]]
     echo: Literal[False] = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                    description="each token's logprob and this many alternatives")
 
     @field_validator("prompt")
     @classmethod
@@ -73,19 +129,67 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+class FunctionCall(_Request):
+    name: FunctionName
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Request):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, List[TextPart]]] = None
-    name: Optional[str] = None
+    content: Optional[Union[Text, List[TextPart]]] = None
+    name: Optional[Text] = None
+    tool_calls: Optional[List[AssistantToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content):
+        if isinstance(content, list) and not content:
+            raise ValueError("a list of content parts must not be empty")
+        return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, tool_calls, info: ValidationInfo):
+        if tool_calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return tool_calls
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[JsonSchema] = None  # none: any object
+    strict: Optional[bool] = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -97,8 +201,39 @@ class ChatCompletionRequest(_Sampling):
 
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs=true")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if choice in (None, "none"):
+            return choice
+        if not tools:
+            raise ValueError("needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names {choice.function.name!r}, which is not among the tools")
+        return choice
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        """The offered functions as OpenAI dicts; none when tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("continue_final_message")
     @classmethod
@@ -132,10 +267,17 @@ class Usage(BaseModel):
     speculation: SpeculationUsage
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: List[str]
+    token_logprobs: List[float]
+    top_logprobs: Optional[List[Dict[str, float]]] = None
+    text_offset: List[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str]
 
 
@@ -150,13 +292,28 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[List[AssistantToolCall]] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[List[TokenLogprob]]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str]
 
 

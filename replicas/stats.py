@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-SOURCES = ("sa", "mtp")
+SOURCES = ("sa", "mtp", "grammar")  # draft sources: suffix automaton, MTP heads, grammar-forced tokens
 
 # Keys of record_routing_stats() / record_autoscaling_stats() (flat floats).
 BATCH_SIZE = "batch_size"

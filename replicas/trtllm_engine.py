@@ -122,6 +122,14 @@ class TrtllmEngine:
             raise RuntimeError("engine not started")
         if request.request_id in self._live:
             raise RequestError("request_id", f"{request.request_id!r} is already running")
+        if request.grammar is not None:
+            # Its guided decoding is xgrammar over the target's own steps; the pinned release
+            # documents it for neither the SA drafter nor MTP, and unconstrained output is
+            # never an acceptable fallback.
+            raise RequestError(request.grammar.param, "the TensorRT-LLM engine does not constrain output "
+                                                      "together with its speculative decoding; use the CPU engine")
+        if request.sampling.logprobs is not None:
+            raise RequestError("logprobs", "not returned by the TensorRT-LLM engine yet")
         prompt_ids = self._prompt_ids(request)
         try:
             sampling = self.api.sampling_params_cls(**sampling_kwargs(request.sampling, self.api.sampling_fields))

@@ -12,6 +12,8 @@ from unittest import mock
 from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
+DEPLOY_YAML = REPO / "deploy.yaml"
+APP = "specserve"  # deploy.yaml's application
 
 
 def free_port() -> int:
@@ -62,6 +64,22 @@ def deploy_config(document: dict, app: str, timeout_s: float) -> None:
 
     if not wait_until(running, timeout_s, interval_s=0.5):
         raise TimeoutError(f"{app} did not become RUNNING in {timeout_s:.0f} s")
+
+
+def embedded_config(batch_gate: int = 4, **engine) -> dict:
+    """deploy.yaml's document with one replica, sized for a 2-core test machine; `engine`
+    overrides its engine settings."""
+    import yaml
+
+    doc = yaml.safe_load(DEPLOY_YAML.read_text())
+    doc.pop("http_options"), doc.pop("proxy_location")  # the fixture's cluster owns HTTP
+    args = doc["applications"][0]["args"]
+    args["engine"].update({"max_batch_size": 8, "max_seq_len": 1024, "num_threads": 1, "mtp_weights": None, **engine})
+    replica = next(d for d in doc["applications"][0]["deployments"] if d["name"] == "Replica")
+    replica["user_config"]["batch_gate"] = batch_gate
+    replica.pop("autoscaling_config", None)  # one replica: these tests are about one engine
+    args["replica"].update(num_cpus=1, health_check_period_s=5)
+    return doc
 
 
 def dict_paths(node, path=()):

@@ -30,13 +30,14 @@ def test_record_counts_bonus_token_in_acceptance_length():
     counters.record("sa", num_draft=5, num_accepted=3)  # emits 4
     counters.record("mtp", num_draft=3, num_accepted=0)  # emits 1 (the correction)
     counters.record("sa", num_draft=2, num_accepted=2)  # emits 3
-    assert counters.draft_tokens == {"sa": 7, "mtp": 3}
-    assert counters.accepted_tokens == {"sa": 5, "mtp": 0}
-    assert counters.verify_steps == 3
-    assert counters.emitted_tokens == 8
-    assert counters.acceptance_length == pytest.approx(8 / 3)
-    assert counters.usage() == {"draft_tokens": 10, "accepted_tokens": 5,
-                                "acceptance_length": round(8 / 3, 4), "steps": 3}
+    counters.record("grammar", num_draft=4, num_accepted=4)  # emits 5
+    assert counters.draft_tokens == {"sa": 7, "mtp": 3, "grammar": 4}
+    assert counters.accepted_tokens == {"sa": 5, "mtp": 0, "grammar": 4}
+    assert counters.verify_steps == 4
+    assert counters.emitted_tokens == 13
+    assert counters.acceptance_length == pytest.approx(13 / 4)
+    assert counters.usage() == {"draft_tokens": 14, "accepted_tokens": 9,
+                                "acceptance_length": round(13 / 4, 4), "steps": 4}
 
 
 def test_counters_are_independent_objects():
@@ -59,15 +60,15 @@ def test_ewma_first_sample_then_blend():
 def test_engine_stats_as_metrics():
     engine_stats = EngineStats(
         batch_size=3, waiting=1, speculating=1, acceptance_length=2.5,
-        draft_tokens={"sa": 10, "mtp": 4}, accepted_tokens={"sa": 6, "mtp": 1},
+        draft_tokens={"sa": 10, "mtp": 4, "grammar": 3}, accepted_tokens={"sa": 6, "mtp": 1, "grammar": 3},
         step_ms=12.5, tokens_per_s=40.0,
     )
     metrics = engine_stats.as_metrics()
     assert metrics == {
         stats.BATCH_SIZE: 3.0, stats.WAITING: 1.0, stats.SPECULATING: 1.0,
         stats.ACCEPTANCE_LENGTH: 2.5, stats.STEP_MS: 12.5, stats.TOKENS_PER_S: 40.0,
-        "draft_tokens_sa": 10.0, "draft_tokens_mtp": 4.0,
-        "accepted_tokens_sa": 6.0, "accepted_tokens_mtp": 1.0,
+        "draft_tokens_sa": 10.0, "draft_tokens_mtp": 4.0, "draft_tokens_grammar": 3.0,
+        "accepted_tokens_sa": 6.0, "accepted_tokens_mtp": 1.0, "accepted_tokens_grammar": 3.0,
     }
     assert all(type(v) is float for v in metrics.values())
 

@@ -5,9 +5,11 @@ Two pure decisions over plain data, so the scheduler only calls them and tests a
 - `effective_settings`: a request may narrow the server's speculation setting, never widen
   it. It may turn speculation off, pin one of the sources the server runs, or lower the
   draft length.
-- `plan_draft`: per step, given the gate's verdict and the suffix automaton's current match,
-  pick SA (long matches: copying is nearly free and accepted at length), MTP (the steady
-  default, with a short SA match behind it for when the head is unsure), or nothing.
+- `plan_draft`: per step, given the gate's verdict, the tokens a grammar forces and the
+  suffix automaton's current match, pick the grammar (forced tokens: free and accepted
+  unless the model spells the same text with other tokens), SA (long matches: copying is
+  nearly free and accepted at length), MTP (the steady default, with a short SA match
+  behind it for when the head is unsure), or nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def next_mtp_backoff(backoff: int, num_accepted: int) -> int:
 class DraftPlan:
     """What to draft for one request in one step."""
 
-    source: str | None  # "sa", "mtp", or None: no speculation this step
+    source: str | None  # "grammar", "sa", "mtp", or None: no speculation this step
     num_draft: int  # tokens to draft; 0 exactly when source is None
     sa_fallback: int = 0  # hybrid, MTP planned: SA tokens to draft instead if MTP proposes none
 
@@ -86,6 +88,8 @@ def plan_draft(
     mtp_available: bool,
     speculate: bool,
     tokens_left: int,
+    num_forced: int = 0,
+    sa_extends_forced: bool = False,
 ) -> DraftPlan:
     """Pick the drafter and draft length for one request this step.
 
@@ -93,6 +97,12 @@ def plan_draft(
     verdict; `sa_match_len` is the suffix automaton's current match length; `tokens_left` is
     how many tokens the request may still emit. A verify step emits up to num_draft + 1
     tokens, so drafting stops one short of `tokens_left` and never runs past max_tokens.
+
+    `num_forced` tokens forced by the request's grammar come first, in any mode but "off"
+    and whatever the gate says: they are accepted almost surely, so each verify row saves a
+    whole step even in a full batch. Only an SA draft that would go this step anyway and
+    begins with them (`sa_extends_forced`: copying an earlier JSON or call) goes instead,
+    being longer; other drafts wait for the next step.
 
     SA drafts need a match of `sa_threshold` tokens in hybrid mode (below it MTP drafts)
     and of `SA_MIN_MATCH` in "sa" mode; they are at most `SA_DRAFT_PER_MATCHED_TOKEN` x the match long.
@@ -102,8 +112,16 @@ def plan_draft(
     if mode not in _SERVER_SOURCES:
         raise ValueError(f"mode: must be one of {tuple(_SERVER_SOURCES)}, got {mode!r}")
     num_draft = min(max_draft_len, tokens_left - 1)
-    if not speculate or mode == "off" or num_draft <= 0:
+    if mode == "off" or num_draft <= 0:
         return NO_DRAFT
+    plan = _plan_sa_mtp(mode, num_draft, sa_threshold, sa_match_len, mtp_available) if speculate else NO_DRAFT
+    if not num_forced:
+        return plan
+    forced = DraftPlan(source="grammar", num_draft=min(num_forced, num_draft))
+    return plan if sa_extends_forced and plan.source == "sa" and plan.num_draft > forced.num_draft else forced
+
+
+def _plan_sa_mtp(mode: str, num_draft: int, sa_threshold: int, sa_match_len: int, mtp_available: bool) -> DraftPlan:
     sa_draft = min(num_draft, SA_DRAFT_PER_MATCHED_TOKEN * sa_match_len)
     if mode == "hybrid" and sa_match_len >= sa_threshold or mode == "sa" and sa_match_len >= SA_MIN_MATCH:
         return DraftPlan(source="sa", num_draft=sa_draft)

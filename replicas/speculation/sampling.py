@@ -11,8 +11,13 @@ device holds the logits and whatever was drafted.
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Sequence
+
 import torch
 from torch import Tensor
+
+from replicas.engine import TokenLogprob
 
 
 # Top-p looks for the nucleus among the few most likely tokens first, widening only when
@@ -67,6 +72,22 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int)
     return torch.zeros_like(scaled).scatter_(-1, kept_ids, kept_probs)
 
 
+def penalize_(logits: Tensor, output_ids: Sequence[int], draft: Sequence[int], presence: float,
+              frequency: float) -> Tensor:
+    """OpenAI's presence and frequency penalties on `logits [K+1, V]` in place, row i counting
+    the output plus `draft[:i]`: what plain decoding would count at that position, so the
+    subtraction gives the same bits with or without a draft."""
+    counts = Counter(output_ids)
+    for row in range(len(draft) + 1):
+        if counts:
+            token_ids = torch.tensor(list(counts), dtype=torch.long)
+            occurrences = torch.tensor(list(counts.values()), dtype=torch.float32)
+            logits[row, token_ids] -= frequency * occurrences + presence
+        if row < len(draft):
+            counts[int(draft[row])] += 1
+    return logits
+
+
 def sample_at(probs: Tensor, uniforms: Tensor) -> Tensor:
     """Inverse-CDF sampling of `probs [T, V]` at given points `uniforms [T]` in [0, 1)."""
     cdf = torch.cumsum(probs.double(), dim=-1)  # [T, V]; float64 so the tail keeps its mass
@@ -95,3 +116,18 @@ def position_uniforms(seed: int, first_position: int, count: int) -> Tensor:
         z ^= z >> 31
         values.append((z >> 11) * 2.0**-53)  # 53 random bits: a double in [0, 1)
     return torch.tensor(values, dtype=torch.float64)
+
+
+def token_logprobs(logits: Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """Each emitted token's logprob under its row of `logits [T, V]`, and the row's `num_top`
+    most likely tokens: the model's own distribution (temperature 1, before top-k / top-p),
+    with penalties and a grammar's mask already applied. Forbidden tokens (-inf) are never
+    listed."""
+    logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)  # [T, V]
+    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long).reshape(-1, 1)).squeeze(1).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
+    if num_top:
+        top_values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+        tops = [tuple((i, v) for i, v in zip(ids, values) if v != float("-inf"))
+                for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+    return [TokenLogprob(int(t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]

@@ -18,7 +18,7 @@ import torch
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, effective_settings, next_mtp_backoff, plan_draft
-from replicas.speculation.sampling import position_uniforms, sampling_probs
+from replicas.speculation.sampling import penalize_, position_uniforms, sampling_probs, token_logprobs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
@@ -119,25 +119,37 @@ class EngineCore:
         ids = torch.tensor(seq.prompt_ids, dtype=torch.long)
         hidden = self.model(ids, [SeqSpan(seq.slot, 0, len(ids))], self.cache)  # [P, d]
         seq.num_cached = len(ids)
-        token = self._sample_one(seq, self.model.logits(hidden[-1:]))
+        logits = self.model.logits(hidden[-1:])  # [1, V]
+        token = self._verify(seq, [], logits).tokens[0]
         self.sa_pool.add_request(seq.sa_id, np.asarray(seq.prompt_ids, dtype=np.int32))
         if self.mtp is not None:
             next_ids = torch.tensor(seq.prompt_ids[1:] + [token], dtype=torch.long)
             self.mtp.observe(seq.slot, hidden, next_ids)
-        self._emit(seq, [token])
-
-    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
-        return self._verify(seq, [], logits).tokens[0]
+        self._emit(seq, [token], logits)
 
     def _plan(self, seq: Sequence, speculate: bool) -> tuple[DraftPlan, list[int]]:
         cfg = self.speculation
         mode, max_draft_len = effective_settings(cfg, seq.speculation)
         room = self.cache.k.shape[3] - seq.num_cached - 1  # KV positions left after the last token
+        forced = []
+        if seq.constraint is not None and cfg.grammar_drafts and mode != "off":
+            forced = seq.constraint.forced_tokens()
         plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, self.mtp is not None,
-                          speculate, min(seq.tokens_left, room + 1))
+                          speculate, min(seq.tokens_left, room + 1), len(forced),
+                          bool(forced) and seq.sa_draft[: len(forced)] == forced)
+        if plan.source == "grammar":
+            return plan, forced[: plan.num_draft]
         if plan.source == "sa":
             return plan, seq.sa_draft[: plan.num_draft]
         return plan, []
+
+    @staticmethod
+    def _admitted(seq: Sequence, plan: DraftPlan, draft: list[int]) -> tuple[DraftPlan, list[int]]:
+        """A draft cut at the first token the request's grammar forbids (never emitted anyway)."""
+        if seq.constraint is None or not draft or plan.source == "grammar":
+            return plan, draft
+        draft = seq.constraint.valid_prefix(draft)
+        return (DraftPlan(plan.source, len(draft)), draft) if draft else (NO_DRAFT, [])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
@@ -160,6 +172,7 @@ class EngineCore:
                 else:  # the head is unsure
                     self._mtp_outcome(seq, 0)
                     plans[i] = self._sa_fallback(seq, plans[i][0])
+        plans = [self._admitted(seq, *plan) for seq, plan in zip(seqs, plans)]
         self.last_speculated = any(draft for _, draft in plans)
 
         input_ids, spans = [], []
@@ -186,7 +199,7 @@ class EngineCore:
                     self.acceptance_ewma.update(kept)
                 if self.mtp is not None:
                     self.mtp.observe(seq.slot, hidden[rows][:kept], torch.tensor(verdict.tokens, dtype=torch.long))
-                self._emit(seq, verdict.tokens)
+                self._emit(seq, verdict.tokens, logits[rows])
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
 
@@ -202,19 +215,30 @@ class EngineCore:
         seq.mtp_backoff = seq.mtp_skip = next_mtp_backoff(seq.mtp_backoff, num_accepted)
 
     def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
-        """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts)."""
+        """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts),
+        from `logits [K+1, V]` penalised and masked by the request's grammar in place."""
+        p = seq.sampling
+        if p.presence_penalty or p.frequency_penalty:
+            penalize_(logits, seq.output_ids, draft, p.presence_penalty, p.frequency_penalty)
+        if seq.constraint is not None:
+            seq.constraint.mask_(logits, draft)
         if seq.seed is None:
             return verify_greedy(draft, logits.argmax(dim=-1).tolist())
-        p = seq.sampling
         uniforms = position_uniforms(seq.seed, len(seq.output_ids), len(draft) + 1)
         return verify_point_mass(draft, sampling_probs(logits, p.temperature, p.top_p, p.top_k), uniforms)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append tokens (cut at a stop) and feed them to the SA, which then drafts anew."""
+    def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:
+        """Append tokens (cut at a stop), record their logprobs from `logits [len(tokens)+, V]`,
+        and feed them to the grammar and the SA, which then drafts anew."""
         before = len(seq.output_ids)
         seq.append(tokens)
         fed = seq.output_ids[before:]
         self._step_tokens += len(fed)
+        if seq.sampling.logprobs is not None:
+            shown = fed[:-1] if seq.finish_reason == "stop" and fed and seq.is_visible_stop(fed[-1]) else fed
+            seq.logprobs += token_logprobs(logits, shown, seq.sampling.logprobs)
+        if seq.constraint is not None:
+            seq.constraint.advance(fed)
         if seq.finish_reason is None and fed:
             accepted = np.asarray([fed], dtype=np.int32)
             match_len, draft = self.sa_pool.extend(

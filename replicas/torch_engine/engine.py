@@ -74,6 +74,7 @@ class TorchEngine:
         self._loop_task: asyncio.Task | None = None
         self._sa_ids = itertools.count()
         self._eos_ids: frozenset[int] = frozenset()
+        self._grammars = None  # GrammarCompiler, built with the core
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,6 +87,7 @@ class TorchEngine:
     def _build_core(self) -> EngineCore:
         from transformers import AutoTokenizer
 
+        from replicas.speculation.grammar import GrammarCompiler
         from replicas.speculation.suffix import SuffixAutomatonPool
 
         cfg = self.config
@@ -108,6 +110,7 @@ class TorchEngine:
             model = LlamaModel.from_pretrained(model_dir, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
+        self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
         sa_pool = SuffixAutomatonPool(cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
         mtp = None
@@ -171,6 +174,7 @@ class TorchEngine:
             seed=None if sampling.temperature == 0 else
             sampling.seed if sampling.seed is not None else random.getrandbits(63),
             eos_ids=self._eos_ids,
+            constraint=self._grammars.compile(request.grammar) if request.grammar is not None else None,
         )
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:

@@ -8,9 +8,13 @@ grow into a stop string, so a stop string spanning token boundaries is never str
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams
+from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob
 from replicas.stats import SpecCounters
+
+if TYPE_CHECKING:
+    from replicas.speculation.grammar import Constraint
 
 
 @dataclass
@@ -22,6 +26,7 @@ class Sequence:
     speculation: RequestSpeculation  # narrows the server's setting, re-read every step
     seed: int | None  # keys the sampling stream by output position; None when greedy
     eos_ids: frozenset[int]
+    constraint: Constraint | None = None  # the request's grammar state, None if unconstrained
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose KV is in the cache
@@ -32,10 +37,12 @@ class Sequence:
     counters: SpecCounters = field(default_factory=SpecCounters)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for; none for a final stop id
     # text streaming state
     text: str = ""  # decoded output, stop strings cut once finished
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
 
     @property
     def last_token(self) -> int:
@@ -95,8 +102,10 @@ def release_text(seq: Sequence, decode) -> GenerationDelta | None:
     new_tokens = tuple(seq.output_ids[seq.num_sent_tokens :])
     if not new_text and not new_tokens and seq.finish_reason is None:
         return None
+    new_logprobs = tuple(seq.logprobs[seq.num_sent_logprobs :])
     seq.num_sent_chars = max(seq.num_sent_chars, releasable)
     seq.num_sent_tokens = len(seq.output_ids)
+    seq.num_sent_logprobs = len(seq.logprobs)
     return GenerationDelta(
         request_id=seq.request_id,
         token_ids=new_tokens,
@@ -106,4 +115,5 @@ def release_text(seq: Sequence, decode) -> GenerationDelta | None:
         prompt_tokens=len(seq.prompt_ids),
         completion_tokens=len(seq.output_ids),
         speculation=seq.counters.usage(),
+        logprobs=new_logprobs,
     )

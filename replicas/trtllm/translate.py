@@ -147,6 +147,9 @@ def sampling_kwargs(sampling: SamplingParams, have: frozenset[str]) -> dict[str,
         kwargs["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         kwargs["ignore_eos"] = True
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if getattr(sampling, penalty):
+            kwargs[penalty] = getattr(sampling, penalty)
     if "return_perf_metrics" in have:  # per-request speculative_decoding figures
         kwargs["return_perf_metrics"] = True
     return kwargs

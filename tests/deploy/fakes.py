@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
+from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig, TokenLogprob
 from replicas.stats import EngineStats
 
 ALPHABET = "abcdefghij"
@@ -57,6 +57,8 @@ class FakeEngine:
         if len(ids) + request.sampling.max_tokens > self.max_seq_len:
             raise RequestError("max_tokens", f"{request.sampling.max_tokens} + {len(ids)} prompt tokens "
                                              f"exceed the context window of {self.max_seq_len}")
+        if request.grammar is not None:  # like an engine without constrained decoding: refuse, never ignore
+            raise RequestError(request.grammar.param, "the fake engine does not constrain output")
         return self._stream(request, self.tokenizer.decode(ids), len(ids))
 
     async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):
@@ -72,9 +74,12 @@ class FakeEngine:
                     return
                 last = i + 1 == request.sampling.max_tokens
                 char = ALPHABET[i % len(ALPHABET)]
+                num_top = request.sampling.logprobs
+                logprobs = () if num_top is None else (TokenLogprob(ord(char), -0.5, tuple(
+                    (ord(c), -0.5 - j) for j, c in enumerate((char + ALPHABET)[:num_top]))),)
                 yield GenerationDelta(
                     request.request_id, (ord(char),), char, "length" if last else None, None,
-                    prompt_tokens, i + 1, spec if last else {},
+                    prompt_tokens, i + 1, spec if last else {}, logprobs,
                 )
         finally:
             self.live.discard(request.request_id)

@@ -5,40 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
 from tests.polling import wait_until
-from tests.serve_support import deploy_config
+from tests.serve_support import APP, deploy_config, embedded_config as serving_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
 
-DEPLOY_YAML = Path(__file__).resolve().parents[2] / "deploy.yaml"
 MODEL = "smollm2-135m-instruct"
-APP = "specserve"
 CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 REPEAT_PROMPT = "\n".join(f"item_{i} = compute(item_{i - 1}, {i})" for i in range(1, 12)) + "\n"
 CHAT = [{"role": "user", "content": "Name three colours."}]
 PREFILL_CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."},
                 {"role": "assistant", "content": "Here is the function:\n```python\ndef add("}]
-
-
-def serving_config(batch_gate: int = 4) -> dict:
-    """deploy.yaml's document, sized for a 2-core test machine."""
-    doc = yaml.safe_load(DEPLOY_YAML.read_text())
-    doc.pop("http_options"), doc.pop("proxy_location")  # the fixture's cluster owns HTTP
-    args = doc["applications"][0]["args"]
-    args["engine"].update(max_batch_size=8, max_seq_len=1024, num_threads=1, mtp_weights=None)
-    replica = next(d for d in doc["applications"][0]["deployments"] if d["name"] == "Replica")
-    replica["user_config"]["batch_gate"] = batch_gate
-    replica.pop("autoscaling_config", None)  # one replica: these tests are about one engine
-    args["replica"].update(num_cpus=1, health_check_period_s=5)
-    return doc
 
 
 def deploy(config: dict) -> None:

@@ -56,9 +56,9 @@ def test_request_draft_length_caps_never_raises(server_len, request_len, expecte
 
 
 def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_available=True,
-         speculate=True, tokens_left=100):
+         speculate=True, tokens_left=100, num_forced=0, sa_extends_forced=False):
     return plan_draft(mode, max_draft_len, sa_threshold, sa_match_len, mtp_available, speculate,
-                      tokens_left)
+                      tokens_left, num_forced, sa_extends_forced)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +90,7 @@ def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_ava
     ],
 )
 def test_plan_source(kwargs, source):
+    assert plan(**kwargs, num_forced=0) == plan(**kwargs)
     result = plan(**kwargs)
     assert result.source == source
     if source is None:
@@ -138,6 +139,40 @@ def test_plan_never_drafts_past_max_tokens(max_draft_len, tokens_left, num_draft
 def test_sa_fallback_behind_mtp(kwargs, fallback):
     result = plan(**kwargs)
     assert result.source == "mtp" and result.sa_fallback == fallback
+
+
+@pytest.mark.parametrize(
+    "kwargs, num_draft",
+    [
+        # forced tokens come first, in every drafting mode, the gate closed or not
+        (dict(num_forced=3), 3),
+        (dict(num_forced=3, sa_match_len=50), 3),
+        (dict(num_forced=3, mode="sa"), 3),
+        (dict(num_forced=3, mode="mtp", mtp_available=False), 3),
+        (dict(num_forced=3, speculate=False), 3),
+        # capped by the draft length and by what the request may still emit
+        (dict(num_forced=20), 8),
+        (dict(num_forced=20, tokens_left=4), 3),
+        # never when speculation is off or nothing may follow
+        (dict(num_forced=3, mode="off"), 0),
+        (dict(num_forced=3, tokens_left=1), 0),
+        # an SA draft that starts with them and goes on is only taken when it would go anyway
+        (dict(num_forced=3, sa_extends_forced=True, sa_match_len=1), 3),
+        (dict(num_forced=3, sa_extends_forced=True, sa_match_len=20, speculate=False), 3),
+        (dict(num_forced=3, sa_extends_forced=False, sa_match_len=20), 3),
+        (dict(num_forced=8, sa_extends_forced=True, sa_match_len=20), 8),  # no longer: forced
+    ],
+)
+def test_grammar_forced_tokens_are_drafted_first(kwargs, num_draft):
+    result = plan(**kwargs)
+    assert result.num_draft == num_draft
+    assert result.source == ("grammar" if num_draft else None)
+
+
+@pytest.mark.parametrize("mode, sa_match_len, num_draft", [("hybrid", 4, 8), ("hybrid", 20, 8), ("sa", 3, 6)])
+def test_a_longer_sa_copy_of_the_forced_tokens_goes_instead(mode, sa_match_len, num_draft):
+    result = plan(mode=mode, sa_match_len=sa_match_len, num_forced=2, sa_extends_forced=True)
+    assert (result.source, result.num_draft) == ("sa", num_draft)
 
 
 def test_no_speculation_plan_is_the_empty_plan():

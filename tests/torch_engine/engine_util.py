@@ -46,9 +46,16 @@ def request(prompt, max_tokens=48, mode="auto", rid=None, **sampling) -> Generat
 
 async def collect(engine: TorchEngine, req: GenerationRequest):
     """Run one request to the end: (token ids, text, last delta)."""
-    tokens, text, last = [], "", None
+    tokens, text, _, last = await collect_logprobs(engine, req)
+    return tokens, text, last
+
+
+async def collect_logprobs(engine: TorchEngine, req: GenerationRequest):
+    """Run one request to the end: (token ids, text, logprobs, last delta)."""
+    tokens, text, logprobs, last = [], "", [], None
     async for delta in engine.generate(req):
         tokens += delta.token_ids
         text += delta.text
+        logprobs += delta.logprobs
         last = delta
-    return tokens, text, last
+    return tokens, text, logprobs, last

@@ -135,6 +135,9 @@ def test_draft_len_schedule_must_start_at_max_draft_len():
     (SamplingParams(temperature=1.0), {"temperature": 1.0}, {"top_p", "top_k"}),
     (SamplingParams(stop=("\n\n",), stop_token_ids=(2,), ignore_eos=True),
      {"stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True}, set()),
+    (SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0),
+     {"presence_penalty": 0.5, "frequency_penalty": -1.0}, set()),
+    (SamplingParams(), {}, {"presence_penalty", "frequency_penalty"}),
 ])
 def test_sampling_kwargs(sampling, expected, absent):
     have = fake_api().sampling_fields

@@ -41,6 +41,8 @@ class SamplingParams:
     seed: Optional[int] = None
     temperature: Optional[float] = None
     min_tokens: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
     return_perf_metrics: bool = False
     ignore_eos: bool = False
     detokenize: bool = True

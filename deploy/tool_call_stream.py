@@ -1,0 +1,185 @@
+"""Streaming tool calls: `parse_tool_calls` done incrementally, so `delta.tool_calls`
+fragments go out while the model writes them (deploy/tool_calls.py has the format)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+from deploy.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, find_close
+
+
+def _header_atoms(name: str) -> list[str]:
+    # `{"name": "...", "arguments": ` as one regex atom per character (or whitespace run), so
+    # the same list gives the full match and, nested, a matcher for every prefix of it.
+    ws = r"\s*"
+    return [ws, r"\{", ws, *map(re.escape, '"name"'), ws, ":", ws, '"', name, '"', ws, ",", ws,
+            *map(re.escape, '"arguments"'), ws, ":", ws]
+
+
+_HEADER = re.compile("".join(_header_atoms(r'((?:[^"\\]|\\.)*)')))
+_HEADER_PREFIX = re.compile(functools.reduce(
+    lambda inner, atom: f"{atom}(?:{inner})?", reversed(_header_atoms(r'(?:[^"\\]|\\.)*\\?')), ""))
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """Plain text (`content` is not None) or a fragment of call `index`: `name` on its first
+    fragment, then pieces of its arguments JSON text."""
+
+    content: str | None = None
+    index: int = -1
+    name: str | None = None
+    arguments: str = ""
+
+
+def _partial_open_len(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of the open tag."""
+    for k in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:k]):
+            return k
+    return 0
+
+
+def _json_string(body: str) -> str | None:
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
+
+
+class ToolCallStream:
+    """Incremental `parse_tool_calls` for streaming; increments may split anywhere.
+
+    Content is held back while it could be the start of an open tag or is whitespace that
+    may precede one. A call's name is sent once `{"name": "...", "arguments": ` is complete,
+    then its arguments stream as the raw text the model writes, holding back the last `}`
+    and what follows it (it may close the outer object) until the close tag shows it.
+
+    Exactly: a call's fragments concatenate to its raw arguments text (from after
+    `"arguments": ` to before the outer `}`, right-stripped). `parse_tool_calls` returns
+    that text re-serialised; the two are equal when the model wrote it in that form
+    (", " and ": " separators, no escapes or number spellings json.dumps would change), as
+    grammar-constrained output is up to string escapes. Arguments written as a JSON string,
+    or keys not in `name, arguments` order, are sent whole, re-serialised, at the close tag.
+    Content equals `parse_tool_calls`' for well-formed output. A block found malformed
+    before any of it was sent passes through as content; otherwise `ok` turns False.
+    """
+
+    def __init__(self) -> None:
+        self._pending = ""  # content mode: held whitespace and a possible partial open tag
+        self._block: str | None = None  # call mode: the text after the open tag
+        self._pre_ws = ""  # whitespace right before the open tag, dropped if it is a call
+        self._name: str | None = None  # the call's name once sent
+        self._args_start: int | None = None  # where raw arguments begin in _block, if streamed
+        self._args_sent = 0
+        self._scan_from = 0  # close tags before this cannot end the body
+        self._started = False  # some content sent: later leading whitespace is content
+        self._failed = False
+        self._text_after_call = False
+        self._num_calls = 0
+
+    @property
+    def ok(self) -> bool:
+        """Every open tag so far began a well-formed call and nothing but whitespace sits
+        after a call (after `finish`: the output is what `parse_tool_calls` accepts)."""
+        return not (self._failed or self._text_after_call) and self._block is None
+
+    @property
+    def num_calls(self) -> int:
+        """Calls whose name has been sent (the next call's index)."""
+        return self._num_calls
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """The events the output so far makes certain, given its next increment."""
+        if self._failed:
+            return self._content(text)
+        if self._block is not None:
+            self._block += text
+            return self._feed_call()
+        self._pending += text
+        return self._feed_content()
+
+    def finish(self) -> list[StreamEvent]:
+        """Flush held-back content. An unclosed call that sent no fragment is content."""
+        if self._failed:
+            return []
+        if self._block is not None:
+            if self._name is None:
+                return self._fail(self._pre_ws + TOOL_CALL_OPEN + self._block)
+            self._failed = True
+            return []
+        held, self._pending = self._pending, ""
+        return self._content(held) if held.strip() else []
+
+    def _content(self, text: str) -> list[StreamEvent]:
+        if not self._started:
+            text = text.lstrip()  # parse_tool_calls strips content; leading space never shows
+        if not text:
+            return []
+        self._started = True
+        self._text_after_call |= self._num_calls > 0  # parse_tool_calls: then it is all prose
+        return [StreamEvent(content=text)]
+
+    def _fail(self, held: str) -> list[StreamEvent]:
+        self._failed, self._block = True, None
+        return self._content(held)
+
+    def _feed_content(self) -> list[StreamEvent]:
+        buf = self._pending
+        i = buf.find(TOOL_CALL_OPEN)
+        if i < 0:
+            keep_from = len(buf[:len(buf) - _partial_open_len(buf)].rstrip())
+            self._pending = buf[keep_from:]
+            return self._content(buf[:keep_from])
+        before = buf[:i].rstrip()
+        events = self._content(before)
+        self._pre_ws, self._block, self._pending = buf[len(before):i], buf[i + len(TOOL_CALL_OPEN):], ""
+        self._name, self._args_start, self._args_sent, self._scan_from = None, None, 0, 0
+        return events + self._feed_call()
+
+    def _feed_call(self) -> list[StreamEvent]:
+        block, events = self._block, []
+        found = find_close(block, self._scan_from)
+        if found is not None:
+            return self._close(*found)
+        self._scan_from = max(0, len(block) - len(TOOL_CALL_CLOSE) + 1)
+        if self._name is None:
+            m = _HEADER.match(block)
+            name = _json_string(m.group(1)) if m and m.end() < len(block) else None
+            if name is not None:  # a char follows the header, so its whitespace is all in
+                self._name = name
+                self._args_start = m.end() if block[m.end()] == "{" else None
+                events.append(StreamEvent(index=self._num_calls, name=self._name))
+                self._num_calls += 1
+            elif not m and not block.lstrip().startswith("{") and not _HEADER_PREFIX.fullmatch(block):
+                return self._fail(self._pre_ws + TOOL_CALL_OPEN + block)  # prose naming the tag
+        if self._args_start is not None:
+            sent = self._args_start + self._args_sent
+            brace = block.rfind("}", sent)
+            piece = block[sent:brace if brace >= 0 else len(block)].rstrip()
+            if piece:
+                self._args_sent += len(piece)
+                events.append(StreamEvent(index=self._num_calls - 1, arguments=piece))
+        return events
+
+    def _close(self, end: int, call: ToolCall | None) -> list[StreamEvent]:
+        block = self._block
+        if call is None or (self._name is not None and call.name != self._name):
+            # Fragments sent cannot be taken back; an unsent block is content, like prose.
+            sent = self._name is not None
+            return self._fail(block[end + len(TOOL_CALL_CLOSE):] if sent else self._pre_ws + TOOL_CALL_OPEN + block)
+        events = []
+        if self._name is None:
+            events.append(StreamEvent(index=self._num_calls, name=call.name))
+            self._num_calls += 1
+        if self._args_start is None:
+            rest = call.arguments
+        else:  # raw text up to the outer "}", which is the last non-space before the close
+            rest = block[self._args_start:end].rstrip()[:-1].rstrip()[self._args_sent:]
+        if rest:
+            events.append(StreamEvent(index=self._num_calls - 1, arguments=rest))
+        self._block, self._pending = None, block[end + len(TOOL_CALL_CLOSE):]
+        return events + self._feed_content()

@@ -1,0 +1,156 @@
+"""Our default text format for OpenAI tool calls: Hermes/Qwen `<tool_call>` blocks.
+
+Used when the model's chat template has no tool support (the embedded SmolLM2's is plain
+ChatML). One call is
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and parallel calls are such blocks joined by "\\n". The JSON is written with the separators
+", " and ": " everywhere (prompt, grammar, parsed arguments), so what the model reads, what
+the grammar forces and what clients receive are the same text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from replicas.engine import JSON_LAYOUT
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
+
+
+def tools_system_prompt(functions: list[dict]) -> str:
+    """The system text offering `functions` (OpenAI function definitions) to the model."""
+    if not functions:
+        raise ValueError("tools_system_prompt needs at least one function")
+    lines = [_dumps({k: f[k] for k in ("name", "description", "parameters") if k in f}) for f in functions]
+    first = functions[0]
+    example = format_tool_calls([(first["name"], _dumps(_example_arguments(first.get("parameters") or {})))])
+    return ("You can call functions to answer. The functions:\n" + "\n".join(lines) + "\n"
+            f"To call one, reply with its name and arguments as JSON between {TOOL_CALL_OPEN} and "
+            f"{TOOL_CALL_CLOSE} tags, one block per call, like this:\n{example}\n"
+            "The result comes back to you in a tool message.")
+
+
+def _example_arguments(parameters: dict) -> dict:
+    # A concrete example beats a described one for a 135M model; placeholders by JSON type.
+    props = parameters.get("properties") or {}
+    names = parameters.get("required") or list(props)
+    placeholder = {"integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
+    return {n: placeholder.get((props.get(n) or {}).get("type"), "value") for n in names}
+
+
+def format_tool_calls(calls: list[tuple[str, str]]) -> str:
+    """An assistant message's tool calls, (name, arguments JSON text), as prompt text."""
+    blocks = []
+    for name, arguments in calls:
+        try:
+            arguments = _dumps(json.loads(arguments or "{}"))
+        except ValueError:
+            pass  # the client's text, verbatim: the model should see what was really sent
+        blocks.append(f'{TOOL_CALL_OPEN}\n{{"name": {_dumps(name)}, "arguments": {arguments}}}\n{TOOL_CALL_CLOSE}')
+    return "\n".join(blocks)
+
+
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
+    """An llguidance Lark grammar admitting exactly one call (or, if `parallel`, calls joined
+    by "\\n") to one of `functions`. Fixed whitespace makes every fixed part a forced token."""
+    if not functions:
+        raise ValueError("tool_call_grammar needs at least one function")
+    if len(functions) == 1:
+        schema = _call_schema(functions[0], "#/properties/arguments")
+    else:
+        schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
+    schema["x-guidance"] = JSON_LAYOUT
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    open_tag, close_tag = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)  # Lark = JSON strings
+    return f"{start}\ncall: {open_tag} body {close_tag}\nbody: %json {json.dumps(schema)}\n"
+
+
+def _call_schema(function: dict, arguments_pointer: str) -> dict:
+    # The parameters schema is nested under the call object, so its local "$ref"s ("#/$defs/X")
+    # must be rebased onto where it now sits, or llguidance fails to resolve them.
+    parameters = _rebase_refs(function.get("parameters") or {"type": "object"}, arguments_pointer)
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebase_refs(schema: object, base: str) -> object:
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # keys are names, values schemas
+            out[key] = {k: _rebase_refs(v, base) for k, v in value.items()}
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object, standard separators
+
+
+def _as_call(obj: object) -> ToolCall | None:
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["name"], str):
+        return None
+    arguments = obj["arguments"]
+    if isinstance(arguments, str):  # some models write the OpenAI wire form: a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], _dumps(arguments)) if isinstance(arguments, dict) else None
+
+
+def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None:
+    """In `block` (the text after an open tag): the first close tag at or after `start` that
+    ends a complete JSON body, with the call it holds (None: JSON, but not a call). A close
+    tag whose body is not yet valid JSON is taken to sit inside a string and skipped."""
+    j = block.find(TOOL_CALL_CLOSE, start)
+    while j >= 0:
+        try:
+            return j, _as_call(json.loads(block[:j]))
+        except ValueError:
+            j = block.find(TOOL_CALL_CLOSE, j + 1)
+    return None
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A finished output as (content, calls). Content is the text before the first open tag,
+    stripped (None if empty). Any malformed or unclosed block, or non-whitespace text after
+    or between blocks, makes the whole output plain content: `(text, [])`, verbatim."""
+    i = text.find(TOOL_CALL_OPEN)
+    if i < 0:
+        return text.strip() or None, []
+    calls, rest = [], text[i:]
+    while rest:
+        if not rest.startswith(TOOL_CALL_OPEN):
+            return text, []
+        block = rest[len(TOOL_CALL_OPEN):]
+        found = find_close(block)
+        if found is None or found[1] is None:
+            return text, []
+        calls.append(found[1])
+        rest = block[found[0] + len(TOOL_CALL_CLOSE):].lstrip()
+    return text[:i].strip() or None, calls

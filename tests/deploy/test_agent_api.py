@@ -1,0 +1,178 @@
+"""What agent clients send, against the real application (real model, MTP on) over HTTP with the
+official `openai` client: structured output (`parse`, json_schema, json_object), tool calls
+(forced, named and streamed, a whole round trip) and logprobs, exact under speculation."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.serve_support import APP, deploy_config, embedded_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
+
+MODEL = "smollm2-135m-instruct"
+OFF = {"speculation": {"mode": "off"}}
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=30)
+    species: Literal["cat", "dog", "parrot"]
+    age_years: int = Field(ge=0, le=40)
+    tricks: List[str] = Field(max_length=3)
+
+
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 30}, "species": {"enum": ["cat", "dog", "parrot"]},
+                   "age_years": {"type": "integer", "minimum": 0, "maximum": 40}},
+    "required": ["name", "species", "age_years"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def url(serve_url):
+    deploy_config(embedded_config(batch_gate=8, mtp_weights="default"), APP, timeout_s=240)
+    return serve_url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_parse_returns_a_validated_object(client):
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a pet and describe it."}],
+        response_format=Pet, max_completion_tokens=120, temperature=0)
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(completion.choices[0].message.parsed, Pet)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates_over_prompts_and_seeds(client, stream):
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA, "strict": True}}
+    for topic in ("a farm animal", "a lazy cat", "a loud parrot"):
+        for seed in (1, 2):
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
+                          response_format=response_format, max_tokens=100, temperature=1.0, seed=seed)
+            if stream:
+                text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                    **kwargs, stream=True) if c.choices)
+            else:
+                text = client.chat.completions.create(**kwargs).choices[0].message.content
+            jsonschema.validate(json.loads(text), PET_SCHEMA)
+
+
+def test_json_object_on_completions(client):
+    out = client.completions.create(model=MODEL, prompt="A JSON object describing the planet Mars:\n",
+                                    max_tokens=150, temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    assert out.choices[0].finish_reason == "stop", out.choices[0].text
+    assert isinstance(json.loads(out.choices[0].text), dict)
+
+
+def test_constrained_output_identical_with_speculation_off(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a dog as JSON."}], max_tokens=80,
+                  temperature=0, logprobs=True, top_logprobs=2,
+                  response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}})
+    spec = client.chat.completions.create(**kwargs)
+    off = client.chat.completions.create(**kwargs, extra_body=OFF)
+    assert spec.choices[0].message.content == off.choices[0].message.content
+    assert spec.choices[0].logprobs == off.choices[0].logprobs  # floats compared exactly
+    assert spec.usage.model_extra["speculation"]["draft_tokens"] > 0  # grammar-forced tokens at least
+    assert off.usage.model_extra["speculation"]["steps"] == 0
+
+
+def test_tool_round_trip(client):
+    first = client.chat.completions.create(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME],
+                                           tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                                           temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"])
+    history = WEATHER_CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
+    ]
+    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=40,
+                                           temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.choices[0].message.content or final.choices[0].message.tool_calls
+
+
+def test_named_tool_choice_streamed_assembles_into_the_plain_call(client):
+    # one call: with parallel calls allowed, this 135M model repeats its call until max_tokens
+    kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    names, arguments, finish = {}, {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        for fragment in chunk.choices[0].delta.tool_calls or []:
+            if fragment.function.name:
+                names[fragment.index] = fragment.function.name
+            arguments[fragment.index] = arguments.get(fragment.index, "") + (fragment.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [names[i] for i in sorted(names)] == [c.function.name for c in plain] and names[0] == "get_time"
+    assert [arguments[i] for i in sorted(arguments)] == [c.function.arguments for c in plain]
+    assert "timezone" in json.loads(arguments[0])
+
+
+def test_chat_logprobs_shapes_and_streaming(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
+                  temperature=0, logprobs=True, top_logprobs=3)
+    plain = client.chat.completions.create(**kwargs)
+    content = plain.choices[0].logprobs.content
+    shown = plain.usage.completion_tokens - (plain.choices[0].finish_reason == "stop")
+    assert len(content) == shown
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == entry.top_logprobs[0].logprob <= 0
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == content
+    assert client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None}).choices[0].logprobs \
+        is None
+
+
+def test_completion_logprobs_shapes_and_speculation(client):
+    kwargs = dict(model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=12, temperature=0, logprobs=2)
+    spec = client.completions.create(**kwargs)
+    off = client.completions.create(**kwargs, extra_body=OFF)
+    lp = spec.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert spec.usage.model_extra["speculation"]["draft_tokens"] > 0
+    assert spec.choices[0].text == off.choices[0].text and lp == off.choices[0].logprobs
+
+
+def test_grammar_errors_are_400s_naming_the_field(url):
+    body = {"model": MODEL, "messages": WEATHER_CHAT, "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format.json_schema.schema"

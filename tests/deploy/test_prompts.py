@@ -1,0 +1,117 @@
+"""Chat rendering with tools and the grammar a request carries, on real Hugging Face tokenizers:
+the embedded model's (plain ChatML: our default tool format) and the same tokenizer given a
+template that knows tools (the Hugging Face convention)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from deploy.errors import ApiError
+from deploy.prompts import grammar_spec, render_chat, template_knows_tools
+from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.tool_calls import format_tool_calls, tools_system_prompt
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                 "required": ["city"]}}
+TIME = {"name": "get_time"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"},
+]
+# A tools-aware template in the Hugging Face convention (as Qwen's and Hermes' are).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+    "{% if m.tool_call_id %}[answers {{ m.tool_call_id }}]{% endif %}</>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    from transformers import AutoTokenizer
+
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir())
+
+
+@pytest.fixture(scope="module")
+def tools_aware(chatml):
+    tokenizer = copy.deepcopy(chatml)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+def chat(messages=HISTORY, **kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=messages, **kwargs)
+
+
+def tools(*functions):
+    return [{"type": "function", "function": f} for f in functions]
+
+
+def test_default_format_lists_the_tools_and_writes_calls_as_blocks(chatml):
+    assert not template_knows_tools(chatml)
+    text = render_chat(chatml, chat(tools=tools(WEATHER, TIME)))
+    assert text.startswith("<|im_start|>system\n" + tools_system_prompt([WEATHER, TIME]) + "<|im_end|>")
+    assert format_tool_calls([("get_weather", '{"city":"Oslo"}')]) in text
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert "<|im_start|>tool\n12 C, rain<|im_end|>" in text
+
+
+def test_default_format_appends_the_tools_to_a_system_message(chatml):
+    messages = [{"role": "system", "content": "Be terse."}] + HISTORY
+    text = render_chat(chatml, chat(messages, tools=tools(WEATHER)))
+    assert text.startswith("<|im_start|>system\nBe terse.\n\n" + tools_system_prompt([WEATHER]))
+
+
+def test_tool_choice_none_offers_no_tools(chatml):
+    text = render_chat(chatml, chat(tools=tools(WEATHER), tool_choice="none"))
+    assert "You can call functions" not in text
+    assert "<tool_call>" in text  # the history's call is still shown
+
+
+def test_a_template_that_knows_tools_gets_them_its_own_way(tools_aware):
+    assert template_knows_tools(tools_aware)
+    text = render_chat(tools_aware, chat(tools=tools(WEATHER, TIME)))
+    assert text.startswith("<tools>get_weather;get_time;</tools>")
+    assert "[call get_weather Oslo]" in text and "[answers call_1]" in text  # arguments as a mapping
+    assert "<tool_call>" not in text and "You can call functions" not in text
+
+
+@pytest.mark.parametrize("choice, parallel, names", [
+    ("required", True, ["get_weather", "get_time"]),
+    ("required", False, ["get_weather", "get_time"]),
+    ({"type": "function", "function": {"name": "get_time"}}, True, ["get_time"]),
+])
+def test_a_forced_tool_choice_is_a_grammar_over_the_offered_calls(choice, parallel, names):
+    spec = grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel))
+    assert spec.kind == "lark" and spec.param == "tool_choice"
+    assert [n for n in ("get_weather", "get_time") if json.dumps(n) in spec.text] == names
+    assert ('("\\n" call)*' in spec.text) == parallel
+
+
+@pytest.mark.parametrize("request_, expected", [
+    (chat(tools=tools(WEATHER)), None),  # auto: the model decides, nothing is forced
+    (chat(response_format={"type": "text"}), None),
+    (chat(response_format={"type": "json_object"}), ("json_object", "", "response_format")),
+    (CompletionRequest(model="m", prompt="x", response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}),
+     ("json_schema", '{"type": "object"}', "response_format.json_schema.schema")),
+])
+def test_response_format_grammars(request_, expected):
+    spec = grammar_spec(request_)
+    assert (spec.kind, spec.text, spec.param) == expected if expected else spec is None
+
+
+def test_a_forced_call_and_a_json_format_conflict():
+    with pytest.raises(ApiError) as info:
+        grammar_spec(chat(tools=tools(WEATHER), tool_choice="required", response_format={"type": "json_object"}))
+    assert info.value.status == 400 and info.value.param == "response_format"

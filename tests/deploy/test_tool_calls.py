@@ -1,0 +1,298 @@
+"""The `<tool_call>` text format: prompt text, parsing, streaming and the llguidance grammar.
+
+The oracle: `ToolCallStream` fed any split of an output agrees with `parse_tool_calls` on it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from deploy.tool_call_stream import StreamEvent, ToolCallStream
+from deploy.tool_calls import (
+    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_calls, parse_tool_calls, tool_call_grammar,
+    tools_system_prompt,
+)
+
+WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                          "required": ["city"]}}
+ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                                     "required": ["a", "b"], "additionalProperties": False}}
+NOW = {"name": "now"}  # no parameters: any object
+
+
+def _block(body: str) -> str:
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+PARIS = _block('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+SUM = _block('{"name": "add", "arguments": {"a": 1, "b": 2.5}}')
+
+# (output, content, [(name, arguments)]): well-formed outputs, with standard separators.
+WELL_FORMED = [
+    (PARIS, None, [("get_weather", '{"city": "Paris"}')]),
+    ("Let me check.\n" + PARIS, "Let me check.", [("get_weather", '{"city": "Paris"}')]),
+    ("  \n Sure  \n\n" + PARIS + "\n\n", "Sure", [("get_weather", '{"city": "Paris"}')]),
+    (PARIS + "\n" + SUM, None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2.5}')]),
+    (PARIS + SUM, None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2.5}')]),
+    (_block('{"name": "now", "arguments": {}}'), None, [("now", "{}")]),
+    (_block('{"name": "f", "arguments": {"a": {"b": [1, {"c": "}"}]}, "s": "x}y{"}}'), None,
+     [("f", '{"a": {"b": [1, {"c": "}"}]}, "s": "x}y{"}')]),
+    (_block('{"name": "echo", "arguments": {"text": "write </tool_call> here"}}'), None,
+     [("echo", '{"text": "write </tool_call> here"}')]),
+    (_block('{"name": "get_weather", "arguments": {"city": "Zürich 東京"}}'), None,
+     [("get_weather", '{"city": "Zürich 東京"}')]),
+    (_block('{"name": "say \\"hi\\"", "arguments": {"q": "a\\"b"}}'), None, [('say "hi"', '{"q": "a\\"b"}')]),
+    # Other spellings the parser accepts; the stream sends them normalised at the close tag.
+    (_block('{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}'), None, [("add", '{"a": 1, "b": 2}')]),
+    (_block('{"arguments": {"a": 1}, "name": "add"}'), None, [("add", '{"a": 1}')]),
+    ("<tool_call>{\"name\":\"add\",\"arguments\":{\"a\": 1}}</tool_call>", None, [("add", '{"a": 1}')]),
+    # No tags: all content.
+    ("Hello world.", "Hello world.", []),
+    ("  Hello <tool  ", "Hello <tool", []),
+    ("a < b and <tool_c", "a < b and <tool_c", []),
+    ("", None, []),
+]
+
+# Outputs that are plain content as a whole: (text, []).
+MALFORMED = [
+    "Use the <tool_call> tag to call a function.",
+    "I could write <tool_call> here.\n" + PARIS,
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",  # unclosed
+    "<tool_call>\n{\"name\": \"get_weather\", \"arg",  # cut off in the header
+    _block('{"name": "get_weather", "arguments": {"city": }}'),  # bad JSON
+    _block('{"name": "add", "arguments": 3}'),
+    _block('{"name": "add", "arguments": "not json"}'),
+    _block('{"name": "add", "arguments": "[1, 2]"}'),
+    _block('{"arguments": {"a": 1}}'),
+    _block('{"name": 7, "arguments": {}}'),
+    _block('{"name": "add", "arguments": {"a": 1}, "id": "x"}'),
+    PARIS + "\nDone.",  # trailing prose
+    PARIS + "\nand\n" + SUM,  # prose between blocks
+    PARIS + "\n<tool_call>",  # a second, unclosed block
+]
+
+
+@pytest.mark.parametrize("output,content,calls", WELL_FORMED)
+def test_parse_well_formed(output, content, calls):
+    assert parse_tool_calls(output) == (content, [ToolCall(n, a) for n, a in calls])
+
+
+@pytest.mark.parametrize("output", MALFORMED)
+def test_parse_malformed_is_plain_content(output):
+    assert parse_tool_calls(output) == (output, [])
+
+
+@pytest.mark.parametrize("calls", [
+    [("get_weather", '{"city": "Paris"}')],
+    [("get_weather", '{"city":"Paris","days":3}'), ("add", '{ "a" : 1, "b": 2 }')],
+    [("now", ""), ("now", "{}")],
+    [("f", '{"nested": {"list": [1, "}", {"x": null}]}, "uni": "é"}')],
+])
+def test_format_round_trips_through_parse(calls):
+    text = format_tool_calls(calls)
+    expected = [ToolCall(n, json.dumps(json.loads(a or "{}"), separators=(", ", ": "), ensure_ascii=False))
+                for n, a in calls]
+    assert parse_tool_calls(text) == (None, expected)
+
+
+def test_format_exact_text_and_verbatim_non_json():
+    assert format_tool_calls([("get_weather", '{"city":"Paris"}'), ("f", "not json")]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "f", "arguments": not json}\n</tool_call>')
+
+
+def test_system_prompt_lists_functions_and_shows_the_format():
+    text = tools_system_prompt([WEATHER, NOW])
+    assert json.dumps(WEATHER, separators=(", ", ": ")) in text.splitlines()
+    assert '{"name": "now"}' in text.splitlines()
+    example = _block('{"name": "get_weather", "arguments": {"city": "value"}}')
+    assert example in text and "tool message" in text
+    assert parse_tool_calls(example)[1] == [ToolCall("get_weather", '{"city": "value"}')]
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+def _stream(pieces):
+    stream, events = ToolCallStream(), []
+    for piece in pieces:
+        events += stream.feed(piece)
+    events += stream.finish()
+    content, calls = "", []
+    for e in events:
+        if e.content is not None:
+            content += e.content
+        elif e.name is not None:
+            assert e.index == len(calls) and not e.arguments
+            calls.append([e.name, ""])
+        else:
+            assert e.index == len(calls) - 1 and e.arguments
+            calls[-1][1] += e.arguments
+    return content, [ToolCall(n, a) for n, a in calls], stream
+
+
+def _splits(text):
+    """Every two-piece split, one char at a time, and seeded random many-piece splits."""
+    yield [text]
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    yield list(text)
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("output,content,calls", WELL_FORMED)
+def test_stream_agrees_with_parse_at_every_split(output, content, calls):
+    expected = parse_tool_calls(output)
+    for pieces in _splits(output):
+        got_content, got_calls, stream = _stream(pieces)
+        assert (got_content or None, got_calls) == expected, pieces
+        assert stream.ok and stream.num_calls == len(calls)
+
+
+@pytest.mark.parametrize("output", MALFORMED)
+def test_stream_flags_malformed_output(output):
+    for pieces in _splits(output):
+        assert not _stream(pieces)[2].ok, pieces
+
+
+@pytest.mark.parametrize("output", [MALFORMED[i] for i in (0, 1, 3, 8, 9)])
+def test_stream_passes_an_unsent_malformed_block_through_as_content(output):
+    for pieces in _splits(output):
+        content, calls, _ = _stream(pieces)
+        assert (content, calls) == (output, []), pieces
+
+
+def _normalised(arguments):
+    try:
+        return json.dumps(json.loads(arguments), separators=(", ", ": "), ensure_ascii=False)
+    except ValueError:
+        return arguments
+
+
+def test_stream_never_disagrees_with_parse_on_mutated_outputs():
+    """Property over seeded random edits of the tables: the stream never raises; it is ok
+    with calls exactly when parse finds calls, and then agrees with it (arguments compared
+    normalised: the stream sends the separators the model wrote)."""
+    rng = random.Random(0)
+    pieces_of_format = list('<>/{}":, \n\\x') + [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
+    outputs = [o for o, _, _ in WELL_FORMED] + MALFORMED
+    for _ in range(3000):
+        chars = list(rng.choice(outputs))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randint(0, len(chars))
+            if rng.random() < 0.4 and at < len(chars):
+                del chars[at]
+            else:
+                chars.insert(at, rng.choice(pieces_of_format))
+        text = "".join(chars)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
+        content, calls, stream = _stream([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        parsed_content, parsed_calls = parse_tool_calls(text)
+        assert (stream.ok and stream.num_calls > 0) == bool(parsed_calls), text
+        if parsed_calls:
+            assert (content or None, [ToolCall(c.name, _normalised(c.arguments)) for c in calls]) == \
+                (parsed_content, parsed_calls), text
+        elif TOOL_CALL_OPEN not in text:
+            assert (content or None) == parsed_content, text
+
+
+def test_stream_sends_the_name_and_arguments_before_the_close_tag():
+    stream = ToolCallStream()
+    assert stream.feed("Checking.\n<tool_") == [StreamEvent(content="Checking.")]
+    assert stream.feed('call>\n{"name": "get_weather", "arguments": ') == []  # no char after the header yet
+    events = stream.feed('{"city": "Pa')
+    assert [(e.index, e.name, e.arguments) for e in events] == [(0, "get_weather", ""), (0, None, '{"city": "Pa')]
+    assert [e.arguments for e in stream.feed('ris"}')] == ['ris"']  # the last "}" waits
+    assert [e.arguments for e in stream.feed("}\n</tool_ca")] == ["}"]  # now the outer "}" waits
+    assert stream.feed("ll>") == []
+    assert stream.finish() == [] and stream.ok and stream.num_calls == 1
+
+
+# ---- grammar (llguidance) ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lark():
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    transformers = pytest.importorskip("transformers")
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir())
+    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
+
+    def matcher(grammar):
+        is_error, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.LLMatcher.grammar_from_lark(grammar), llt)
+        assert not is_error and not warnings, warnings
+        return llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return tokenizer, matcher
+
+
+def _accepts(lark, grammar, text):
+    tokenizer, matcher = lark
+    m = matcher(grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("functions,text,parallel,accepted", [
+    ([WEATHER], PARIS, False, True),
+    ([WEATHER], _block('{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'), False, True),
+    ([WEATHER, ADD, NOW], SUM, False, True),
+    ([WEATHER, ADD, NOW], _block('{"name": "now", "arguments": {"any": [1, 2]}}'), False, True),
+    ([WEATHER, ADD], format_tool_calls([("add", '{"a": -3, "b": 0.5}')]), False, True),
+    ([WEATHER, {"name": 'say "hé"'}], _block('{"name": "say \\"hé\\"", "arguments": {}}'), False, True),
+    ([WEATHER, ADD], _block('{"name": "get_time", "arguments": {"city": "Paris"}}'), False, False),  # unknown
+    ([WEATHER, ADD], _block('{"name": "add", "arguments": {"a": 1}}'), False, False),  # missing "b"
+    ([WEATHER], _block('{"name": "get_weather", "arguments": {}}'), False, False),  # missing "city"
+    ([WEATHER], _block('{"name": "get_weather", "arguments": {"city":"Paris"}}'), False, False),  # spacing
+    ([WEATHER], "Sure. " + PARIS, False, False),
+    ([WEATHER, ADD], PARIS + "\n" + SUM, False, False),
+    ([WEATHER, ADD], PARIS + "\n" + SUM, True, True),
+    ([WEATHER, ADD], PARIS + "\n" + SUM + "\n" + PARIS, True, True),
+    ([WEATHER, ADD], PARIS + "\n\n" + SUM, True, False),
+    ([WEATHER, ADD], PARIS + SUM, True, False),
+])
+def test_grammar_admits_exactly_the_format(lark, functions, text, parallel, accepted):
+    assert _accepts(lark, tool_call_grammar(functions, parallel), text) is accepted
+
+
+@pytest.mark.parametrize("functions,at_least", [
+    ([WEATHER], '<tool_call>\n{"name": "get_weather", "arguments":'),
+    ([NOW], '<tool_call>\n{"name": "now", "arguments":'),
+    ([WEATHER, ADD], '<tool_call>\n{"name": "'),
+])
+def test_grammar_forces_the_fixed_prefix(lark, functions, at_least):
+    """Forced tokens stop a few bytes short of the forced text where the next token could
+    still be one of several spellings (`": "` vs `": {"`); what they cover is fixed."""
+    tokenizer, matcher = lark
+    text = tokenizer.decode(matcher(tool_call_grammar(functions, parallel=False)).compute_ff_tokens())
+    assert text.startswith(at_least)
+    call = format_tool_calls([(functions[0]["name"], '{"city": "Paris"}' if functions[0] is WEATHER else "{}")])
+    assert call.startswith(text)
+
+
+def test_grammar_rebases_local_refs_of_nested_parameters(lark):
+    place = {"name": "place", "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}, "near": {"$ref": "#/$defs/Loc"}},
+                          "required": ["city"], "additionalProperties": False}}}}
+    good = _block('{"name": "place", "arguments": {"loc": {"city": "A", "near": {"city": "B"}}}}')
+    for functions in ([place], [WEATHER, place]):
+        grammar = tool_call_grammar(functions, parallel=False)
+        assert _accepts(lark, grammar, good)
+        assert not _accepts(lark, grammar, good.replace('"city": "B"', '"town": "B"'))
+
+
+def test_no_functions_is_an_error():
+    with pytest.raises(ValueError):
+        tool_call_grammar([], parallel=False)
+    with pytest.raises(ValueError):
+        tools_system_prompt([])

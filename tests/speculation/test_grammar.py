@@ -1,0 +1,132 @@
+"""The grammar as a mask: row i of a verify step is what plain decoding would mask after draft[:i],
+and the matcher is left exactly where the emitted tokens put it. The oracle is a fresh matcher
+fed the same prefix one token at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from replicas.engine import GrammarSpec, RequestError
+from replicas.speculation.grammar import GrammarCompiler
+from replicas.speculation.sampling import token_logprobs
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city", "days"], "additionalProperties": False}
+DOCUMENT = '{"city": "Paris", "days": 3}'
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir())
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), [EOS])
+
+
+def spec() -> GrammarSpec:
+    return GrammarSpec("json_schema", json.dumps(SCHEMA))
+
+
+def oracle_rows(compiler, prefix, draft):
+    """Masks from fresh constraints, each fed prefix + draft[:i] token by token."""
+    rows = []
+    for i in range(len(draft) + 1):
+        fresh = compiler.compile(spec())
+        for token in prefix + draft[:i]:
+            fresh.advance([token])
+        rows.append(fresh.allowed([])[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("split", [0, 1, 4, 9])
+def test_verify_rows_equal_step_by_step_masks_and_leave_no_trace(compiler, tokenizer, split):
+    ids = tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    prefix, draft = ids[:split], ids[split:]
+    constraint = compiler.compile(spec())
+    constraint.advance(prefix)
+    assert torch.equal(constraint.allowed(draft), oracle_rows(compiler, prefix, draft))
+    # rolled back: the next mask is still the one after the prefix
+    assert torch.equal(constraint.allowed([])[0], oracle_rows(compiler, prefix, [])[0])
+
+
+@pytest.mark.parametrize("grammar, text", [
+    (spec(), DOCUMENT),  # a complete schema stops the matcher: EOS is admitted, not recorded
+    (GrammarSpec("lark", 'start: "ab" ("," "ab")*'), "ab,ab"),  # accepting, could go on: EOS ends it
+])
+def test_a_draft_running_into_eos_leaves_no_trace(compiler, tokenizer, grammar, text):
+    """The SA copies an earlier answer up to its end of turn: the draft ends in EOS."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for split in range(len(ids)):
+        constraint = compiler.compile(grammar)
+        constraint.advance(ids[:split])
+        draft = ids[split:] + [EOS]
+        assert constraint.valid_prefix(draft) == draft
+        rows = constraint.allowed(draft)
+        assert rows[-2][EOS]
+        fresh = compiler.compile(grammar)
+        fresh.advance(ids[:split])
+        assert torch.equal(constraint.allowed([])[0], fresh.allowed([])[0])  # rolled back exactly
+        constraint.advance(draft[:1])  # and it still takes what plain decoding emits next
+
+
+def test_valid_prefix_cuts_at_the_first_forbidden_token(compiler, tokenizer):
+    good = tokenizer.encode('{"city": "Rome"', add_special_tokens=False)
+    bad = tokenizer.encode(', "weeks"', add_special_tokens=False)
+    constraint = compiler.compile(spec())
+    cut = constraint.valid_prefix(good + bad)
+    assert cut[: len(good)] == good and len(cut) < len(good + bad)
+    assert constraint.valid_prefix([]) == []
+    assert constraint.valid_prefix(tokenizer.encode("hello", add_special_tokens=False)) == []
+
+
+def test_forced_tokens_spell_the_fixed_start(compiler, tokenizer):
+    forced = compiler.compile(spec()).forced_tokens()
+    assert tokenizer.decode(forced).startswith('{"city":')
+
+
+def test_complete_output_admits_only_eos_and_stops(compiler, tokenizer):
+    constraint = compiler.compile(spec())
+    constraint.advance(tokenizer.encode(DOCUMENT, add_special_tokens=False))
+    allowed = constraint.allowed([])[0]
+    assert allowed.nonzero().flatten().tolist() == [EOS]
+    constraint.advance([EOS])  # the request ends here; nothing left to consume, no error
+
+
+def test_masked_rows_give_forbidden_tokens_no_probability(compiler, tokenizer):
+    constraint = compiler.compile(spec())
+    logits = torch.randn(1, len(tokenizer), generator=torch.Generator().manual_seed(0))
+    constraint.mask_(logits, [])
+    allowed = constraint.allowed([])[0]
+    assert torch.isinf(logits[0, ~allowed]).all() and torch.isfinite(logits[0, allowed]).all()
+    (entry,) = token_logprobs(logits, [int(logits.argmax())], num_top=20)
+    assert all(allowed[token_id] for token_id, _ in entry.top)  # forbidden tokens are never listed
+
+
+def test_logprobs_of_a_row_do_not_depend_on_the_other_rows():
+    logits = torch.randn(9, 1000, generator=torch.Generator().manual_seed(1))
+    tokens = logits.argmax(dim=-1).tolist()
+    together = token_logprobs(logits, tokens, num_top=5)
+    alone = [token_logprobs(logits[i : i + 1], [tokens[i]], num_top=5)[0] for i in range(9)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("bad, message", [
+    (GrammarSpec("json_schema", "{"), "not valid JSON"),
+    (GrammarSpec("json_schema", "[1, 2]"), "must be an object"),
+    (GrammarSpec("json_schema", json.dumps({"type": "nonsense"})), "invalid"),
+    (GrammarSpec("lark", "start: missing", param="tool_choice"), "invalid"),
+])
+def test_bad_grammars_raise_request_errors_naming_the_field(compiler, bad, message):
+    with pytest.raises(RequestError, match=message) as info:
+        compiler.compile(bad)
+    assert info.value.param == bad.param

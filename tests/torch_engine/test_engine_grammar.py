@@ -1,0 +1,165 @@
+"""Constrained decoding and logprobs on the real engine: valid output, and bitwise the same with
+speculation off, SA, MTP, hybrid, and with the grammar drafter on or off.
+
+The grammar is part of the target distribution (row i of a verify step masked by the
+matcher after `draft[:i]`), so a speculative step computes what a plain one would: tokens
+and logprobs compare with ==, never a tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+
+from replicas.engine import GrammarSpec, RequestError
+from tests.torch_engine.engine_util import chat_prompt, collect_logprobs, request
+
+pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "languages": {"type": "array", "items": {"enum": ["python", "rust", "c", "go"]}, "maxItems": 3},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "languages", "employed"],
+    "additionalProperties": False,
+}
+MODES = ["off", "sa", "mtp", "auto"]
+
+
+def constrained(prompt, schema=PERSON, **kwargs):
+    req = request(prompt, **kwargs)
+    spec = GrammarSpec("json_schema", json.dumps(schema)) if schema else GrammarSpec("json_object")
+    return dataclasses.replace(req, grammar=spec)
+
+
+def run(engine, loop, req):
+    """(tokens, text, logprobs, last delta) of one request."""
+    return loop.run_until_complete(collect_logprobs(engine, req))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [
+        chat_prompt(engine, "Describe a software engineer as JSON: name, age, languages, employed."),
+        chat_prompt(engine, "Give me a JSON record for a retired teacher."),
+        chat_prompt(engine, "Output JSON for a student who codes in rust and go."),
+    ]
+
+
+@pytest.fixture
+def grammar_drafts(engine):
+    """Turn the grammar drafter on or off for one test, restoring the server's setting."""
+    def set_(on: bool):
+        engine.configure(dataclasses.replace(engine.config.speculation, grammar_drafts=on))
+    yield set_
+    engine.configure(engine.config.speculation)
+
+
+def test_output_validates_against_the_schema(engine, loop, prompts):
+    for prompt in prompts:
+        for seed in (None, 1, 2):
+            sampling = {"temperature": 0.9, "seed": seed} if seed is not None else {}
+            _, text, _, last = run(engine, loop, constrained(prompt, max_tokens=120, **sampling))
+            assert last.finish_reason == "stop", text
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_is_an_object(engine, loop, prompts):
+    _, text, _, last = run(engine, loop, constrained(prompts[0], schema=None, max_tokens=200))
+    if last.finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert text.startswith("{")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"])
+def test_constrained_output_and_logprobs_identical_in_every_mode(engine, loop, prompts, grammar_drafts, sampling):
+    for prompt in prompts[:2]:
+        results = {}
+        for mode in MODES:
+            for drafts_on in (True, False):
+                grammar_drafts(drafts_on)
+                tokens, _, logprobs, last = run(engine, loop, constrained(prompt, max_tokens=80, mode=mode,
+                                                                          logprobs=3, **sampling))
+                results[mode, drafts_on] = (tokens, logprobs)
+        reference = results["off", True]
+        assert len(reference[1]) >= len(reference[0]) - 1 > 0
+        for key, result in results.items():
+            assert result == reference, key
+
+
+def test_grammar_drafts_are_counted_and_accepted(engine, loop, prompts, grammar_drafts):
+    grammar_drafts(True)
+    before = engine.stats().draft_tokens["grammar"]
+    _, _, _, last = run(engine, loop, constrained(prompts[0], max_tokens=120, mode="auto"))
+    drafted = engine.stats().draft_tokens["grammar"] - before
+    assert drafted > 0
+    assert engine.stats().accepted_tokens["grammar"] > 0
+    grammar_drafts(False)
+    before = engine.stats().draft_tokens["grammar"]
+    run(engine, loop, constrained(prompts[0], max_tokens=120, mode="auto"))
+    assert engine.stats().draft_tokens["grammar"] == before
+    # speculation off drafts nothing, forced tokens included
+    grammar_drafts(True)
+    _, _, _, last = run(engine, loop, constrained(prompts[0], max_tokens=120, mode="off"))
+    assert last.speculation["draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "seeded"])
+def test_unconstrained_logprobs_identical_with_and_without_speculation(engine, loop, sampling):
+    prompt = "one two three four one two three four one two three four one two"
+    results = [run(engine, loop, request(prompt, max_tokens=40, mode=mode, logprobs=5, **sampling))
+               for mode in MODES]
+    reference_tokens, _, reference_logprobs, _ = results[0]
+    for tokens, _, logprobs, _ in results[1:]:
+        assert tokens == reference_tokens
+        assert logprobs == reference_logprobs
+
+
+def test_logprobs_shape(engine, loop):
+    tokens, _, logprobs, last = run(engine, loop, request("The capital of France is", max_tokens=12, logprobs=4))
+    shown = tokens[:-1] if last.finish_reason == "stop" else tokens
+    assert [e.token_id for e in logprobs] == shown
+    for entry in logprobs:
+        assert len(entry.top) == 4
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert entry.top[0] == (entry.token_id, entry.logprob)  # greedy: the chosen token is the likeliest
+    _, _, none, _ = run(engine, loop, request("The capital of France is", max_tokens=4))
+    assert none == []
+
+
+@pytest.mark.parametrize("penalties", [
+    {"presence_penalty": 0.8, "frequency_penalty": 0.6},
+    {"frequency_penalty": 1.5, "temperature": 0.9, "seed": 5},
+    {"presence_penalty": -1.0},
+])
+def test_penalties_identical_with_and_without_speculation(engine, loop, penalties):
+    """Row i of a verify step counts the output plus draft[:i], as plain decoding would."""
+    prompt = "one two three four one two three four one two three four one two"
+    plain = run(engine, loop, request(prompt, max_tokens=40, logprobs=2, mode="off", **penalties))
+    unpenalised = run(engine, loop, request(prompt, max_tokens=40, mode="off",
+                                            **{k: v for k, v in penalties.items() if "penalty" not in k}))
+    assert plain[0] != unpenalised[0]  # the penalties do something here
+    for mode in MODES[1:]:
+        tokens, _, logprobs, _ = run(engine, loop, request(prompt, max_tokens=40, logprobs=2, mode=mode, **penalties))
+        assert (tokens, logprobs) == (plain[0], plain[2]), mode
+
+
+@pytest.mark.parametrize("spec, message", [
+    (GrammarSpec("json_schema", "{not json"), "not valid JSON"),
+    (GrammarSpec("json_schema", json.dumps({"type": "nonsense"})), "invalid"),
+    (GrammarSpec("lark", "start: undefined_rule", param="tool_choice"), "invalid"),
+])
+def test_bad_grammar_is_a_request_error_naming_the_field(engine, spec, message):
+    with pytest.raises(RequestError, match=message) as info:
+        engine.generate(dataclasses.replace(request("hi"), grammar=spec))
+    assert info.value.param == spec.param
+    assert engine.num_live_requests == 0
