@@ -24,7 +24,9 @@ from replicas.trtllm.api import TensorRTLLMUnavailable, TrtllmApi, load_api
 from replicas.trtllm.config import TrtllmEngineConfig
 from replicas.trtllm.iteration_stats import IterationStatsFolder
 from replicas.trtllm.outputs import OutputTracker, request_usage
-from replicas.trtllm.translate import SpecPlan, llm_kwargs, plan_speculation, sampling_kwargs
+from replicas.trtllm.translate import (
+    SpecPlan, guided_decoding_kwargs, guided_decoding_refusal, llm_kwargs, plan_speculation, sampling_kwargs,
+)
 
 __all__ = ["TrtllmEngine", "TrtllmEngineConfig", "TensorRTLLMUnavailable"]
 
@@ -122,17 +124,17 @@ class TrtllmEngine:
             raise RuntimeError("engine not started")
         if request.request_id in self._live:
             raise RequestError("request_id", f"{request.request_id!r} is already running")
-        if request.grammar is not None:
-            # Its guided decoding is xgrammar over the target's own steps; the pinned release
-            # documents it for neither the SA drafter nor MTP, and unconstrained output is
-            # never an acceptable fallback.
-            raise RequestError(request.grammar.param, "the TensorRT-LLM engine does not constrain output "
-                                                      "together with its speculative decoding; use the CPU engine")
         if request.sampling.logprobs is not None:
             raise RequestError("logprobs", "not returned by the TensorRT-LLM engine yet")
         prompt_ids = self._prompt_ids(request)
+        kwargs = sampling_kwargs(request.sampling, self.api.sampling_fields)
+        if request.grammar is not None:  # constrained, or refused: never silently unconstrained
+            refusal = guided_decoding_refusal(self.config, self.speculation, self.api.guided_decoding_cls is not None)
+            if refusal:
+                raise RequestError(request.grammar.param, refusal)
+            kwargs["guided_decoding"] = self.api.guided_decoding_cls(**guided_decoding_kwargs(request.grammar))
         try:
-            sampling = self.api.sampling_params_cls(**sampling_kwargs(request.sampling, self.api.sampling_fields))
+            sampling = self.api.sampling_params_cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise RequestError("sampling", str(exc)) from exc
         tracker = OutputTracker(request.request_id, len(prompt_ids), tuple(request.sampling.stop))

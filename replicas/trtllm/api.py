@@ -57,6 +57,7 @@ class TrtllmApi:
     cuda_graph_config_cls: Any | None
     classes: Mapping[str, Any]  # the SPEC_CLASSES this release has, by name
     llm_fields: frozenset[str]  # TorchLlmArgs fields; empty when the release does not expose it
+    guided_decoding_cls: Any | None = None  # GuidedDecodingParams, None where the release lacks it
 
     def spec_fields(self) -> dict[str, frozenset[str]]:
         """Field names of each speculation config class present in this release."""
@@ -79,6 +80,7 @@ def api_from_modules(trtllm: Any, llmapi: Any) -> TrtllmApi:
         cuda_graph_config_cls=cuda_graph,
         classes={n: getattr(llmapi, n) for n in SPEC_CLASSES if hasattr(llmapi, n)},
         llm_fields=field_names(llm_args) if llm_args is not None else frozenset(),
+        guided_decoding_cls=getattr(llmapi, "GuidedDecodingParams", None),
     )
 
 

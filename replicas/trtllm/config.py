@@ -10,6 +10,7 @@ from replicas.engine import SpeculationConfig
 
 Drafter = Literal["eagle3", "mtp"]
 Orchestrator = Literal["mpi", "ray"]
+GuidedBackend = Literal["llguidance", "none"]
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -43,6 +44,9 @@ class TrtllmEngineConfig:
     # "mpi": upstream's default executor (TP=1: one spawned worker process; TP>1: mpi4py).
     # "ray": upstream's Ray orchestrator (prototype), for TP>1 inside a Serve replica.
     orchestrator: Orchestrator = "mpi"
+    # upstream's grammar engine for response_format and forced tool calls: llguidance, which
+    # reads our Lark grammars and JSON layout as the CPU engine does; "none" refuses them
+    guided_decoding_backend: GuidedBackend = "llguidance"
     stats_timeout_s: float = 2.0  # get_stats_async timeout; a stats read ends after this idle
     stats_poll_interval_s: float = 0.5
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
@@ -59,6 +63,8 @@ class TrtllmEngineConfig:
         _require(0 < self.free_gpu_memory_fraction < 1, "free_gpu_memory_fraction",
                  f"must be in (0, 1), got {self.free_gpu_memory_fraction}")
         _require(self.orchestrator in ("mpi", "ray"), "orchestrator", f"must be mpi or ray, got {self.orchestrator!r}")
+        _require(self.guided_decoding_backend in ("llguidance", "none"), "guided_decoding_backend",
+                 f"must be llguidance or none, got {self.guided_decoding_backend!r}")
         _require(self.stats_timeout_s > 0 and self.stats_poll_interval_s > 0, "stats_timeout_s",
                  "stats timeout and poll interval must be > 0")
         for pair in self.draft_len_taper:

@@ -11,6 +11,10 @@ Mode mapping (mode is SpeculationConfig.mode; drafter is TrtllmEngineConfig.draf
   mtp               -> Eagle3DecodingConfig / MTPDecodingConfig (the learned drafter alone)
   hybrid            -> the learned drafter + the SA enhancer: SA's draft replaces the learned
                        one when its match length >= sa_threshold (upstream's SADraftEnhancer)
+A request's grammar becomes `SamplingParams.guided_decoding` for upstream's llguidance
+backend (`guided_decoding_kwargs`), only where no suffix-automaton draft is verified:
+upstream masks the drafts of its learned drafter (MTP / EAGLE-3, two- and one-model engines)
+but documents nothing for SA drafts, which its matcher has been reported to refuse.
 The batch gate becomes upstream's `max_concurrency` ("speculation off above this many
 requests", the same rule as gate.speculate_this_step), or a `draft_len_schedule` whose
 largest key is the gate when a taper is configured; a gate at or above max_batch_size
@@ -22,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from replicas.engine import SamplingParams, SpeculationConfig
+import json
+
+from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams, SpeculationConfig
 from replicas.trtllm.config import TrtllmEngineConfig
 
 Fields = Mapping[str, frozenset[str]]
@@ -155,6 +161,26 @@ def sampling_kwargs(sampling: SamplingParams, have: frozenset[str]) -> dict[str,
     return kwargs
 
 
+def guided_decoding_refusal(config: TrtllmEngineConfig, spec: SpeculationConfig, has_guides: bool) -> str | None:
+    """Why this deployment cannot constrain a request's output, or None if it can."""
+    if config.guided_decoding_backend == "none" or not has_guides:
+        return "this TensorRT-LLM deployment has no guided decoding (guided_decoding_backend: none, or a release without it)"
+    if spec.mode in ("sa", "hybrid") and spec.batch_gate > 0:
+        return (f"TensorRT-LLM constrains its learned drafter's tokens but not its suffix-automaton drafts "
+                f"(speculation mode {spec.mode}); serve constrained output with mode mtp or off")
+    return None
+
+
+def guided_decoding_kwargs(grammar: GrammarSpec) -> dict[str, Any]:
+    """GuidedDecodingParams kwargs for upstream's llguidance backend: our JSON layout rides in
+    the schema's `x-guidance`, and a Lark grammar goes as `grammar` (llguidance reads Lark)."""
+    if grammar.kind == "json_object":
+        return {"json": {"type": "object", "x-guidance": JSON_LAYOUT}}
+    if grammar.kind == "json_schema":
+        return {"json": {**json.loads(grammar.text), "x-guidance": JSON_LAYOUT}}
+    return {"grammar": grammar.text}
+
+
 def llm_kwargs(config: TrtllmEngineConfig, have: frozenset[str]) -> dict[str, Any]:
     """LLM(...) scalar kwargs; `have` is TorchLlmArgs' fields (empty: trust the core set)."""
     kwargs: dict[str, Any] = {
@@ -173,6 +199,8 @@ def llm_kwargs(config: TrtllmEngineConfig, have: frozenset[str]) -> dict[str, An
         kwargs["orchestrator_type"] = "ray"
     if "return_perf_metrics" in have:
         kwargs["return_perf_metrics"] = True
+    if config.guided_decoding_backend != "none":
+        kwargs["guided_decoding_backend"] = config.guided_decoding_backend
     missing = sorted(k for k in kwargs if have and k not in have)
     if missing:
         raise UnsupportedRelease(f"this TensorRT-LLM's LLM has no {missing}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 
-from replicas.engine import Engine
+from replicas.engine import JSON_LAYOUT, Engine, GrammarSpec, RequestError
 from replicas.trtllm.outputs import FINISH_REASONS, OutputTracker, releasable_text, request_usage
 from replicas.trtllm.translate import UnsupportedRelease
 from replicas.trtllm_engine import TrtllmEngine
@@ -336,3 +337,45 @@ def test_an_upstream_failure_mid_stream_is_an_error_delta(monkeypatch):
     deltas = run(go())
     assert deltas[-1].finish_reason == "error" and "illegal memory access" in deltas[-1].error
     assert len(deltas) == 3
+
+
+@pytest.mark.parametrize("mode, gate, refused", [
+    ("mtp", 4, False), ("off", 4, False), ("hybrid", 0, False),  # no SA draft is ever verified
+    ("hybrid", 4, True), ("sa", 4, True),
+])
+def test_a_grammar_is_guided_decoding_or_a_refusal_naming_the_field(mode, gate, refused):
+    grammar = GrammarSpec("json_schema", json.dumps({"type": "object"}), "response_format.json_schema.schema")
+
+    async def go():
+        engine = await started(engine_config(mode, drafter="mtp", batch_gate=gate))
+        submitted = []
+        submit = engine._llm.generate_async
+        engine._llm.generate_async = lambda *a, **kw: submitted.append(kw["sampling_params"]) or submit(*a, **kw)
+        try:
+            if refused:
+                with pytest.raises(RequestError, match="suffix-automaton") as info:
+                    engine.generate(dataclasses.replace(request(PROMPT), grammar=grammar))
+                assert info.value.param == grammar.param
+                return None
+            await collect(engine, dataclasses.replace(request(PROMPT), grammar=grammar))
+            return submitted[0].guided_decoding
+        finally:
+            await engine.shutdown()
+
+    guide = run(go())
+    if not refused:
+        assert guide.json == {"type": "object", "x-guidance": JSON_LAYOUT}
+
+
+def test_no_guided_decoding_backend_refuses_grammars():
+    async def go():
+        engine = await started(engine_config("mtp", drafter="mtp", guided_decoding_backend="none"))
+        try:
+            with pytest.raises(RequestError, match="no guided decoding") as info:
+                engine.generate(dataclasses.replace(request(PROMPT), grammar=GrammarSpec("json_object")))
+            assert info.value.param == "response_format"
+            assert "guided_decoding_backend" not in engine._llm.args.model_fields_set
+        finally:
+            await engine.shutdown()
+
+    run(go())

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from replicas.engine import SamplingParams
+from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams
 from replicas.trtllm.translate import (
-    UnsupportedRelease, draft_len_schedule, llm_kwargs, plan_speculation, sampling_kwargs,
+    UnsupportedRelease, draft_len_schedule, guided_decoding_kwargs, llm_kwargs, plan_speculation, sampling_kwargs,
 )
 from tests.trtllm.conftest import EAGLE3_HEAD, engine_config, fake_api
 
@@ -148,8 +148,21 @@ def test_sampling_kwargs(sampling, expected, absent):
     assert "return_perf_metrics" not in sampling_kwargs(sampling, have - {"return_perf_metrics"})
 
 
+@pytest.mark.parametrize("grammar, expected", [
+    (GrammarSpec("json_object"), {"json": {"type": "object", "x-guidance": JSON_LAYOUT}}),
+    (GrammarSpec("json_schema", '{"type": "array"}'), {"json": {"type": "array", "x-guidance": JSON_LAYOUT}}),
+    (GrammarSpec("lark", 'start: "a"', "tool_choice"), {"grammar": 'start: "a"'}),
+])
+def test_guided_decoding_kwargs(grammar, expected):
+    assert guided_decoding_kwargs(grammar) == expected
+
+
 def test_llm_kwargs():
     have = fake_api().llm_fields
+    assert llm_kwargs(engine_config(), have)["guided_decoding_backend"] == "llguidance"
+    assert "guided_decoding_backend" not in llm_kwargs(engine_config(guided_decoding_backend="none"), have)
+    with pytest.raises(UnsupportedRelease, match="guided_decoding_backend"):
+        llm_kwargs(engine_config(), have - {"guided_decoding_backend"})
     kwargs = llm_kwargs(engine_config(tokenizer="tok", orchestrator="ray"), have)
     assert kwargs["enable_iter_perf_stats"] is True
     assert kwargs["orchestrator_type"] == "ray" and kwargs["tokenizer"] == "tok"

@@ -12,7 +12,7 @@ import sys
 import types
 
 from tests.trtllm.fake_tensorrt_llm import llmapi as _llmapi
-from tests.trtllm.fake_tensorrt_llm.llm import LLM, SamplingParams
+from tests.trtllm.fake_tensorrt_llm.llm import LLM, GuidedDecodingParams, SamplingParams
 
 VERSIONS = {"sa_config": "1.3.0rc27+fake", "use_sa_spec": "0.0.0+fake.use_sa_spec"}
 
@@ -30,7 +30,7 @@ def build(generation: str = "sa_config", cuda_graph_class: str = "DecodeCudaGrap
     module.LLM = LLM
     module.SamplingParams = SamplingParams
     module.llmapi = llmapi
-    llmapi.LLM, llmapi.SamplingParams = LLM, SamplingParams
+    llmapi.LLM, llmapi.SamplingParams, llmapi.GuidedDecodingParams = LLM, SamplingParams, GuidedDecodingParams
     return module
 
 

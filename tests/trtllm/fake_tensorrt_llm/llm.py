@@ -27,6 +27,22 @@ from tests.trtllm.fake_tensorrt_llm.llmapi import TorchLlmArgs
 
 
 @dataclass(kw_only=True)
+class GuidedDecodingParams:
+    """tensorrt_llm.sampling_params.GuidedDecodingParams: one guide per request. The fake only
+    records it (it cannot constrain its toy model)."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    structural_tag: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if sum(bool(v) for v in (self.json, self.regex, self.grammar, self.json_object, self.structural_tag)) > 1:
+            raise ValueError("Only one guide can be used for a request")
+
+
+@dataclass(kw_only=True)
 class SamplingParams:
     end_id: Optional[int] = None
     pad_id: Optional[int] = None
@@ -43,6 +59,8 @@ class SamplingParams:
     min_tokens: Optional[int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    logprobs: Optional[int] = None
+    guided_decoding: Optional[GuidedDecodingParams] = None
     return_perf_metrics: bool = False
     ignore_eos: bool = False
     detokenize: bool = True

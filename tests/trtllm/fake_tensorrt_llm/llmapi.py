@@ -141,6 +141,7 @@ class TorchLlmArgs(StrictBaseModel):
     enable_iter_perf_stats: bool = False
     return_perf_metrics: bool = False
     orchestrator_type: Optional[Literal["rpc", "ray"]] = None
+    guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]] = None
 
 
 def spec_classes(generation: str) -> dict[str, type]:
