@@ -18,8 +18,11 @@ from __future__ import annotations
 import json
 from typing import Iterable, Sequence
 
+import llguidance.hf
 import numpy as np
 import torch
+from llguidance import LLMatcher
+from llguidance.numpy import fill_next_token_bitmask
 from torch import Tensor
 
 from replicas.engine import JSON_LAYOUT, GrammarSpec, RequestError
@@ -27,8 +30,6 @@ from replicas.engine import JSON_LAYOUT, GrammarSpec, RequestError
 
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for a spec; RequestError naming `spec.param` if it is malformed."""
-    from llguidance import LLMatcher
-
     if spec.kind == "lark":
         return LLMatcher.grammar_from_lark(spec.text)
     if spec.kind == "json_object":
@@ -50,16 +51,12 @@ class GrammarCompiler:
     """One per engine: the tokenizer as the grammar engine sees it (about 1 s to build)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
-        import llguidance.hf
-
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                        eos_token=sorted(eos_ids))
 
     def compile(self, spec: GrammarSpec) -> Constraint:
         """A fresh matcher for one request; RequestError naming `spec.param` if the grammar is bad."""
-        from llguidance import LLMatcher
-
         grammar = grammar_text(spec)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
@@ -104,8 +101,6 @@ class Constraint:
 
     def _allowed_bits(self, draft: Sequence[int]) -> np.ndarray:
         """`[K+1, V]` uint8 0/1, the rows of `allowed`; the matcher ends where it began."""
-        from llguidance.numpy import fill_next_token_bitmask
-
         words = np.empty((len(draft) + 1, self._num_words), dtype=np.int32)
         consumed = 0
         try:
