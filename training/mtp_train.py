@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from replicas.torch_engine.loader import resolve_model_dir
+from replicas.engine import DEFAULT_MODEL
+from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model import LlamaModel, SeqSpan
 from replicas.torch_engine.mtp import MTPModule
+from replicas.torch_engine.native_model import NativeLlamaModel
 from training import mtp_eval
 from training.corpora import Corpus
 
@@ -253,7 +255,7 @@ def train(module: MTPModule, target: LlamaModel, samples: list[Sample], args) ->
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="directory for mtp.safetensors + mtp.json")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--minutes", type=float, default=15.0, help="training time budget")
     p.add_argument("--data-minutes", type=float, default=12.0, help="time budget of the target pass")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens to generate at most")
@@ -274,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per source")
     p.add_argument("--eval-new-tokens", type=int, default=128)
+    p.add_argument("--target", choices=("native", "fp32"), default="native",
+                   help="forward whose hidden states and greedy labels the head learns from: the native "
+                        "quantized one the CPU engine serves with, or the fp32 torch one (CUDA)")
     p.add_argument("--data-cache", type=Path, default=None,
                    help="reuse/keep the target pass here (.pt); for iterating on training only")
     args = p.parse_args(argv)
@@ -296,9 +301,15 @@ def main(argv: list[str] | None = None) -> None:
         data_s = data["seconds"]
     else:
         t0 = time.monotonic()
-        train_samples = build_train_data(target, corpus, args.max_tokens, args.seq_tokens, args.data_minutes * 60,
+        # The head is trained (and evaluated) through the fp32 model's embedding and head,
+        # which are the GGUF's values dequantised, on the states of the forward it will serve.
+        data_target = target
+        if args.target == "native":
+            weights = packaged_gguf_path() if args.model == DEFAULT_MODEL else model_dir
+            data_target = NativeLlamaModel.load(weights, num_threads=args.threads)
+        train_samples = build_train_data(data_target, corpus, args.max_tokens, args.seq_tokens, args.data_minutes * 60,
                                          tokenizer.eos_token_id)
-        eval_samples = build_eval_data(target, corpus, args.eval_prompts, args.eval_new_tokens,
+        eval_samples = build_eval_data(data_target, corpus, args.eval_prompts, args.eval_new_tokens,
                                                 tokenizer.eos_token_id)
         data_s = time.monotonic() - t0
         if args.data_cache:
