@@ -80,8 +80,8 @@ def penalize_(logits: Tensor, output_ids: Sequence[int], draft: Sequence[int], p
     counts = Counter(output_ids)
     for row in range(len(draft) + 1):
         if counts:
-            token_ids = torch.tensor(list(counts), dtype=torch.long)
-            occurrences = torch.tensor(list(counts.values()), dtype=torch.float32)
+            token_ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+            occurrences = torch.tensor(list(counts.values()), dtype=torch.float32, device=logits.device)
             logits[row, token_ids] -= frequency * occurrences + presence
         if row < len(draft):
             counts[int(draft[row])] += 1
@@ -124,7 +124,8 @@ def token_logprobs(logits: Tensor, token_ids: Sequence[int], num_top: int) -> li
     with penalties and a grammar's mask already applied. Forbidden tokens (-inf) are never
     listed."""
     logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)  # [T, V]
-    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long).reshape(-1, 1)).squeeze(1).tolist()
+    index = torch.tensor(token_ids, dtype=torch.long, device=logits.device).reshape(-1, 1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
     if num_top:
         top_values, top_ids = torch.topk(logprobs, num_top, dim=-1)
