@@ -53,6 +53,9 @@ class LimitArgs(_Strict):
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="when a request gives none")
     stream_idle_timeout_s: float = Field(300.0, gt=0, description="longest wait for the next token")
+    replica_loss_retry_s: float = Field(30.0, ge=0, description=(
+        "a request whose replica dies before its first token is sent again, to any replica, for "
+        "up to this long (0: never)"))
 
 
 class ReplicaArgs(_Strict):
@@ -119,6 +122,7 @@ class IngressConfig(_Strict):
     default_max_tokens: int
     max_body_bytes: int
     stream_idle_timeout_s: float
+    replica_loss_retry_s: float
     api_keys_env: str
 
     @classmethod
@@ -132,5 +136,6 @@ class IngressConfig(_Strict):
             default_max_tokens=limits.default_max_tokens,
             max_body_bytes=limits.max_body_bytes,
             stream_idle_timeout_s=limits.stream_idle_timeout_s,
+            replica_loss_retry_s=limits.replica_loss_retry_s,
             api_keys_env=args.api_keys_env,
         )

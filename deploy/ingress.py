@@ -11,6 +11,7 @@ away, the replica stream is cancelled, which aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ from deploy.protocol import (
     ModelCard, ModelList,
 )
 from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected
+from replicas.stats import METRIC_RETRIES
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,14 @@ def _server_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"engine failure: {type(exc).__name__}: {summary}"[:500])
 
 
+def _replica_lost(exc: BaseException) -> bool:
+    """The replica holding the request died or became unreachable (not the request's fault)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    lost = (ActorDiedError, ActorUnavailableError, RayActorError)
+    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
+
 def _cancel(stream) -> None:
     """Cancel a replica stream; best effort (Serve's cancel re-raises a failed assignment)."""
     try:
@@ -76,6 +86,7 @@ class Ingress:
         self._keys = load_keys(config.api_keys_env)
         self._tokenizer = None
         self._created = int(time.time())
+        self._retries = None  # the retry counter, made on first use (a metric needs a live Serve)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -113,22 +124,44 @@ class Ingress:
                                               logprobs, tool_calls))
 
     async def _open(self, request: GenerationRequest):
-        """Start the replica stream and wait for its first item (errors are still HTTP statuses)."""
-        stream = None
-        try:
-            stream = self._streams.generate.remote(request)  # may raise BackPressureError here
-            first = await self._next(stream)
-        except BaseException as exc:
-            if stream is not None:
-                _cancel(stream)
-            if isinstance(exc, StopAsyncIteration):
-                raise ApiError(500, "the engine stream ended before any output") from None
-            if isinstance(exc, Exception):
-                raise _server_error(exc) from exc
-            raise
+        """Start the replica stream and wait for its first item (errors are still HTTP statuses).
+
+        Nothing has reached the client yet, so a request whose replica dies here is sent again
+        (the router picks a live replica, or waits for Serve to restart one) for up to
+        `replica_loss_retry_s`: the client sees only latency.
+        """
+        deadline = time.monotonic() + self._config.replica_loss_retry_s
+        for attempt in itertools.count(1):
+            stream = None
+            try:
+                stream = self._streams.generate.remote(request)  # may raise BackPressureError here
+                first = await self._next(stream)
+                break
+            except BaseException as exc:
+                if stream is not None:
+                    _cancel(stream)
+                if isinstance(exc, StopAsyncIteration):
+                    raise ApiError(500, "the engine stream ended before any output") from None
+                if _replica_lost(exc) and time.monotonic() < deadline:
+                    logger.warning("request %s lost its replica before any output (%s); sending it again",
+                                   request.request_id, type(exc).__name__)
+                    self._count_retry()
+                    await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
+                    continue
+                if isinstance(exc, Exception):
+                    raise _server_error(exc) from exc
+                raise
         if isinstance(first, RequestRejected):
             raise ApiError(400, first.message, first.param)
         return stream, first
+
+    def _count_retry(self) -> None:
+        if self._retries is None:
+            from ray.serve import metrics
+
+            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died "
+                                            "before their first token")
+        self._retries.inc()
 
     async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
         return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)

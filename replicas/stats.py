@@ -34,6 +34,7 @@ METRIC_GATE_OPEN = "spec_gate_open"
 METRIC_BATCH_SIZE = "engine_batch_size"
 METRIC_TTFT = "request_ttft_seconds"
 METRIC_TPOT = "request_tpot_seconds"
+METRIC_RETRIES = "request_retries_total"  # the ingress: requests sent again after losing their replica
 
 
 def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:

@@ -3,12 +3,15 @@
 FakeEngine implements the Engine protocol the way TorchEngine behaves at its edges
 (eager RequestError naming the field, abort on close, stats); FakeTokenizer is byte-level
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
-"FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms.
+"FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_ONCE:<path>"
+kills its replica's process before the first token unless <path> exists (it creates it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import AsyncIterator
 
 from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig, TokenLogprob
@@ -62,6 +65,11 @@ class FakeEngine:
         return self._stream(request, self.tokenizer.decode(ids), len(ids))
 
     async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):
+        if "DIE_ONCE:" in prompt:
+            marker = Path(prompt.split("DIE_ONCE:", 1)[1].split()[0])
+            if not marker.exists():
+                marker.touch()
+                os._exit(1)  # the replica actor's process dies, as on a kill -9
         self.live.add(request.request_id)
         spec = {"draft_tokens": 2, "accepted_tokens": 1, "acceptance_length": 2.0, "steps": 1}
         try:

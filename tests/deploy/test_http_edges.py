@@ -4,6 +4,7 @@ mid-stream failures, backpressure and a schemathesis run over the served OpenAPI
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from functools import partial
 
@@ -46,6 +47,8 @@ def url(serve_url):
     # a second app, tiny admission limits, for the backpressure test
     serve.run(compose_app(fake_args(max_ongoing_requests=1, max_queued_requests=1), small_window_engine),
               name="tight", route_prefix="/tight")
+    # two replicas, for a replica lost before the first token
+    serve.run(compose_app(fake_args(num_replicas=2), small_window_engine), name="pair", route_prefix="/pair")
     return serve_url
 
 
@@ -180,6 +183,23 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
     with pytest.raises(openai.APIError):
         for _ in client.completions.create(model="fake", prompt=prompt, max_tokens=10, stream=True):
             pass
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_lost_before_the_first_token_costs_only_latency(url, tmp_path, stream):
+    marker = tmp_path / "died"
+    body = completion(prompt=f"DIE_ONCE:{marker} ", max_tokens=6, stream=stream)
+    with httpx.Client(base_url=f"{url}/pair", headers=AUTH, timeout=120) as client:
+        response = client.post("/v1/completions", json=body)
+    assert marker.exists()  # a replica did die with the request
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+    else:
+        text = response.json()["choices"][0]["text"]
+    assert text == "abcdef"
 
 
 def test_replica_failure_without_stream_is_a_500(url):
