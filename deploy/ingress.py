@@ -11,6 +11,7 @@ away, the replica stream is cancelled, which aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,7 +34,7 @@ from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelCard, ModelList,
 )
-from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected
+from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
 from replicas.stats import METRIC_RETRIES
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,9 @@ class Ingress:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(output, request_id, created, stream, first, include_usage),
+            return StreamingResponse(self._sse(output, request, created, stream, first, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        acc = await self._collect(stream, first)
+        acc = await self._collect(request, stream, first)
         logprobs = fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None
         tool_calls = parse_tool_calls(acc.text) if output.tools else None
         return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, acc,
@@ -166,7 +167,24 @@ class Ingress:
     async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
         return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
 
-    async def _collect(self, stream, delta: GenerationDelta) -> fmt.Accumulated:
+    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated):
+        """(stream, its next delta). When the replica died mid-stream, the request is sent again
+        as a continuation of what the client already has (`Resume`): the rest of the stream
+        comes from the new replica, exactly what the dead one would have produced."""
+        try:
+            return stream, await self._next(stream)
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            if not _replica_lost(exc) or self._config.replica_loss_retry_s <= 0:
+                raise
+            _cancel(stream)
+            logger.warning("request %s lost its replica after %d tokens (%s); resuming it",
+                           request.request_id, len(acc.token_ids), type(exc).__name__)
+            self._count_retry()
+            return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))))
+
+    async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta) -> fmt.Accumulated:
         acc, done = fmt.Accumulated(), False
         try:
             while True:
@@ -177,17 +195,20 @@ class Ingress:
                     done = True
                     return acc
                 try:
-                    delta = await self._next(stream)
+                    stream, delta = await self._following(request, stream, acc)
                 except StopAsyncIteration:
                     raise ApiError(500, "the engine stream ended without a finish reason") from None
+                except ApiError:
+                    raise
                 except Exception as exc:  # noqa: BLE001
                     raise _server_error(exc) from exc
         finally:
             if not done:  # error or client disconnect: stop the request in the engine
                 _cancel(stream)
 
-    async def _sse(self, output: _Output, request_id: str, created: int, stream, delta: GenerationDelta,
+    async def _sse(self, output: _Output, request: GenerationRequest, created: int, stream, delta: GenerationDelta,
                    include_usage: bool) -> AsyncIterator[str]:
+        request_id = request.request_id
         kind, model, acc, done = output.kind, self._config.model_name, fmt.Accumulated(), False
         pieces = _StreamPieces(output)
         try:
@@ -211,7 +232,7 @@ class Ingress:
                             yield fmt.sse(fmt.usage_chunk(kind, request_id, created, model, acc))
                         break
                     try:
-                        delta = await self._next(stream)
+                        stream, delta = await self._following(request, stream, acc)
                     except StopAsyncIteration:
                         raise ApiError(500, "the engine stream ended without a finish reason") from None
             except ApiError as exc:

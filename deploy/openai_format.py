@@ -29,10 +29,12 @@ class Accumulated:
     completion_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
 
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
         self.logprobs += delta.logprobs
+        self.token_ids += delta.token_ids
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.prompt_tokens = delta.prompt_tokens

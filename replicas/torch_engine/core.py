@@ -113,19 +113,26 @@ class EngineCore:
         return admitted
 
     def _prefill(self, seq: Sequence) -> None:
+        """The prompt into the cache, then the first token. A resumed request (`Resume`) already
+        has output: everything but its last token goes in with the prompt, and it goes on
+        from there as if it had produced that output itself."""
         seq.slot = self.cache.allocate()
         if self.mtp is not None:
             self.mtp.add(seq.slot)  # with the KV slot, so releasing one always releases both
-        ids = torch.tensor(seq.prompt_ids, dtype=torch.long)
-        hidden = self.model(ids, [SeqSpan(seq.slot, 0, len(ids))], self.cache)  # [P, d]
-        seq.num_cached = len(ids)
-        logits = self.model.logits(hidden[-1:])  # [1, V]
-        token = self._verify(seq, [], logits).tokens[0]
+        resumed = list(seq.output_ids)
+        context = seq.prompt_ids + resumed[:-1]
+        hidden = self.model(torch.tensor(context, dtype=torch.long), [SeqSpan(seq.slot, 0, len(context))],
+                            self.cache)  # [P, d]
+        seq.num_cached = len(context)
+        logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
+        new = resumed or [self._verify(seq, [], logits).tokens[0]]
         self.sa_pool.add_request(seq.sa_id, np.asarray(seq.prompt_ids, dtype=np.int32))
         if self.mtp is not None:
-            next_ids = torch.tensor(seq.prompt_ids[1:] + [token], dtype=torch.long)
-            self.mtp.observe(seq.slot, hidden, next_ids)
-        self._emit(seq, [token], logits)
+            self.mtp.observe(seq.slot, hidden, torch.tensor(context[1:] + new[-1:], dtype=torch.long))
+        if resumed:
+            self._feed_sa(seq, resumed)
+        else:
+            self._emit(seq, new, logits)
 
     def _plan(self, seq: Sequence, speculate: bool) -> tuple[DraftPlan, list[int]]:
         cfg = self.speculation
@@ -240,13 +247,16 @@ class EngineCore:
         if seq.constraint is not None:
             seq.constraint.advance(fed)
         if seq.finish_reason is None and fed:
-            accepted = np.asarray([fed], dtype=np.int32)
-            match_len, draft = self.sa_pool.extend(
-                np.asarray([seq.sa_id], dtype=np.int64), accepted,
-                np.asarray([len(fed)], dtype=np.int32), self.speculation.max_draft_len,
-            )
-            seq.sa_match_len = int(match_len[0])
-            seq.sa_draft = [int(t) for t in draft[0] if t >= 0]
+            self._feed_sa(seq, fed)
+
+    def _feed_sa(self, seq: Sequence, tokens: list[int]) -> None:
+        """Extend the request's suffix automaton with emitted tokens; keep its next draft."""
+        match_len, draft = self.sa_pool.extend(
+            np.asarray([seq.sa_id], dtype=np.int64), np.asarray([tokens], dtype=np.int32),
+            np.asarray([len(tokens)], dtype=np.int32), self.speculation.max_draft_len,
+        )
+        seq.sa_match_len = int(match_len[0])
+        seq.sa_draft = [int(t) for t in draft[0] if t >= 0]
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         logger.exception("request %s failed", seq.request_id, exc_info=exc)

@@ -165,6 +165,15 @@ class TorchEngine:
         if len(prompt_ids) + sampling.max_tokens > window:
             raise RequestError("max_tokens", f"{sampling.max_tokens} + {len(prompt_ids)} prompt tokens exceed "
                                              f"the context window of {window}")
+        resumed = [int(t) for t in request.resume.token_ids] if request.resume is not None else []
+        if any(not 0 <= t < self._core.model.cfg.vocab_size for t in resumed) or len(resumed) >= sampling.max_tokens:
+            raise RequestError("resume", f"needs fewer than max_tokens ({sampling.max_tokens}) token ids in the vocabulary")
+        constraint = self._grammars.compile(request.grammar) if request.grammar is not None else None
+        if constraint is not None:
+            try:
+                constraint.advance(resumed)
+            except RuntimeError as exc:
+                raise RequestError("resume", f"the grammar refuses the resumed tokens: {exc}") from None
         return Sequence(
             request_id=request.request_id,
             sa_id=next(self._sa_ids),
@@ -174,7 +183,10 @@ class TorchEngine:
             seed=None if sampling.temperature == 0 else
             sampling.seed if sampling.seed is not None else random.getrandbits(63),
             eos_ids=self._eos_ids,
-            constraint=self._grammars.compile(request.grammar) if request.grammar is not None else None,
+            constraint=constraint,
+            output_ids=resumed,
+            num_sent_tokens=len(resumed),
+            num_sent_chars=request.resume.text_chars if request.resume is not None else 0,
         )
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:

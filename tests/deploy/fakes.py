@@ -3,8 +3,9 @@
 FakeEngine implements the Engine protocol the way TorchEngine behaves at its edges
 (eager RequestError naming the field, abort on close, stats); FakeTokenizer is byte-level
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
-"FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_ONCE:<path>"
-kills its replica's process before the first token unless <path> exists (it creates it).
+"FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_AT:<k>:<path>"
+kills its replica's process at token k unless <path> exists (it creates it). A `Resume`
+continues after the tokens it carries.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+def _die_at(prompt: str) -> int:
+    """"DIE_AT:<k>:<path>": the token index at which the replica dies, once (-1: never)."""
+    if "DIE_AT:" not in prompt:
+        return -1
+    index, path = prompt.split("DIE_AT:", 1)[1].split()[0].split(":", 1)
+    marker = Path(path)
+    if marker.exists():
+        return -1
+    marker.touch()
+    return int(index)
+
+
 class FakeEngine:
     def __init__(self, speculation: SpeculationConfig, max_seq_len: int = 256) -> None:
         self.speculation = speculation
@@ -65,15 +78,15 @@ class FakeEngine:
         return self._stream(request, self.tokenizer.decode(ids), len(ids))
 
     async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):
-        if "DIE_ONCE:" in prompt:
-            marker = Path(prompt.split("DIE_ONCE:", 1)[1].split()[0])
-            if not marker.exists():
-                marker.touch()
-                os._exit(1)  # the replica actor's process dies, as on a kill -9
         self.live.add(request.request_id)
         spec = {"draft_tokens": 2, "accepted_tokens": 1, "acceptance_length": 2.0, "steps": 1}
+        resumed = len(request.resume.token_ids) if request.resume is not None else 0  # continue after them
+        die_at = _die_at(prompt)
         try:
-            for i in range(request.sampling.max_tokens):
+            for i in range(resumed, request.sampling.max_tokens):
+                if i == die_at:
+                    await asyncio.sleep(0.2)  # what was yielded reaches the ingress first
+                    os._exit(1)  # the replica actor's process dies, as on a kill -9
                 await asyncio.sleep(0.05 if "SLOW" in prompt else 0)
                 if i == 2 and "FAIL_RAISE" in prompt:
                     raise RuntimeError("fake engine exploded")

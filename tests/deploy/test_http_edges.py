@@ -185,10 +185,13 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
             pass
 
 
+@pytest.mark.parametrize("die_at", [0, 3], ids=["before the first token", "mid-stream"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_replica_lost_before_the_first_token_costs_only_latency(url, tmp_path, stream):
+def test_a_replica_lost_costs_only_latency(url, tmp_path, stream, die_at):
+    """Before the first token the request is sent again; after it, resumed after what the
+    client already has: no error, no token lost or repeated."""
     marker = tmp_path / "died"
-    body = completion(prompt=f"DIE_ONCE:{marker} ", max_tokens=6, stream=stream)
+    body = completion(prompt=f"DIE_AT:{die_at}:{marker} ", max_tokens=8, stream=stream, logprobs=1)
     with httpx.Client(base_url=f"{url}/pair", headers=AUTH, timeout=120) as client:
         response = client.post("/v1/completions", json=body)
     assert marker.exists()  # a replica did die with the request
@@ -196,10 +199,13 @@ def test_a_replica_lost_before_the_first_token_costs_only_latency(url, tmp_path,
     if stream:
         events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
-        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+        choices = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
+        text = "".join(c["text"] for c in choices)
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
     else:
-        text = response.json()["choices"][0]["text"]
-    assert text == "abcdef"
+        choice = response.json()["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+    assert text == "abcdefgh" and "".join(tokens) == text
 
 
 def test_replica_failure_without_stream_is_a_500(url):
