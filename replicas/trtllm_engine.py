@@ -126,6 +126,8 @@ class TrtllmEngine:
             raise RequestError("request_id", f"{request.request_id!r} is already running")
         if request.sampling.logprobs is not None:
             raise RequestError("logprobs", "not returned by the TensorRT-LLM engine yet")
+        if request.resume is not None:  # refused, never rerun from the start (the client has the start)
+            raise RequestError("resume", "the TensorRT-LLM engine cannot continue an interrupted request yet")
         prompt_ids = self._prompt_ids(request)
         kwargs = sampling_kwargs(request.sampling, self.api.sampling_fields)
         if request.grammar is not None:  # constrained, or refused: never silently unconstrained

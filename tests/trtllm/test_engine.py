@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from replicas.engine import JSON_LAYOUT, Engine, GrammarSpec, RequestError
+from replicas.engine import JSON_LAYOUT, Engine, GrammarSpec, RequestError, Resume
 from replicas.trtllm.outputs import FINISH_REASONS, OutputTracker, releasable_text, request_usage
 from replicas.trtllm.translate import UnsupportedRelease
 from replicas.trtllm_engine import TrtllmEngine
@@ -375,6 +375,19 @@ def test_no_guided_decoding_backend_refuses_grammars():
                 engine.generate(dataclasses.replace(request(PROMPT), grammar=GrammarSpec("json_object")))
             assert info.value.param == "response_format"
             assert "guided_decoding_backend" not in engine._llm.args.model_fields_set
+        finally:
+            await engine.shutdown()
+
+    run(go())
+
+
+def test_a_resumed_request_is_refused_not_rerun():
+    async def go():
+        engine = await started(engine_config())
+        try:
+            with pytest.raises(RequestError) as info:
+                engine.generate(dataclasses.replace(request(PROMPT), resume=Resume((1, 2), 2)))
+            assert info.value.param == "resume"
         finally:
             await engine.shutdown()
 
