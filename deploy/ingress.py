@@ -16,8 +16,7 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Union
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,7 +27,6 @@ from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
 from deploy.errors import ApiError, install_error_handlers
 from deploy.prompts import generation_request
-from deploy.tool_call_stream import ToolCallStream
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
@@ -109,7 +107,7 @@ class Ingress:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
         request = generation_request(request_id, tokenizer, body, self._config)
-        output = _Output(kind, request.sampling.logprobs is not None,
+        output = fmt.Output(kind, request.sampling.logprobs is not None,
                          isinstance(body, ChatCompletionRequest) and bool(body.functions),
                          fmt.TokenTexts(tokenizer.decode))
         stream, first = await self._open(request)
@@ -206,11 +204,11 @@ class Ingress:
             if not done:  # error or client disconnect: stop the request in the engine
                 _cancel(stream)
 
-    async def _sse(self, output: _Output, request: GenerationRequest, created: int, stream, delta: GenerationDelta,
+    async def _sse(self, output: fmt.Output, request: GenerationRequest, created: int, stream, delta: GenerationDelta,
                    include_usage: bool) -> AsyncIterator[str]:
         request_id = request.request_id
         kind, model, acc, done = output.kind, self._config.model_name, fmt.Accumulated(), False
-        pieces = _StreamPieces(output)
+        pieces = fmt.StreamPieces(output)
         try:
             try:
                 if kind == "chat":
@@ -249,52 +247,6 @@ class Ingress:
     # -- models ---------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
         return ModelCard(id=self._config.model_name, created=self._created).model_dump()
-
-
-@dataclass(frozen=True)
-class _Output:
-    """What a response shows besides text: logprobs (when asked), tool calls (chat with tools)."""
-
-    kind: fmt.Kind
-    logprobs: bool
-    tools: bool
-    token_texts: fmt.TokenTexts
-
-
-class _StreamPieces:
-    """A stream's deltas as chunk parts: text (tool calls split out), tool-call fragments, logprobs."""
-
-    def __init__(self, output: _Output) -> None:
-        self._output = output
-        self._tools = ToolCallStream() if output.tools else None
-        self._call_ids: list[str] = []
-        self._text_offset = 0  # completions: characters of token text so far
-
-    def of(self, delta: GenerationDelta) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
-        out = self._output
-        logprobs = None
-        if out.logprobs and delta.logprobs:
-            logprobs = fmt.logprobs_body(out.kind, delta.logprobs, out.token_texts, self._text_offset)
-            self._text_offset += sum(len(out.token_texts(e.token_id)) for e in delta.logprobs)
-        if self._tools is None:
-            return delta.text, [], logprobs
-        events = self._tools.feed(delta.text) + (self._tools.finish() if delta.finish_reason else [])
-        text = "".join(e.content for e in events if e.content is not None)
-        fragments = []
-        for e in events:
-            if e.content is not None:
-                continue
-            if e.index == len(self._call_ids):  # a new call: its id, type and name come first
-                self._call_ids.append(fmt.tool_call_id())
-                fragments.append({"index": e.index, "id": self._call_ids[e.index], "type": "function",
-                                  "function": {"name": e.name, "arguments": e.arguments}})
-            else:
-                fragments.append({"index": e.index, "function": {"arguments": e.arguments}})
-        return text or None, fragments, logprobs
-
-    def finish_reason(self, reason: str) -> str:
-        tools = self._tools
-        return "tool_calls" if tools is not None and tools.ok and tools.num_calls else reason
 
 
 def build_api(ingress: Ingress) -> FastAPI:

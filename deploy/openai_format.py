@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Sequence
 
+from deploy.tool_call_stream import ToolCallStream
 from deploy.tool_calls import ToolCall
 from replicas.engine import GenerationDelta, TokenLogprob
 
@@ -142,3 +143,49 @@ def usage_chunk(kind: Kind, response_id: str, created: int, model: str, acc: Acc
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a response shows besides text: logprobs (when asked), tool calls (chat with tools)."""
+
+    kind: Kind
+    logprobs: bool
+    tools: bool
+    token_texts: TokenTexts
+
+
+class StreamPieces:
+    """A stream's deltas as chunk parts: text (tool calls split out), tool-call fragments, logprobs."""
+
+    def __init__(self, output: Output) -> None:
+        self._output = output
+        self._tools = ToolCallStream() if output.tools else None
+        self._call_ids: list[str] = []
+        self._text_offset = 0  # completions: characters of token text so far
+
+    def of(self, delta: GenerationDelta) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
+        out = self._output
+        logprobs = None
+        if out.logprobs and delta.logprobs:
+            logprobs = logprobs_body(out.kind, delta.logprobs, out.token_texts, self._text_offset)
+            self._text_offset += sum(len(out.token_texts(e.token_id)) for e in delta.logprobs)
+        if self._tools is None:
+            return delta.text, [], logprobs
+        events = self._tools.feed(delta.text) + (self._tools.finish() if delta.finish_reason else [])
+        text = "".join(e.content for e in events if e.content is not None)
+        fragments = []
+        for e in events:
+            if e.content is not None:
+                continue
+            if e.index == len(self._call_ids):  # a new call: its id, type and name come first
+                self._call_ids.append(tool_call_id())
+                fragments.append({"index": e.index, "id": self._call_ids[e.index], "type": "function",
+                                  "function": {"name": e.name, "arguments": e.arguments}})
+            else:
+                fragments.append({"index": e.index, "function": {"arguments": e.arguments}})
+        return text or None, fragments, logprobs
+
+    def finish_reason(self, reason: str) -> str:
+        tools = self._tools
+        return "tool_calls" if tools is not None and tools.ok and tools.num_calls else reason
