@@ -54,8 +54,8 @@ class LimitArgs(_Strict):
     default_max_tokens: int = Field(256, ge=1, description="when a request gives none")
     stream_idle_timeout_s: float = Field(300.0, gt=0, description="longest wait for the next token")
     replica_loss_retry_s: float = Field(30.0, ge=0, description=(
-        "a request whose replica dies before its first token is sent again, to any replica, for "
-        "up to this long (0: never)"))
+        "a request whose replica dies is sent again, to any replica, for up to this long: whole "
+        "before its first token, as a continuation after it (0: never)"))
 
 
 class ReplicaArgs(_Strict):

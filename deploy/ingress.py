@@ -158,8 +158,8 @@ class Ingress:
         if self._retries is None:
             from ray.serve import metrics
 
-            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died "
-                                            "before their first token")
+            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again (whole, or resumed mid-stream) "
+                                            "after their replica died")
         self._retries.inc()
 
     async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:

@@ -7,6 +7,7 @@ happens here, at construction, so a bad request fails before any work starts.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import (
     Annotated, Any, AsyncIterator, Literal, Optional, Protocol, Sequence, get_args, runtime_checkable,
@@ -152,6 +153,18 @@ class GrammarSpec:
     kind: GrammarKind
     text: str = ""
     param: str = "response_format"
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of a json_object / json_schema spec; RequestError naming `param` if
+        `text` is not a JSON object."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        try:
+            schema = json.loads(self.text)
+        except ValueError as exc:
+            raise RequestError(self.param, f"the JSON schema is not valid JSON: {exc}") from None
+        _require(isinstance(schema, dict), self.param, "the JSON schema must be an object")
+        return schema
 
 
 @dataclass(frozen=True)

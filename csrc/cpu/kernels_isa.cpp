@@ -372,6 +372,17 @@ void accumulate_v_simd(float* states, const float* alpha, const float* p, int nb
     for (int i = 0; i < NV; ++i) _mm256_storeu_ps(states + h * sf + d0 + kLanes * i, x[h][i]);
 }
 
+// accumulate_v_simd for `heads` (1 to 3) heads.
+template <int NV>
+void accumulate_v_heads(int heads, float* states, const float* alpha, const float* p, int nb, const uint16_t* v,
+                        int hd, int d0) {
+  switch (heads) {
+    case 3: return accumulate_v_simd<3, NV>(states, alpha, p, nb, v, hd, d0);
+    case 2: return accumulate_v_simd<2, NV>(states, alpha, p, nb, v, hd, d0);
+    default: return accumulate_v_simd<1, NV>(states, alpha, p, nb, v, hd, d0);
+  }
+}
+
 // Lanes of position j0 + 8i + l that lie below nb, as an all-ones mask.
 inline __m256 valid_lanes(int i, int nb) {
   const __m256i index = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kLanes * i));
@@ -417,20 +428,8 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
       const float* ph = p + h * kBlock;
       const int heads = std::min(3, group - h);
       int d0 = 0;
-      for (; d0 + 4 * kLanes <= hd; d0 += 4 * kLanes) {
-        switch (heads) {
-          case 3: accumulate_v_simd<3, 4>(sh, ah, ph, nb, v, hd, d0); break;
-          case 2: accumulate_v_simd<2, 4>(sh, ah, ph, nb, v, hd, d0); break;
-          default: accumulate_v_simd<1, 4>(sh, ah, ph, nb, v, hd, d0); break;
-        }
-      }
-      for (; d0 < hd; d0 += kLanes) {
-        switch (heads) {
-          case 3: accumulate_v_simd<3, 1>(sh, ah, ph, nb, v, hd, d0); break;
-          case 2: accumulate_v_simd<2, 1>(sh, ah, ph, nb, v, hd, d0); break;
-          default: accumulate_v_simd<1, 1>(sh, ah, ph, nb, v, hd, d0); break;
-        }
-      }
+      for (; d0 + 4 * kLanes <= hd; d0 += 4 * kLanes) accumulate_v_heads<4>(heads, sh, ah, ph, nb, v, hd, d0);
+      for (; d0 < hd; d0 += kLanes) accumulate_v_heads<1>(heads, sh, ah, ph, nb, v, hd, d0);
     }
   };
   attend_chunk_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,

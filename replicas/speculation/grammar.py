@@ -15,7 +15,6 @@ forbidden token, `rollback`, and `compute_ff_tokens` for the forced continuation
 
 from __future__ import annotations
 
-import json
 from typing import Iterable, Sequence
 
 import llguidance.hf
@@ -32,17 +31,8 @@ def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for a spec; RequestError naming `spec.param` if it is malformed."""
     if spec.kind == "lark":
         return LLMatcher.grammar_from_lark(spec.text)
-    if spec.kind == "json_object":
-        schema = {"type": "object"}
-    else:
-        try:
-            schema = json.loads(spec.text)
-        except ValueError as exc:
-            raise RequestError(spec.param, f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise RequestError(spec.param, "the JSON schema must be an object")
     try:
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        return LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_LAYOUT)
     except ValueError as exc:
         raise RequestError(spec.param, f"the JSON schema was refused: {exc}") from None
 
@@ -57,11 +47,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> Constraint:
         """A fresh matcher for one request; RequestError naming `spec.param` if the grammar is bad."""
-        grammar = grammar_text(spec)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            raise RequestError(spec.param, f"the grammar is invalid: {messages[0] if messages else 'unknown error'}")
-        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)  # a rejected draft is no warning
+        matcher = LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)  # a rejected draft is no warning
         if matcher.is_error():
             raise RequestError(spec.param, f"the grammar is invalid: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)

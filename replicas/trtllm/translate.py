@@ -26,8 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import json
-
 from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams, SpeculationConfig
 from replicas.trtllm.config import TrtllmEngineConfig
 
@@ -174,11 +172,9 @@ def guided_decoding_refusal(config: TrtllmEngineConfig, spec: SpeculationConfig,
 def guided_decoding_kwargs(grammar: GrammarSpec) -> dict[str, Any]:
     """GuidedDecodingParams kwargs for upstream's llguidance backend: our JSON layout rides in
     the schema's `x-guidance`, and a Lark grammar goes as `grammar` (llguidance reads Lark)."""
-    if grammar.kind == "json_object":
-        return {"json": {"type": "object", "x-guidance": JSON_LAYOUT}}
-    if grammar.kind == "json_schema":
-        return {"json": {**json.loads(grammar.text), "x-guidance": JSON_LAYOUT}}
-    return {"grammar": grammar.text}
+    if grammar.kind == "lark":
+        return {"grammar": grammar.text}
+    return {"json": {**grammar.schema(), "x-guidance": JSON_LAYOUT}}
 
 
 def llm_kwargs(config: TrtllmEngineConfig, have: frozenset[str]) -> dict[str, Any]:
