@@ -45,6 +45,15 @@ serve: install
 	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(VENV)/bin/serve run deploy.yaml
 
+# One GPU with TensorRT-LLM (inside the pinned container, docs/trtllm.md): start deploy-gpu.yaml,
+# check greedy output with speculation on == off, acceptance and the gate from /metrics; prints a
+# table, writes benchmarks/results/gpu_check.json, fails on a mismatch. The container's Python,
+# not .venv: TensorRT-LLM cannot be installed there.
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
 # HTTP load against deploy.yaml (gate / always speculate / off at several concurrencies).
 SERVE_BENCH_ARGS ?=
 .PHONY: bench-serve
@@ -54,6 +63,11 @@ bench-serve: install
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
 bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured
+
+# The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
+.PHONY: bench-cuda
+bench-cuda: install
+	$(PY) benchmarks/cuda_engine.py
 
 # Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
 .PHONY: bench-forward

@@ -1,14 +1,17 @@
 """The acceptance-aware scaling decision: plain data in, a replica count out.
 
-Standard library only: KubeRay's dashboard imports the policy on a CPU-only head, and the
-simulator calls the same function on every control tick.
+Standard library only (and the gate's pure rules): KubeRay's dashboard imports the policy on
+a CPU-only head, and the simulator calls the same function on every control tick.
 
 Why a custom rule: a replica's capacity is nonlinear in its batch. At or under the
 speculation gate it drafts and verifies, emitting `acceptance_length` tokens per request per
 step; above the gate it decodes one token per request per step. So while speculation pays,
 keeping every replica's batch at or under the gate (spreading) buys a lower time per output
 token at little or no cost in replicas; when it doesn't pay, packing replicas up to
-`target_ongoing_requests` is the cheaper layout, as in Serve's default policy.
+`target_ongoing_requests` is the cheaper layout, as in Serve's default policy. Nor does it
+pay where no replica's engine gates by batch size (they report `stats.NOT_GATED`: a
+TensorRT-LLM mode that cannot stop drafting, or speculation off): there is no gate to keep
+batches under, so such a fleet is packed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
+
+from replicas.speculation.gate import gates_by_batch
 
 Mode = Literal["latency", "throughput"]
 MODES = ("latency", "throughput")
@@ -92,6 +97,12 @@ class ReplicaSignals:
     acceptance_length: Optional[float] = None  # 0.0 (no verify step yet) counts as missing
     speculating: Optional[float] = None  # fraction of the window with the gate open
     tokens_per_s: Optional[float] = None
+    batch_gate: Optional[float] = None  # the gate its engine applies (stats.NOT_GATED: none)
+
+    @property
+    def gated(self) -> Optional[bool]:
+        """Does its engine stop speculating above a batch size? None: not reported."""
+        return None if self.batch_gate is None else gates_by_batch(round(self.batch_gate))
 
     @property
     def measured_acceptance(self) -> Optional[float]:
@@ -117,9 +128,16 @@ def fleet_acceptance(signals: Signals, config: PolicyConfig) -> Optional[float]:
     return sum(measured) / len(measured) if len(measured) >= needed else None
 
 
+def fleet_gates(signals: Signals) -> bool:
+    """False when replicas report their gate and none of them gates by batch size (spreading
+    then keeps nothing under a gate); True otherwise, an unreported fleet included."""
+    reported = [g for r in signals.replicas if (g := r.gated) is not None]
+    return not reported or any(reported)
+
+
 def spread_pays(signals: Signals, config: PolicyConfig) -> Optional[bool]:
     """True: spread to the gate; False: pack; None: metrics missing, use the queue-length rule."""
-    if config.mode == "throughput":
+    if config.mode == "throughput" or not fleet_gates(signals):
         return False
     acceptance = fleet_acceptance(signals, config)
     if acceptance is None:
@@ -136,12 +154,13 @@ def spread_equivalent_load(signals: Signals) -> float:
     appears only because the gate closed, not new demand. Counting that batch share at
     1/acceptance stops the policy from chasing its own overshoot (more replicas -> batches
     back under the gate -> the count collapses -> fewer replicas -> over the gate again).
-    Replicas without all three figures count as they are.
+    Replicas without all three figures count as they are, and so do replicas that do not
+    gate by batch size (their `speculating` says nothing about a gate).
     """
     inflated = 0.0
     for r in signals.replicas:
         a = r.measured_acceptance
-        if a is None or r.batch_size is None or r.speculating is None:
+        if a is None or r.batch_size is None or r.speculating is None or r.gated is False:
             continue
         closed = min(1.0, max(0.0, 1.0 - r.speculating))
         inflated += r.batch_size * closed * (1.0 - 1.0 / a)
@@ -164,7 +183,8 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
        ceil(ongoing / batch_gate) replicas, the raw count: a fleet tipped over the gate
        decodes several times slower, and without room to get back under it its backlog only
        grows (the simulator saw a 10-replica fleet shrink into that state and stay there).
-    2. Pack (speculation not paying, or throughput mode): Serve's default rule exactly,
+    2. Pack (speculation not paying, throughput mode, or no replica gating by batch size:
+       every reporting replica says NOT_GATED): Serve's default rule exactly,
        ceil(load / target_ongoing_requests), so where speculation does not pay this policy
        is the default, by construction.
     3. Missing metrics (fewer than `min_reporting_fraction` of replicas report an

@@ -37,6 +37,7 @@ from autoscaling.decision import (
     fleet_acceptance,
     spread_pays,
 )
+from replicas.speculation.gate import gates_by_batch
 from replicas.stats import ACCEPTANCE_LENGTH, BATCH_GATE, BATCH_SIZE, SPECULATING, TOKENS_PER_S
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,6 +84,7 @@ def signals_from_context(ctx: "AutoscalingContext", spreading: bool, metrics_sta
             acceptance_length=value(ACCEPTANCE_LENGTH),
             speculating=value(SPECULATING),
             tokens_per_s=value(TOKENS_PER_S),
+            batch_gate=value(BATCH_GATE),
         ))
     return Signals(
         total_requests=float(ctx.total_num_requests or 0.0),
@@ -110,13 +112,14 @@ class AcceptanceAwarePolicy:
     def resolved_config(self, ctx: "AutoscalingContext") -> PolicyConfig:
         """Fill what `policy_kwargs` left to Serve and the replicas: the pack target from the
         deployment's autoscaling_config, the gate from the replicas' own reports (the
-        smallest, so a hot `user_config` change is followed without redeploying the policy)."""
+        smallest of those that gate by batch size, so a hot `user_config` change is followed
+        without redeploying the policy; a NOT_GATED replica has no gate to offer)."""
         config = self.config
         if config.target_ongoing_requests is None:
             serve_target = ctx.config.get_target_ongoing_requests() if ctx.config is not None else None
             config = dataclasses.replace(config, target_ongoing_requests=float(serve_target or 2.0))
         reported = [g for g in ((ctx.aggregated_metrics or {}).get(BATCH_GATE) or {}).values()
-                    if g is not None and g >= 1]
+                    if g is not None and gates_by_batch(round(g))]
         if reported and self.gate_from_replicas:
             config = dataclasses.replace(config, batch_gate=int(min(reported)))
         return config

@@ -132,6 +132,9 @@ DeviceSuffixAutomatonPool(max_slots, max_seq_len, device=0)
   add_request(request_id, tokens, stream=0) -> slot   (built on the host, copied, synced)
   extend(slot_ids, accepted, width, accepted_lens, batch, draft_len, match_len, draft, stream)
     every array argument is a device pointer (int32); launches one kernel, never syncs.
+  extend_staged(host_in, batch, width, draft_len, host_out, stream)
+    the same from pinned host buffers [slots | lens | tokens] -> [match_len | drafts]:
+    copy up, kernel, copy down, all async on `stream`.
 )doc")
       .def(py::init<int64_t, int64_t, int>(), py::arg("max_slots"), py::arg("max_seq_len"),
            py::arg("device") = 0)
@@ -148,6 +151,8 @@ DeviceSuffixAutomatonPool(max_slots, max_seq_len, device=0)
       .def("extend", &sa::DevicePool::extend, py::arg("slot_ids"), py::arg("accepted"),
            py::arg("width"), py::arg("accepted_lens"), py::arg("batch"), py::arg("draft_len"),
            py::arg("match_len"), py::arg("draft"), py::arg("stream"))
+      .def("extend_staged", &sa::DevicePool::extend_staged, py::arg("host_in"), py::arg("batch"),
+           py::arg("width"), py::arg("draft_len"), py::arg("host_out"), py::arg("stream"))
       .def_property_readonly("num_active", &sa::DevicePool::num_active)
       .def_property_readonly("max_slots", &sa::DevicePool::max_slots)
       .def_property_readonly("max_seq_len", &sa::DevicePool::max_seq_len);

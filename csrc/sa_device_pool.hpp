@@ -40,6 +40,14 @@ class DevicePool {
               int64_t batch, int64_t draft_len, uintptr_t match_len, uintptr_t draft,
               uintptr_t stream) const;
 
+  // The same from host memory, in one call: `host_in` (pinned, int32) holds
+  // [slot ids: batch | lengths: batch | tokens: batch x width]; the results land in
+  // `host_out` (pinned, int32) as [match lengths: batch | drafts: batch x draft_len]. Two
+  // async copies around the kernel on `stream`, no synchronisation: the caller waits on the
+  // stream (an event) before reading `host_out` or reusing `host_in`.
+  void extend_staged(uintptr_t host_in, int64_t batch, int64_t width, int64_t draft_len, uintptr_t host_out,
+                     uintptr_t stream);
+
   // Visible devices; 0 when there is no driver or no GPU (never throws).
   static int device_count();
 

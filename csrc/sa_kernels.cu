@@ -62,8 +62,11 @@ struct DevicePool::Device {
   int32_t* text = nullptr;     // [max_slots * max_seq_len]
   int64_t states_per_slot = 0, table_per_slot = 0;
   std::unique_ptr<HostAutomaton> scratch;  // where prompts are built before the copy
+  int32_t* staging = nullptr;              // extend_staged's inputs and outputs, grown on demand
+  int64_t staging_len = 0;
 
   ~Device() {
+    cudaFree(staging);
     cudaFree(slots);
     cudaFree(states);
     cudaFree(table);
@@ -189,6 +192,37 @@ void DevicePool::extend(uintptr_t slot_ids, uintptr_t accepted, int64_t width,
       reinterpret_cast<const int32_t*>(accepted_lens), batch, static_cast<int32_t>(draft_len),
       reinterpret_cast<int32_t*>(match_len), reinterpret_cast<int32_t*>(draft));
   check(cudaGetLastError(), "extend_kernel launch");
+}
+
+void DevicePool::extend_staged(uintptr_t host_in, int64_t batch, int64_t width, int64_t draft_len,
+                               uintptr_t host_out, uintptr_t stream_handle) {
+  if (batch < 0 || batch > max_slots_ || width < 0 || width > kMaxTokensLimit || draft_len < 0 ||
+      draft_len > kMaxTokensLimit) {
+    throw std::invalid_argument("batch must be in [0, max_slots], width and draft_len in [0, 2^28]");
+  }
+  if (batch == 0) return;
+  if (!host_in || !host_out) throw std::invalid_argument("null host pointer");
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int64_t in_len = batch * (2 + width), out_len = batch * (1 + draft_len);
+  if (in_len + out_len > dev_->staging_len) {
+    // Growing frees the old buffer: let whatever still reads it finish first.
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    cudaFree(dev_->staging);
+    dev_->staging = nullptr;
+    dev_->staging_len = 0;
+    check(cudaMalloc(&dev_->staging, sizeof(int32_t) * (in_len + out_len)), "cudaMalloc(staging)");
+    dev_->staging_len = in_len + out_len;
+  }
+  int32_t* in = dev_->staging;
+  int32_t* out = dev_->staging + in_len;
+  check(cudaMemcpyAsync(in, reinterpret_cast<const void*>(host_in), sizeof(int32_t) * in_len,
+                        cudaMemcpyHostToDevice, stream), "copy staged input");
+  extend(reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(in + 2 * batch), width,
+         reinterpret_cast<uintptr_t>(in + batch), batch, draft_len, reinterpret_cast<uintptr_t>(out),
+         reinterpret_cast<uintptr_t>(out + batch), stream_handle);
+  check(cudaMemcpyAsync(reinterpret_cast<void*>(host_out), out, sizeof(int32_t) * out_len,
+                        cudaMemcpyDeviceToHost, stream), "copy staged output");
 }
 
 }  // namespace sa

@@ -72,6 +72,9 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
     from deploy.app import build_app
 
     problems = [f"unknown key: {p}" for p in unknown_keys(document, ServeDeploySchema, "")]
+    for i, app in enumerate(document.get("applications") or []):
+        if isinstance(app, dict) and "runtime_env" in app:
+            problems += _runtime_env_problems(app["runtime_env"], f"applications[{i}].runtime_env")
     if problems:
         return problems
     try:
@@ -100,6 +103,21 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
                 else:
                     problems += _speculation_problems(deployment["user_config"], args, where)
     return problems
+
+
+def _runtime_env_problems(runtime_env: Any, where: str) -> list[str]:
+    """An application's `runtime_env`, which Serve's schema takes as a free-form dict: Ray
+    reads an unknown key as a plugin name and ignores it, and a misspelt env var is unset."""
+    from ray.runtime_env import RuntimeEnv
+
+    if not isinstance(runtime_env, dict):
+        return [f"{where}: must be a mapping"]
+    problems = [f"unknown key: {where}.{key}" for key in runtime_env if key not in RuntimeEnv.known_fields]
+    env_vars = runtime_env.get("env_vars") or {}
+    if not isinstance(env_vars, dict):
+        return problems + [f"{where}.env_vars: must be a mapping of names to strings"]
+    return problems + [f"{where}.env_vars.{name}: must be a string, got {value!r}"
+                       for name, value in env_vars.items() if not isinstance(value, str)]
 
 
 def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str) -> list[str]:

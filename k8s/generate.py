@@ -89,6 +89,30 @@ def serve_config(manifest: str) -> dict[str, Any]:
     return document
 
 
+# Where a trtllm Replica's weights come from, stated in the generated header; the env and
+# volume it names are the gpu worker's, written by hand below the block (tests/k8s checks them).
+HF_TOKEN_SECRET = "hf-token"
+HF_HOME = "/data/hf"
+HF_CACHE_VOLUME = "hf-cache"
+
+
+def weights_note(config: dict[str, Any]) -> list[str]:
+    """How each application's model weights reach its Replicas, read from the serve config."""
+    lines = []
+    for app in config.get("applications", []):
+        engine = (app.get("args") or {}).get("engine") or {}
+        if engine.get("kind") != "trtllm":
+            lines.append(f"Weights ({app['name']}): the embedded model ships in the image; nothing is downloaded.")
+            continue
+        hub = [engine["model"], (engine.get("trtllm") or {}).get("draft_model")]
+        lines += [f"Weights ({app['name']}): each Replica downloads {' and '.join(filter(None, hub))}",
+                  f"  from the Hugging Face Hub at start (the gated model with HF_TOKEN from the Secret "
+                  f"{HF_TOKEN_SECRET}),",
+                  f"  into HF_HOME={HF_HOME} on the volume {HF_CACHE_VOLUME} (emptyDir; a ReadWriteMany "
+                  "PersistentVolumeClaim shares one copy)."]
+    return lines
+
+
 def _path_text(path: Sequence[Any]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
 
@@ -99,7 +123,9 @@ def render_block(manifest: str) -> str:
     header = [f"{BEGIN}: written by `python -m k8s.generate` from {source}.",
               f"# Edit {source} (or OVERRIDES in k8s/generate.py) and regenerate; here it differs in:"]
     header += [f"#   {_path_text(o.path)}: {o.reason}" for o in overrides]
-    body = yaml.safe_dump(serve_config(manifest), sort_keys=False, default_flow_style=False, width=100)
+    config = serve_config(manifest)
+    header += [f"# {line}" for line in weights_note(config)]
+    body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False, width=100)
     lines = [INDENT + line for line in header] + [INDENT + "serveConfigV2: |"]
     lines += [INDENT * 2 + line if line else "" for line in body.splitlines()]
     lines.append(INDENT + END)

@@ -6,8 +6,9 @@ so the Serve parts run with any `Engine`. Speculation settings arrive only as `u
 through `reconfigure`: Serve calls it once before the first request, which builds and
 starts the engine with them (an engine such as TensorRT-LLM fixes them at build), and
 again on every change. Stats, the settings in force included, are read from the engine
-and go to the router (`record_routing_stats`), the autoscaling policy
-(`record_autoscaling_stats`) and Prometheus (`ray.serve.metrics`).
+(the batch gate as the engine applies it: `EngineStats.batch_gate`, NOT_GATED where no
+batch size switches its speculation off) and go to the router (`record_routing_stats`),
+the autoscaling policy (`record_autoscaling_stats`) and Prometheus (`ray.serve.metrics`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from replicas.engine import (
     MAX_DRAFT_LEN, Engine, GenerationDelta, GenerationRequest, RequestError, RequestRejected,
     RequestSpeculation, SamplingParams, SpeculationConfig,
 )
-from replicas.speculation.gate import speculate_this_step
+from replicas.speculation.gate import gate_open
 from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS,
-    BATCH_GATE, METRIC_GATE_OPEN, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
+    METRIC_GATE_OPEN, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class _Metrics:
                                       boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2])
         self._last = {source: (0, 0) for source in SOURCES}
 
-    def refresh(self, stats: EngineStats, batch_gate: int) -> None:
+    def refresh(self, stats: EngineStats) -> None:
         for source in SOURCES:
             draft, accepted = stats.draft_tokens.get(source, 0), stats.accepted_tokens.get(source, 0)
             last_draft, last_accepted = self._last[source]
@@ -66,7 +67,8 @@ class _Metrics:
                 self.accepted.inc(accepted - last_accepted, tags={"source": source})
             self._last[source] = (draft, accepted)
         self.batch.set(stats.batch_size)
-        self.gate_open.set(1.0 if speculate_this_step(stats.batch_size + 1, batch_gate) else 0.0)
+        # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch
+        self.gate_open.set(1.0 if gate_open(stats.batch_size, stats.batch_gate, stats.speculating) else 0.0)
 
     def finished(self, usage: dict[str, float], ttft_s: float | None, tpot_s: float | None) -> None:
         # One observation per verify step at the request's mean, so the histogram's
@@ -113,11 +115,12 @@ class Replica:
         return self._engine
 
     async def stats(self) -> dict[str, float]:
-        """`EngineStats.as_metrics()` plus the settings in force and the live request count."""
+        """`EngineStats.as_metrics()` (the gate the engine really applies included: one source,
+        never the configured or staged setting) plus the settings in force and the live
+        request count."""
         engine = self.engine
         flat = engine.stats().as_metrics()
         speculation = engine.speculation
-        flat[BATCH_GATE] = float(speculation.batch_gate)
         flat["max_draft_len"] = float(speculation.max_draft_len)
         flat["sa_threshold"] = float(speculation.sa_threshold)
         flat["live_requests"] = float(engine.num_live_requests)
@@ -142,7 +145,7 @@ class Replica:
     async def _refresh_metrics_forever(self) -> None:
         while self._metrics is not None:
             try:
-                self._metrics.refresh(self.engine.stats(), self.engine.speculation.batch_gate)
+                self._metrics.refresh(self.engine.stats())
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 logger.exception("metrics refresh failed")
             await asyncio.sleep(STATS_PERIOD_S)

@@ -24,7 +24,12 @@ SPECULATING = "speculating"
 ACCEPTANCE_LENGTH = "acceptance_length"
 STEP_MS = "step_ms"
 TOKENS_PER_S = "tokens_per_s"
-BATCH_GATE = "batch_gate"  # added by the replica: its current gate, for the router
+BATCH_GATE = "batch_gate"  # EngineStats.batch_gate: the gate the engine's steps obey
+
+# EngineStats.batch_gate when the engine does not switch speculation off by batch size: it
+# speculates at every batch size, or at none (`speculating` says which). The same number as
+# SpeculationConfig.batch_gate 0 ("never speculate"), which is one such engine.
+NOT_GATED = 0
 
 # Prometheus metric names (Ray prefixes them with `ray_`).
 METRIC_DRAFT_TOKENS = "spec_draft_tokens_total"
@@ -93,6 +98,10 @@ class EngineStats:
     batch_size: int = 0
     waiting: int = 0
     speculating: int = 0  # 1 if the last step speculated
+    # The batch size above which the engine's steps really stop speculating, as built and
+    # running (a setting staged for a restart is not in force); NOT_GATED where no batch
+    # size does. The router and the autoscaler read this, never the configured setting.
+    batch_gate: int = NOT_GATED
     acceptance_length: float = 0.0  # EWMA of tokens emitted per verify step
     draft_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     accepted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))

@@ -1,9 +1,10 @@
 """TrtllmEngine: TensorRT-LLM's `LLM` behind the `Engine` protocol (the production GPU engine).
 
 TensorRT-LLM does the drafting (EAGLE-3 or MTP), its own GPU suffix automaton and the
-verification; this adapter adds what it lacks: our batch gate as a stat the router can
-read, live acceptance figures for autoscaling, per-request usage, and our deltas. It stays
-thin: settings are translated by the pure functions in `replicas/trtllm/translate.py`.
+verification; this adapter adds what it lacks: the batch gate it really applies as a stat
+the router can read (`replicas/trtllm/gate.py`: often none), live acceptance figures for
+autoscaling, per-request usage, and our deltas. It stays thin: settings are translated by
+the pure functions in `replicas/trtllm/translate.py`.
 
 `tensorrt_llm` is imported when the engine is constructed, never at module import; without
 it the constructor raises TensorRTLLMUnavailable naming the install route.
@@ -14,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
-from replicas.speculation.gate import speculate_this_step
 from replicas.stats import EngineStats
 from replicas.trtllm.api import TensorRTLLMUnavailable, TrtllmApi, load_api
 from replicas.trtllm.config import TrtllmEngineConfig
@@ -26,6 +27,7 @@ from replicas.trtllm.iteration_stats import IterationStatsFolder
 from replicas.trtllm.outputs import OutputTracker, request_usage
 from replicas.trtllm.translate import (
     SpecPlan, guided_decoding_kwargs, guided_decoding_refusal, llm_kwargs, plan_speculation, sampling_kwargs,
+    worker_env,
 )
 
 __all__ = ["TrtllmEngine", "TrtllmEngineConfig", "TensorRTLLMUnavailable"]
@@ -80,6 +82,8 @@ class TrtllmEngine:
 
     def _build_llm(self) -> Any:
         api, cfg, plan = self.api, self.config, self._plan
+        # Before the executor exists: upstream reads it once, when the LLM creates its worker.
+        os.environ.update(worker_env(cfg))
         kwargs = llm_kwargs(cfg, api.llm_fields)
         kwargs["kv_cache_config"] = api.kv_cache_config_cls(free_gpu_memory_fraction=cfg.free_gpu_memory_fraction)
         if cfg.cuda_graphs and api.cuda_graph_config_cls is not None:
@@ -232,8 +236,9 @@ class TrtllmEngine:
     # -- settings and stats -----------------------------------------------------------------
     def configure(self, speculation: SpeculationConfig) -> None:
         """Validate and stage new settings. TensorRT-LLM fixes speculative_config (drafter,
-        K, SA threshold, max_concurrency) when the LLM is built, so every field here needs
-        `await restart()`; until then the engine and its stats keep the built settings."""
+        K, SA threshold, gate) when the LLM is built, so every field here needs
+        `await restart()`; until then the engine and its stats (its gate included) keep the
+        built settings."""
         if speculation == self.config.speculation:
             self._pending = None
             return
@@ -268,13 +273,14 @@ class TrtllmEngine:
         await self.start()
 
     def stats(self) -> EngineStats:
+        """Live figures, with the gate the built engine applies (NOT_GATED where the mode cannot
+        stop drafting by batch size: then `speculating` is 1 whenever speculation is built)."""
         live = len(self._live)  # our own count: immediate, where upstream rows lag a poll
         batch = min(live, self.config.max_batch_size)
-        speculating = self._plan.config_class is not None and speculate_this_step(
-            batch, self.config.speculation.batch_gate)
-        s = self._stats
+        plan, s = self._plan, self._stats
         return EngineStats(
-            batch_size=batch, waiting=live - batch, speculating=int(speculating),
+            batch_size=batch, waiting=live - batch, speculating=int(plan.speculates_at(batch)),
+            batch_gate=plan.batch_gate,
             acceptance_length=s.acceptance_length.value,
             draft_tokens=dict(s.draft_tokens), accepted_tokens=dict(s.accepted_tokens),
             step_ms=s.step_ms.value, tokens_per_s=s.tokens_per_s.value,

@@ -61,11 +61,11 @@ def test_engine_stats_as_metrics():
     engine_stats = EngineStats(
         batch_size=3, waiting=1, speculating=1, acceptance_length=2.5,
         draft_tokens={"sa": 10, "mtp": 4, "grammar": 3}, accepted_tokens={"sa": 6, "mtp": 1, "grammar": 3},
-        step_ms=12.5, tokens_per_s=40.0,
+        step_ms=12.5, tokens_per_s=40.0, batch_gate=8,
     )
     metrics = engine_stats.as_metrics()
     assert metrics == {
-        stats.BATCH_SIZE: 3.0, stats.WAITING: 1.0, stats.SPECULATING: 1.0,
+        stats.BATCH_SIZE: 3.0, stats.WAITING: 1.0, stats.SPECULATING: 1.0, stats.BATCH_GATE: 8.0,
         stats.ACCEPTANCE_LENGTH: 2.5, stats.STEP_MS: 12.5, stats.TOKENS_PER_S: 40.0,
         "draft_tokens_sa": 10.0, "draft_tokens_mtp": 4.0, "draft_tokens_grammar": 3.0,
         "accepted_tokens_sa": 6.0, "accepted_tokens_mtp": 1.0, "accepted_tokens_grammar": 3.0,
@@ -75,7 +75,8 @@ def test_engine_stats_as_metrics():
 
 def test_default_engine_stats_have_every_key_at_zero():
     metrics = EngineStats().as_metrics()
-    assert set(metrics) >= {stats.BATCH_SIZE, stats.WAITING, stats.SPECULATING,
+    assert set(metrics) >= {stats.BATCH_SIZE, stats.WAITING, stats.SPECULATING, stats.BATCH_GATE,
                             stats.ACCEPTANCE_LENGTH, stats.STEP_MS, stats.TOKENS_PER_S}
+    assert metrics[stats.BATCH_GATE] == stats.NOT_GATED  # an engine that says nothing claims no gate
     assert {f"draft_tokens_{s}" for s in SOURCES} <= set(metrics)
     assert set(metrics.values()) == {0.0}

@@ -5,8 +5,12 @@ keeps the batch at or under the gate; among those, where speculation accepts mos
 drafts are worth the most there), then the shortest queue. Replicas already above their
 gate only differ in load, so they are ordered by queue first. When no candidate would
 speculate, the request waits a moment for a slot under a gate (`hold_at_gate`), then is
-marked non-speculative and goes over one. Standard library + gate.py only: the
-KubeRay dashboard imports the router on a CPU-only head.
+marked non-speculative and goes over one. A replica whose engine does not gate by batch
+size (it reports `stats.NOT_GATED`: TensorRT-LLM modes that cannot stop drafting, or
+speculation off) has no room under a gate to offer: a request there changes nothing about
+speculation, so it ranks with the over-gate replicas, by load; it speculates a request or
+not as its last step did, which is what "every candidate is over its gate" asks. Standard
+library + gate.py only: the KubeRay dashboard imports the router on a CPU-only head.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
-from replicas.speculation.gate import speculate_this_step
-from replicas.stats import ACCEPTANCE_LENGTH, BATCH_GATE, BATCH_SIZE, WAITING
+from replicas.speculation.gate import gates_by_batch, speculate_this_step
+from replicas.stats import ACCEPTANCE_LENGTH, BATCH_GATE, BATCH_SIZE, SPECULATING, WAITING
 
 UNKNOWN_GATE = 1 << 30  # a replica that has not reported yet: assume speculation is on
 ACCEPTANCE_RESOLUTION = 0.25  # acceptance lengths closer than this count as equal (EWMA noise)
@@ -33,6 +37,7 @@ class ReplicaLoad:
     batch_gate: int = UNKNOWN_GATE
     acceptance_length: float = 0.0
     queue_len: Optional[int] = None  # Serve's live count of ongoing requests, when cached
+    speculating: Optional[bool] = None  # its last step speculated (None: not reported)
 
     @property
     def load(self) -> int:
@@ -40,9 +45,15 @@ class ReplicaLoad:
         return max(self.batch_size + self.waiting, self.queue_len or 0)
 
     @property
+    def under_gate(self) -> bool:
+        """Does the replica's engine gate by batch size, with room under its gate for one more?"""
+        return gates_by_batch(self.batch_gate) and speculate_this_step(self.load + 1, self.batch_gate)
+
+    @property
     def speculates_next(self) -> bool:
-        """Would a request added now run in a speculating step?"""
-        return speculate_this_step(self.load + 1, self.batch_gate)
+        """Would a request added now run in a speculating step? Under the gate where the
+        engine gates; where it does not, as its last step did (unreported: no claim, False)."""
+        return self.under_gate if gates_by_batch(self.batch_gate) else bool(self.speculating)
 
     @classmethod
     def from_stats(cls, replica_id: str, stats: Mapping[str, float], queue_len: Optional[int] = None) -> "ReplicaLoad":
@@ -53,6 +64,7 @@ class ReplicaLoad:
             batch_gate=int(stats.get(BATCH_GATE, UNKNOWN_GATE)),
             acceptance_length=float(stats.get(ACCEPTANCE_LENGTH, 0.0)),
             queue_len=queue_len,
+            speculating=bool(stats[SPECULATING]) if SPECULATING in stats else None,
         )
 
 
@@ -61,17 +73,19 @@ def _acceptance_bucket(load: ReplicaLoad) -> int:
 
 
 def rank_replicas(loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
-    """Best first: below the gate (higher acceptance, then shorter queue), then above it
-    (shorter queue, then higher acceptance). Ties keep the input order."""
-    below = [r for r in loads if r.speculates_next]
-    above = [r for r in loads if not r.speculates_next]
+    """Best first: below the gate (higher acceptance, then shorter queue), then the rest,
+    above the gate or not gated (shorter queue, then higher acceptance). Ties keep the
+    input order."""
+    below = [r for r in loads if r.under_gate]
+    above = [r for r in loads if not r.under_gate]
     below.sort(key=lambda r: (-_acceptance_bucket(r), r.load))
     above.sort(key=lambda r: (r.load, -_acceptance_bucket(r)))
     return below + above
 
 
 def all_above_gate(loads: Sequence[ReplicaLoad]) -> bool:
-    """True when no candidate would speculate a new request (False for no candidates)."""
+    """True when no candidate would speculate a new request (False for no candidates): every
+    one is over its gate, or does not gate and is not speculating."""
     return bool(loads) and not any(r.speculates_next for r in loads)
 
 
@@ -91,7 +105,7 @@ def hold_at_gate(loads: Sequence[ReplicaLoad], waited_s: float, hold_s: float = 
     """
     if hold_s <= 0 or waited_s >= hold_s or not all_above_gate(loads):
         return False
-    if not any(r.batch_gate >= 1 for r in loads):  # gate 0 everywhere: no slot will ever open
+    if not any(gates_by_batch(r.batch_gate) for r in loads):  # no gate anywhere: no slot will open
         return False
     return acceptance_reaches((r.acceptance_length for r in loads), min_acceptance)
 

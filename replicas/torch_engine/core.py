@@ -12,7 +12,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from replicas.engine import GenerationDelta, SpeculationConfig
@@ -20,7 +19,7 @@ from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, effective_settings, next_mtp_backoff, plan_draft
 from replicas.speculation.sampling import penalize_, position_uniforms, sampling_probs, token_logprobs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
-from replicas.stats import EngineStats, Ewma, SpecCounters
+from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.sequence import Sequence, release_text
@@ -28,18 +27,19 @@ from replicas.torch_engine.sequence import Sequence, release_text
 if TYPE_CHECKING:
     from replicas.torch_engine.model import LlamaModel
     from replicas.torch_engine.native_model import NativeLlamaModel
+    from replicas.torch_engine.suffix_drafts import DeviceSuffixDrafts, HostSuffixDrafts
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the model, the KV cache, the SA pool and the MTP drafter; not thread-safe."""
+    """Owns the model, the KV cache, the suffix automata and the MTP drafter; not thread-safe."""
 
-    def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, sa_pool, mtp, decode, speculation: SpeculationConfig,
-                 mtp_min_confidence: float = 0.0):
+    def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
+                 mtp, decode, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0):
         self.model = model
         self.cache = cache
-        self.sa_pool = sa_pool
+        self.suffix = suffix  # the requests' suffix automata, fed once per step
         self.mtp = mtp  # MTPDrafter or None
         self.mtp_min_confidence = mtp_min_confidence
         self.decode = decode  # token ids -> text
@@ -52,6 +52,7 @@ class EngineCore:
         self.tokens_per_s = Ewma()
         self.last_speculated = False
         self._step_tokens = 0  # tokens emitted in the current step
+        self._to_feed: list[tuple[Sequence, list[int]]] = []  # the step's tokens, for the automata
 
     # -- membership (called between steps) ------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,8 +79,8 @@ class EngineCore:
             if self.mtp is not None:
                 self.mtp.remove(seq.slot)
             seq.slot = -1
-        if self.sa_pool.has_request(seq.sa_id):
-            self.sa_pool.remove_request(seq.sa_id)
+        if self.suffix.has(seq.sa_id):
+            self.suffix.remove(seq.sa_id)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -91,6 +92,8 @@ class EngineCore:
         decoding = [s for s in self.running if s not in prefilled and s.finish_reason is None]
         if decoding:
             self._decode(decoding)
+        self.suffix.feed(self._to_feed, self.speculation.max_draft_len)
+        self._to_feed = []
         deltas = self._collect()
         elapsed_s = time.perf_counter() - started
         if decoding:
@@ -126,11 +129,11 @@ class EngineCore:
         seq.num_cached = len(context)
         logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
         new = resumed or [self._verify(seq, [], logits).tokens[0]]
-        self.sa_pool.add_request(seq.sa_id, np.asarray(seq.prompt_ids, dtype=np.int32))
+        self.suffix.add(seq.sa_id, seq.prompt_ids)
         if self.mtp is not None:
             self.mtp.observe(seq.slot, hidden, torch.tensor(context[1:] + new[-1:], dtype=torch.long))
         if resumed:
-            self._feed_sa(seq, resumed)
+            self._to_feed.append((seq, resumed))
         else:
             self._emit(seq, new, logits)
 
@@ -159,6 +162,7 @@ class EngineCore:
         return (DraftPlan(plan.source, len(draft)), draft) if draft else (NO_DRAFT, [])
 
     def _decode(self, seqs: list[Sequence]) -> None:
+        self.suffix.settle()  # the last step's drafts
         speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
         plans = [self._plan(s, speculate) for s in seqs]
         mtp_seqs = []
@@ -236,7 +240,7 @@ class EngineCore:
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:
         """Append tokens (cut at a stop), record their logprobs from `logits [len(tokens)+, V]`,
-        and feed them to the grammar and the SA, which then drafts anew."""
+        and feed them to the grammar now and to the SA at the step's end, which then drafts anew."""
         before = len(seq.output_ids)
         seq.append(tokens)
         fed = seq.output_ids[before:]
@@ -247,16 +251,7 @@ class EngineCore:
         if seq.constraint is not None:
             seq.constraint.advance(fed)
         if seq.finish_reason is None and fed:
-            self._feed_sa(seq, fed)
-
-    def _feed_sa(self, seq: Sequence, tokens: list[int]) -> None:
-        """Extend the request's suffix automaton with emitted tokens; keep its next draft."""
-        match_len, draft = self.sa_pool.extend(
-            np.asarray([seq.sa_id], dtype=np.int64), np.asarray([tokens], dtype=np.int32),
-            np.asarray([len(tokens)], dtype=np.int32), self.speculation.max_draft_len,
-        )
-        seq.sa_match_len = int(match_len[0])
-        seq.sa_draft = [int(t) for t in draft[0] if t >= 0]
+            self._to_feed.append((seq, fed))
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         logger.exception("request %s failed", seq.request_id, exc_info=exc)
@@ -289,6 +284,8 @@ class EngineCore:
             batch_size=len(self.running),
             waiting=len(self.waiting),
             speculating=int(self.last_speculated),
+            # the gate this engine's steps obey (speculate_this_step); mode off obeys none
+            batch_gate=NOT_GATED if self.speculation.mode == "off" else self.speculation.batch_gate,
             acceptance_length=self.acceptance_ewma.value,
             draft_tokens=dict(self.totals.draft_tokens),
             accepted_tokens=dict(self.totals.accepted_tokens),

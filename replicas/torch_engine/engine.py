@@ -88,14 +88,14 @@ class TorchEngine:
         from transformers import AutoTokenizer
 
         from replicas.speculation.grammar import GrammarCompiler
-        from replicas.speculation.suffix import SuffixAutomatonPool
+        from replicas.torch_engine.suffix_drafts import suffix_drafts
 
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
         model_dir = resolve_model_dir(cfg.model)
-        if device == "cpu":
+        if device.type == "cpu":
             from replicas.torch_engine.native_model import NativeLlamaModel
 
             # The default's weights come straight from its GGUF blocks; a checkpoint directory
@@ -105,14 +105,15 @@ class TorchEngine:
             logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
                         model.num_threads, model.weight_bytes / 1e6)
         else:
-            from replicas.torch_engine.model import LlamaModel
+            from replicas.torch_engine.cuda_model import CudaLlamaModel
 
-            model = LlamaModel.from_pretrained(model_dir, device=device)
+            model = CudaLlamaModel.from_pretrained(model_dir, device=device)
+            logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
-        sa_pool = SuffixAutomatonPool(cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
+        suffix = suffix_drafts(device, cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
         mtp = None
         if cfg.mtp_weights is not None:
             from replicas.torch_engine.mtp import MTPDrafter
@@ -120,7 +121,7 @@ class TorchEngine:
             path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
             mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return EngineCore(model, cache, sa_pool, mtp, decode, cfg.speculation, cfg.mtp_min_confidence)
+        return EngineCore(model, cache, suffix, mtp, decode, cfg.speculation, cfg.mtp_min_confidence)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

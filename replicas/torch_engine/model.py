@@ -219,7 +219,7 @@ class Attention(nn.Module):
             # [T, h, hd] -> [1, kvh, g*T, hd]: query heads sharing a KV head become extra rows.
             q_span = q[rows].permute(1, 0, 2).reshape(1, kvh, g * t, hd)
             o = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=span.mask)  # [1, kvh, g*T, hd]
-            outs.append(o.view(h, t, hd).transpose(0, 1).reshape(t, h * hd))
+            outs.append(o.reshape(h, t, hd).transpose(0, 1).reshape(t, h * hd))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)        # [N, h*hd]
         return self.o_proj(attn)
 

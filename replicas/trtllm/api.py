@@ -1,10 +1,10 @@
 """The slice of `tensorrt_llm` the adapter uses, imported lazily and described as data.
 
-TensorRT-LLM's config classes change field names between releases (the suffix-automaton
-enhancer moved from `use_sa_spec`/`sa_spec_threshold` to `sa_config=SAEnhancerConfig(...)`,
-`CudaGraphConfig` became `DecodeCudaGraphConfig`) and they reject unknown fields, so the
-adapter never assumes a field: it reads the installed classes' field names here and the
-pure translation in `translate.py` picks what exists.
+TensorRT-LLM's config classes change field names between releases (`CudaGraphConfig`
+became `DecodeCudaGraphConfig`, `speculative_model_dir` became `speculative_model`) and they
+reject unknown fields, so the adapter never assumes a field: it reads the installed
+classes' field names here and the pure translation in `translate.py` picks what exists, or
+raises UnsupportedRelease naming what is missing.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ CUDA_GRAPH_CLASSES = ("DecodeCudaGraphConfig", "CudaGraphConfig")  # newest name
 
 class TensorRTLLMUnavailable(RuntimeError):
     """`tensorrt_llm` cannot be imported here; the message says how to get it."""
+
+
+class UnsupportedRelease(ValueError):
+    """The installed TensorRT-LLM lacks a field this configuration needs."""
 
 
 def install_hint(reason: str) -> str:

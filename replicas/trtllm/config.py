@@ -41,8 +41,10 @@ class TrtllmEngineConfig:
     # Optional taper below the batch gate, upstream's `draft_len_schedule` format:
     # ((batch_size, draft_len), ...) = "up to batch_size requests draft draft_len tokens".
     draft_len_taper: tuple[tuple[int, int], ...] = ()
-    # "mpi": upstream's default executor (TP=1: one spawned worker process; TP>1: mpi4py).
-    # "ray": upstream's Ray orchestrator (prototype), for TP>1 inside a Serve replica.
+    # How upstream places its GPU workers, fixed by tensor_parallel_size inside a Serve replica:
+    # "mpi" (upstream's default executor) at TP=1, where the adapter keeps the one worker in
+    # the replica's process (translate.worker_env: an MPI spawn from a replica fails);
+    # "ray" (upstream's Ray orchestrator, a prototype) for TP>1, one GPU actor per rank.
     orchestrator: Orchestrator = "mpi"
     # upstream's grammar engine for response_format and forced tool calls: llguidance, which
     # reads our Lark grammars and JSON layout as the CPU engine does; "none" refuses them
@@ -63,6 +65,10 @@ class TrtllmEngineConfig:
         _require(0 < self.free_gpu_memory_fraction < 1, "free_gpu_memory_fraction",
                  f"must be in (0, 1), got {self.free_gpu_memory_fraction}")
         _require(self.orchestrator in ("mpi", "ray"), "orchestrator", f"must be mpi or ray, got {self.orchestrator!r}")
+        _require(self.orchestrator == ("mpi" if self.tensor_parallel_size == 1 else "ray"), "orchestrator",
+                 "must be mpi at tensor_parallel_size 1 (ray's worker would ask Ray for the GPU the replica "
+                 "already holds) and ray above it (mpi would spawn MPI ranks from the replica: MPI_ERR_SPAWN), "
+                 f"got {self.orchestrator} at {self.tensor_parallel_size}")
         _require(self.guided_decoding_backend in ("llguidance", "none"), "guided_decoding_backend",
                  f"must be llguidance or none, got {self.guided_decoding_backend!r}")
         _require(self.stats_timeout_s > 0 and self.stats_poll_interval_s > 0, "stats_timeout_s",

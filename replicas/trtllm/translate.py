@@ -1,24 +1,22 @@
 """Our settings -> TensorRT-LLM LLM API arguments. Pure functions over plain data.
 
 Field names are never assumed: every function takes the installed release's field names
-(`TrtllmApi.spec_fields()` etc.) and uses what exists, so one adapter serves both the
-`sa_config=SAEnhancerConfig(threshold=...)` generation (the pinned 1.3.0rc27) and the
-earlier `use_sa_spec=True, sa_spec_threshold=...` one (PR #11434's first form).
+(`TrtllmApi.spec_fields()` etc.) and uses what exists, or raises UnsupportedRelease.
 
 Mode mapping (mode is SpeculationConfig.mode; drafter is TrtllmEngineConfig.drafter):
   off               -> no speculative_config
   sa                -> SADecodingConfig(max_draft_len)
   mtp               -> Eagle3DecodingConfig / MTPDecodingConfig (the learned drafter alone)
-  hybrid            -> the learned drafter + the SA enhancer: SA's draft replaces the learned
-                       one when its match length >= sa_threshold (upstream's SADraftEnhancer)
+  hybrid            -> the learned drafter + sa_config=SAEnhancerConfig(threshold): SA's draft
+                       replaces the learned one when its match length >= sa_threshold
+                       (upstream's SADraftEnhancer, _torch/speculative/sa_enhancer.py)
+The batch gate becomes what upstream really applies for that mode (`replicas/trtllm/gate.py`):
+a cut-off for EAGLE-3 alone, a schedule floored at one draft token with the SA enhancer,
+nothing for MTP and standalone SA; the plan says which gate is in force.
 A request's grammar becomes `SamplingParams.guided_decoding` for upstream's llguidance
 backend (`guided_decoding_kwargs`), only where no suffix-automaton draft is verified:
 upstream masks the drafts of its learned drafter (MTP / EAGLE-3, two- and one-model engines)
 but documents nothing for SA drafts, which its matcher has been reported to refuse.
-The batch gate becomes upstream's `max_concurrency` ("speculation off above this many
-requests", the same rule as gate.speculate_this_step), or a `draft_len_schedule` whose
-largest key is the gate when a taper is configured; a gate at or above max_batch_size
-never trips and sets neither.
 """
 
 from __future__ import annotations
@@ -27,13 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams, SpeculationConfig
+from replicas.speculation.gate import gates_by_batch, speculate_this_step
+from replicas.stats import NOT_GATED
+from replicas.trtllm.api import UnsupportedRelease
 from replicas.trtllm.config import TrtllmEngineConfig
+from replicas.trtllm.gate import plan_gate
 
 Fields = Mapping[str, frozenset[str]]
 
-
-class UnsupportedRelease(ValueError):
-    """The installed TensorRT-LLM lacks a field this configuration needs."""
+SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,20 @@ class SpecPlan:
     kwargs: dict[str, Any] = field(default_factory=dict)
     sa_enhancer: dict[str, Any] | None = None  # SAEnhancerConfig kwargs, set as kwargs["sa_config"]
     source: str = ""  # stats bucket for upstream's draft counts: "sa" | "mtp" | ""
-    notes: tuple[str, ...] = ()  # fallbacks worth a log line
+    batch_gate: int = NOT_GATED  # the gate the built engine applies (replicas/trtllm/gate.py)
+    notes: tuple[str, ...] = ()  # settings upstream will not apply as asked, for a log line
+
+    def speculates_at(self, batch_size: int) -> bool:
+        """Does a step over `batch_size` requests draft, in the engine this plan builds?"""
+        if self.config_class is None:
+            return False
+        return not gates_by_batch(self.batch_gate) or speculate_this_step(batch_size, self.batch_gate)
 
 
 def plan_speculation(config: TrtllmEngineConfig, spec: SpeculationConfig, fields: Fields) -> SpecPlan:
     """The speculative_config for `spec` on a release whose config classes have `fields`."""
     if spec.mode == "off" or spec.batch_gate == 0:  # gate 0: never speculate
         return SpecPlan(config_class=None)
-    k = spec.max_draft_len
     if spec.mode == "sa":
         name, source = "SADecodingConfig", "sa"
     else:
@@ -60,67 +66,43 @@ def plan_speculation(config: TrtllmEngineConfig, spec: SpeculationConfig, fields
     if name not in fields:
         raise UnsupportedRelease(f"speculation.mode={spec.mode}: this TensorRT-LLM has no {name}")
     have = fields[name]
-    kwargs: dict[str, Any] = {"max_draft_len": k}
-    sa_enhancer = None
+    kwargs: dict[str, Any] = {"max_draft_len": spec.max_draft_len}
     if name == "Eagle3DecodingConfig":
         if not config.draft_model:
             raise ValueError(f"draft_model: speculation.mode={spec.mode} with the eagle3 drafter needs its head")
         kwargs[_first(have, "speculative_model", "speculative_model_dir")] = config.draft_model
     if config.sa_global_pool and spec.mode == "sa":
         kwargs[_first(have, "enable_global_pool")] = True
-    if spec.mode == "hybrid":
-        sa_enhancer = _sa_enhancer(config, spec, have, fields, kwargs)
-    gate_kwargs, notes = _gate(config, spec, have)
-    kwargs.update(gate_kwargs)
-    return SpecPlan(name, kwargs, sa_enhancer, source, notes)
+    sa_enhancer = _sa_enhancer(config, spec, have, fields) if spec.mode == "hybrid" else None
+    gate = plan_gate(config, spec, name, have)
+    return SpecPlan(name, kwargs | gate.kwargs, sa_enhancer, source, gate.batch_gate, gate.notes)
 
 
-def _sa_enhancer(config, spec, have, fields, kwargs) -> dict[str, Any] | None:
-    """SA on top of the learned drafter: the newer sa_config object, else the legacy flags."""
-    if "sa_config" in have and "SAEnhancerConfig" in fields:
-        enhancer = {"threshold": spec.sa_threshold}
-        if config.sa_global_pool:
-            enhancer[_first(fields["SAEnhancerConfig"], "enable_global_pool")] = True
-        return enhancer
-    if "use_sa_spec" in have and "sa_spec_threshold" in have:
-        if config.sa_global_pool:
-            raise UnsupportedRelease("sa_global_pool: this release's use_sa_spec has no global pool")
-        kwargs.update(use_sa_spec=True, sa_spec_threshold=spec.sa_threshold)
-        return None
-    raise UnsupportedRelease(
-        "speculation.mode=hybrid needs the suffix-automaton enhancer (sa_config or use_sa_spec); "
-        "this TensorRT-LLM has neither"
-    )
+def _sa_enhancer(config, spec, have, fields) -> dict[str, Any]:
+    """SAEnhancerConfig kwargs: SA on top of the learned drafter."""
+    if "sa_config" not in have or "SAEnhancerConfig" not in fields:
+        raise UnsupportedRelease("speculation.mode=hybrid needs the suffix-automaton enhancer "
+                                 "(sa_config=SAEnhancerConfig); this TensorRT-LLM has none")
+    enhancer = {"threshold": spec.sa_threshold}
+    if config.sa_global_pool:
+        enhancer[_first(fields["SAEnhancerConfig"], "enable_global_pool")] = True
+    return enhancer
 
 
-def _gate(config, spec, have) -> tuple[dict[str, Any], tuple[str, ...]]:
-    gate, k = spec.batch_gate, spec.max_draft_len
-    if gate >= config.max_batch_size:
-        return {}, ()
-    notes: tuple[str, ...] = ()
-    if config.draft_len_taper:
-        if "draft_len_schedule" in have:
-            return {"draft_len_schedule": draft_len_schedule(k, gate, config.draft_len_taper)}, ()
-        notes = ("draft_len_taper ignored: this release has no draft_len_schedule; using max_concurrency",)
-    if "max_concurrency" in have:
-        return {"max_concurrency": gate}, notes
-    raise UnsupportedRelease(
-        f"speculation.batch_gate={gate} < max_batch_size needs max_concurrency, which this release lacks"
-    )
+def worker_env(config: TrtllmEngineConfig) -> dict[str, str]:
+    """Environment the replica's process needs before the LLM is built.
 
-
-def draft_len_schedule(max_draft_len: int, gate: int, taper: tuple[tuple[int, int], ...]) -> dict[int, int]:
-    """Upstream's schedule {batch size threshold: draft len} from a taper, cut at the gate.
-
-    Batch sizes above the largest key draft nothing upstream, so the largest key is the gate;
-    upstream requires the smallest key to map to max_draft_len.
+    At TP=1 upstream's `GenerationExecutor.create` (tensorrt_llm/executor/executor.py) puts
+    the GPU worker behind a proxy with `mpi_session=None`, and the proxy (executor/proxy.py)
+    then spawns it through `MpiPoolSession(n_workers=1)`: mpi4py's spawn, which from a process
+    not launched by mpirun (a Serve replica) is reported to die with MPI_ERR_SPAWN or hang.
+    `TLLM_WORKER_USE_SINGLE_PROCESS=1` makes create() build the worker in this process
+    instead (llmapi/utils.py `enable_worker_single_process_for_tp1`, read once and cached;
+    upstream warns it "may hurt streaming generation performance"). TP>1 goes through Ray.
     """
-    entries = sorted((b, min(d, max_draft_len)) for b, d in taper if b <= gate)
-    schedule = dict(entries)
-    schedule.setdefault(gate, entries[-1][1] if entries else max_draft_len)
-    if schedule[min(schedule)] != max_draft_len:
-        raise ValueError(f"draft_len_taper: the smallest batch size must draft max_draft_len={max_draft_len}")
-    return schedule
+    if config.tensor_parallel_size == 1 and config.orchestrator == "mpi":
+        return {SINGLE_PROCESS_ENV: "1"}
+    return {}
 
 
 def _first(have: frozenset[str], *names: str) -> str:

@@ -157,3 +157,26 @@ def test_config_is_frozen_and_decide_needs_a_target():
 ])
 def test_spread_equivalent_load(replicas, load, expected):
     assert spread_equivalent_load(sig(load, replicas)) == pytest.approx(expected)
+
+
+def gated(batch_gate, *acceptance):
+    """Replicas reporting acceptance and the gate their engine applies (0: stats.NOT_GATED)."""
+    return tuple(ReplicaSignals(batch_size=4.0, acceptance_length=a, speculating=1.0, batch_gate=batch_gate)
+                 for a in acceptance)
+
+
+@pytest.mark.parametrize("name,replicas,expected", [
+    ("no replica gates: nothing to spread for", gated(0.0, 3.5, 3.5), False),
+    ("one replica gates", gated(0.0, 3.5) + gated(4.0, 3.5), True),
+    ("every replica gates", gated(4.0, 3.5, 3.5), True),
+    ("gates not reported yet", fleet(3.5, 3.5), True),
+])
+def test_a_fleet_that_cannot_gate_is_packed(name, replicas, expected):
+    assert spread_pays(sig(18, replicas), CFG) is expected
+    assert decide(sig(18, replicas), 3, CFG) == (5 if expected else 3)  # ceil(18/4) spread, ceil(18/8) packed
+
+
+def test_an_ungated_replicas_batch_is_not_counted_as_over_a_gate():
+    closed = ReplicaSignals(batch_size=8.0, acceptance_length=3.0, speculating=0.0, batch_gate=0.0)
+    assert spread_equivalent_load(sig(20, (closed,))) == 20.0  # speculation off, not a gate shut
+    assert spread_equivalent_load(sig(20, (dataclasses.replace(closed, batch_gate=4.0),))) < 20.0

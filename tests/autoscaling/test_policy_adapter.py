@@ -138,3 +138,16 @@ def test_gate_comes_from_the_replicas_unless_pinned():
     pinned = serve_config()  # batch_gate: 4 in policy_kwargs
     replicas, _ = serve_policy(pinned)(context(pinned, 18, per_replica))
     assert replicas == 5
+
+
+def test_replicas_that_do_not_gate_neither_set_the_gate_nor_make_it_spread():
+    config = AutoscalingConfig(
+        min_replicas=1, max_replicas=20, target_ongoing_requests=8, upscale_delay_s=0, downscale_delay_s=0,
+        policy=AutoscalingPolicy(policy_function="autoscaling.policy:AcceptanceAwarePolicy",
+                                 policy_kwargs={"gate_fill": 1.0}))
+    mixed = [stats(3.0) | {"batch_gate": 0.0}, stats(3.0) | {"batch_gate": 2.0}, stats(3.0) | {"batch_gate": 0.0}]
+    replicas, state = serve_policy(config)(context(config, 18, mixed))
+    assert replicas == 9 and state[STATE_DECISION] == "spread"  # the one real gate, 2: ceil(18 / 2)
+    ungated = [stats(3.0) | {"batch_gate": 0.0}] * 3
+    replicas, state = serve_policy(config)(context(config, 18, ungated))
+    assert replicas == 3 and state[STATE_DECISION] == "pack"  # ceil(18 / 8): Serve's rule

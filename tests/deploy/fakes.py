@@ -112,8 +112,9 @@ class FakeEngine:
         self.speculation = speculation
 
     def stats(self) -> EngineStats:
-        return EngineStats(batch_size=len(self.live), speculating=int(len(self.live) <= self.speculation.batch_gate),
-                           acceptance_length=2.0)
+        gate = self.speculation.batch_gate  # the gate in force (0: never speculates, NOT_GATED)
+        return EngineStats(batch_size=len(self.live), speculating=int(len(self.live) <= gate),
+                           acceptance_length=2.0, batch_gate=gate)
 
     async def check_health(self) -> None:
         if not self.started:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from replicas.engine import GenerationRequest, RequestRejected, SamplingParams, SpeculationConfig
 from replicas.replica import Replica
+from replicas.stats import NOT_GATED, EngineStats
 from tests.deploy.fakes import FakeEngine
 from tests.polling import async_wait_until
 
@@ -69,6 +71,22 @@ def test_stats_report_the_settings_the_engine_runs_with():
         await replica.reconfigure({"batch_gate": 6})
         assert replica.engine.staged.batch_gate == 6
         assert (await replica.stats())["batch_gate"] == 2  # staged, not applied: the router sees 2
+    run(scenario())
+
+
+class UngatedEngine(FakeEngine):
+    """Configured with a gate its engine cannot apply (a TensorRT-LLM mode that keeps drafting)."""
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(super().stats(), batch_gate=NOT_GATED, speculating=1)
+
+
+def test_the_reported_gate_is_the_engines_not_the_setting():
+    async def scenario():
+        replica = await make_replica({"batch_gate": 4}, engine_cls=UngatedEngine)
+        assert replica.engine.speculation.batch_gate == 4
+        stats = await replica.stats()
+        assert stats["batch_gate"] == NOT_GATED and stats["speculating"] == 1
     run(scenario())
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from replicas.speculation.ranking import ReplicaLoad, all_above_gate, hold_at_gate
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -94,6 +98,43 @@ def test_retried_request_loses_a_stale_mark():
     pending.kwargs["speculate"] = False
     asyncio.run(router.choose_replicas(replicas, pending))
     assert pending.kwargs == {}
+
+
+# A replica whose engine does not gate by batch size reports batch_gate 0 (stats.NOT_GATED):
+# the TensorRT-LLM modes that keep drafting at every batch size (speculating 1) and speculation
+# off (speculating 0). The ranking rule's other tables are in tests/speculation/test_ranking.py.
+NOT_GATED_ROUTING = [
+    # (name, stats by replica, expected order, request marked non-speculative)
+    ("a gated replica with room beats an idle ungated one",
+     {"ungated": {"batch_size": 0, "batch_gate": 0, "speculating": 1, "acceptance_length": 4.0},
+      "gated": {"batch_size": 3, "batch_gate": 4, "speculating": 1, "acceptance_length": 2.0}},
+     ["gated", "ungated"], False),
+    ("ungated replicas rank by load, like those over their gate",
+     {"over": {"batch_size": 6, "batch_gate": 4, "speculating": 0},
+      "ungated": {"batch_size": 5, "batch_gate": 0, "speculating": 1}},
+     ["ungated", "over"], False),
+    ("an ungated replica that speculates keeps requests speculative",
+     {"ungated": {"batch_size": 40, "batch_gate": 0, "speculating": 1}}, ["ungated"], False),
+    ("an ungated replica that does not speculate is no reason to keep them",
+     {"off": {"batch_size": 1, "batch_gate": 0, "speculating": 0},
+      "over": {"batch_size": 4, "batch_gate": 4, "speculating": 0}}, ["off", "over"], True),
+]
+
+
+@pytest.mark.parametrize("name,stats,order,marked", NOT_GATED_ROUTING, ids=[row[0] for row in NOT_GATED_ROUTING])
+def test_a_replica_that_does_not_gate_is_never_under_its_gate(name, stats, order, marked):
+    router, replicas = _router_with_replicas(stats)
+    router.initialize_state(gate_hold_s=5.0, gate_hold_min_acceptance=1.0)
+    pending = _pending()
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    assert [rank[0].replica_id.unique_id for rank in ranks] == order
+    assert pending.kwargs == ({"speculate": False} if marked else {})
+
+
+def test_no_request_waits_for_a_gate_nobody_has():
+    loads = [ReplicaLoad.from_stats("off", {"batch_size": 9, "batch_gate": 0, "speculating": 0,
+                                            "acceptance_length": 3.0})]
+    assert all_above_gate(loads) and not hold_at_gate(loads, waited_s=0.1, hold_s=5.0, min_acceptance=1.0)
 
 
 def test_importing_the_router_does_not_import_torch():

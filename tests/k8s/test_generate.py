@@ -84,3 +84,27 @@ def test_check_mode_reports_a_stale_manifest(tmp_path, monkeypatch, capsys):
     assert "+          batch_gate: 6" in capsys.readouterr().out
     assert generate.main([]) == 0  # rewrites the stale manifest
     assert generate.main(["--check"]) == 0
+
+
+def test_the_gpu_manifest_says_how_weights_arrive(manifests):
+    """The generated header names every downloaded checkpoint, and the Secret, HF_HOME and
+    volume it promises are the gpu workers' own."""
+    text = (REPO / "k8s/rayservice-gpu.yaml").read_text()
+    engine = serve_config(manifests["rayservice-gpu"])["applications"][0]["args"]["engine"]
+    header = text[text.index(generate.BEGIN):text.index("serveConfigV2: |")]
+    for needed in (engine["model"], engine["trtllm"]["draft_model"], "HF_TOKEN", generate.HF_TOKEN_SECRET,
+                   generate.HF_HOME, generate.HF_CACHE_VOLUME):
+        assert needed in header, needed
+    worker = manifests["rayservice-gpu"]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    container = worker["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == generate.HF_TOKEN_SECRET
+    assert env["HF_HOME"]["value"] == generate.HF_HOME
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[generate.HF_CACHE_VOLUME] == generate.HF_HOME
+    assert generate.HF_CACHE_VOLUME in {v["name"] for v in worker["volumes"]}
+
+
+def test_the_gpu_replicas_keep_tensorrt_llms_worker_in_process(manifests):
+    app = serve_config(manifests["rayservice-gpu"])["applications"][0]
+    assert app["runtime_env"]["env_vars"]["TLLM_WORKER_USE_SINGLE_PROCESS"] == "1"

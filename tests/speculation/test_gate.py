@@ -7,8 +7,10 @@ import inspect
 
 import pytest
 
+from replicas import stats
 from replicas.speculation import gate
-from replicas.speculation.gate import speculate_this_step
+from replicas.speculation.gate import gate_open, gates_by_batch, speculate_this_step
+from replicas.stats import NOT_GATED
 
 
 @pytest.mark.parametrize(
@@ -36,11 +38,29 @@ def test_gate_is_monotone_in_batch_size():
 
 
 def test_gate_module_imports_only_the_standard_library():
-    # The router imports it in KubeRay's dashboard process, where torch may be absent.
-    tree = ast.parse(inspect.getsource(gate))
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
-    } | {node.module.split(".")[0] for node in ast.walk(tree)
-         if isinstance(node, ast.ImportFrom) and node.module}
-    assert not imported & {"torch", "numpy", "ray", "replicas"}
+    # The router imports it in KubeRay's dashboard process, where torch may be absent; of
+    # ours only replicas.stats (standard library only itself), for the NOT_GATED sentinel.
+    def imports(module):
+        tree = ast.parse(inspect.getsource(module))
+        return {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+    ours = imports(gate)
+    assert {name for name in ours if name.split(".")[0] == "replicas"} <= {"replicas.stats"}
+    every = ours | imports(stats)
+    assert not {name.split(".")[0] for name in every} & {"torch", "numpy", "ray"}
+    assert {name for name in imports(stats) if name.split(".")[0] == "replicas"} == set()
+
+
+# The reported gate's sentinel (EngineStats.batch_gate) and what the gauge makes of it.
+@pytest.mark.parametrize("batch_size, reported_gate, speculating, gated, opened", [
+    (0, 4, 1, True, True),
+    (3, 4, 1, True, True),  # the 4th request still fits under the gate
+    (4, 4, 1, True, False),  # a 5th would close it
+    (4, 4, 0, True, False),
+    (40, NOT_GATED, 1, False, True),  # drafts at every batch size (a TensorRT-LLM SA mode)
+    (0, NOT_GATED, 0, False, False),  # speculation off: no batch size opens it
+])
+def test_gate_open_reads_the_engines_own_gate(batch_size, reported_gate, speculating, gated, opened):
+    assert gates_by_batch(reported_gate) is gated
+    assert gate_open(batch_size, reported_gate, speculating) is opened

@@ -18,7 +18,7 @@ POEM = "Write a short poem about the sea."
 def idle(engine) -> bool:
     core = engine.core
     return (engine.num_live_requests == 0 and core.cache.num_free == engine.config.max_batch_size
-            and core.sa_pool.num_active == 0)
+            and core.suffix.pool.num_active == 0)
 
 
 def test_eos_finishes_with_stop_and_no_special_text(engine, loop):

@@ -5,17 +5,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
 from replicas.trtllm.api import TrtllmApi, api_from_modules
 from replicas.trtllm.config import TrtllmEngineConfig
+from replicas.trtllm.translate import SINGLE_PROCESS_ENV
 from replicas.trtllm_engine import TrtllmEngine
 from tests.trtllm.fake_tensorrt_llm import build
 
 EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
 
-def fake_api(generation: str = "sa_config", cuda_graph_class: str = "DecodeCudaGraphConfig") -> TrtllmApi:
-    module = build(generation, cuda_graph_class)
+@pytest.fixture(autouse=True)
+def plain_replica_process(monkeypatch):
+    """Each test starts like a fresh Serve replica: no single-process flag in the environment
+    (the engine sets it when it builds an LLM; monkeypatch restores the original after)."""
+    monkeypatch.setenv(SINGLE_PROCESS_ENV, "")
+    monkeypatch.delenv(SINGLE_PROCESS_ENV)
+
+
+def fake_api(cuda_graph_class: str = "DecodeCudaGraphConfig") -> TrtllmApi:
+    module = build(cuda_graph_class)
     return api_from_modules(module, module.llmapi)
 
 
@@ -36,8 +47,8 @@ def request(prompt, max_tokens: int = 24, rid: str = "r1", **sampling) -> Genera
                              speculation=RequestSpeculation())
 
 
-async def started(config: TrtllmEngineConfig, generation: str = "sa_config") -> TrtllmEngine:
-    engine = TrtllmEngine(config, api=fake_api(generation))
+async def started(config: TrtllmEngineConfig) -> TrtllmEngine:
+    engine = TrtllmEngine(config, api=fake_api())
     await engine.start()
     return engine
 

@@ -16,7 +16,9 @@ import yaml
 from deploy.config import AppArgs
 from deploy.config_check import check_serve_config
 from replicas.engine import SpeculationConfig
+from replicas.stats import NOT_GATED
 from replicas.trtllm.config import TrtllmEngineConfig
+from replicas.trtllm.translate import worker_env
 from tests.serve_support import dict_paths
 from tests.trtllm.conftest import EAGLE3_HEAD, fake_api, run
 
@@ -70,15 +72,29 @@ def test_the_trtllm_block_builds_the_hybrid_engine(document):
     async def go():
         engine = TrtllmEngine(config, api=fake_api())
         await engine.start()
-        args = engine._llm.args
+        args, gate = engine._llm.args, engine.stats().batch_gate
         await engine.shutdown()
-        return args
+        return args, gate
 
-    args = run(go())
+    args, gate = run(go())
     spec = args.speculative_config
     assert args.model == "meta-llama/Llama-3.1-8B-Instruct" and args.max_batch_size == 64
     assert spec.decoding_type == "Eagle3" and spec.speculative_model == EAGLE3_HEAD
-    assert spec.sa_config.threshold == 4 and spec.max_concurrency == 16 and spec.max_draft_len == 4
+    assert spec.sa_config.threshold == 4 and spec.max_draft_len == 4
+    # EAGLE-3 + SA cannot stop drafting: K up to the gate, 1 token above it, reported as not gated
+    assert spec.draft_len_schedule == {16: 4, 64: 1} and gate == NOT_GATED
+
+
+def test_the_replica_process_keeps_tensorrt_llms_worker(document):
+    env = document["applications"][0]["runtime_env"]["env_vars"]
+    assert env == worker_env(engine_config(document)) == {"TLLM_WORKER_USE_SINGLE_PROCESS": "1"}
+
+
+def test_the_startup_downloads_are_stated(document):
+    text = DEPLOY_GPU_YAML.read_text()
+    trtllm = document["applications"][0]["args"]["engine"]["trtllm"]
+    for needed in ("HF_TOKEN", document["applications"][0]["args"]["engine"]["model"], trtllm["draft_model"]):
+        assert text.count(needed) >= 2, needed  # the setting, and the comment saying where it comes from
 
 
 def test_user_config_is_checked_against_the_engine_it_builds(document):

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from replicas.engine import JSON_LAYOUT, Engine, GrammarSpec, RequestError, Resume
+from replicas.stats import NOT_GATED
 from replicas.trtllm.outputs import FINISH_REASONS, OutputTracker, releasable_text, request_usage
 from replicas.trtllm.translate import UnsupportedRelease
 from replicas.trtllm_engine import TrtllmEngine
@@ -234,12 +235,16 @@ def test_stats_from_iteration_rows(mode, source, as_json):
     assert 1 < stats.acceptance_length <= 5
 
 
-@pytest.mark.parametrize("mode,gate,live,speculating", [
-    ("hybrid", 1, 1, 1), ("hybrid", 1, 2, 0), ("hybrid", 8, 8, 1), ("off", 8, 1, 0), ("hybrid", 0, 1, 0),
+@pytest.mark.parametrize("mode,drafter,gate,live,speculating,reported_gate", [
+    ("mtp", "eagle3", 1, 1, 1, 1), ("mtp", "eagle3", 1, 2, 0, 1),  # EAGLE-3 alone: gated
+    ("hybrid", "eagle3", 1, 2, 1, NOT_GATED),  # the SA enhancer keeps drafting: not gated
+    ("hybrid", "mtp", 1, 2, 1, NOT_GATED),  # one-engine MTP cannot stop drafting
+    ("mtp", "eagle3", 8, 8, 1, NOT_GATED),  # a gate at max_batch_size never trips
+    ("off", "eagle3", 8, 1, 0, NOT_GATED), ("hybrid", "eagle3", 0, 1, 0, NOT_GATED),  # no speculation
 ])
-def test_speculating_follows_our_gate(mode, gate, live, speculating):
+def test_stats_report_the_gate_the_engine_applies(mode, drafter, gate, live, speculating, reported_gate):
     async def go():
-        engine = await started(engine_config(mode, batch_gate=gate))
+        engine = await started(engine_config(mode, drafter, batch_gate=gate))
         streams = [engine.generate(request(PROMPT, max_tokens=200, rid=f"r{i}")) for i in range(live)]
         for s in streams:
             await anext(s)
@@ -251,11 +256,26 @@ def test_speculating_follows_our_gate(mode, gate, live, speculating):
 
     stats = run(go())
     assert (stats.batch_size, stats.waiting, stats.speculating) == (live, 0, speculating)
+    assert stats.batch_gate == reported_gate
+
+
+def test_a_closed_gate_is_what_the_engine_does():
+    """Above its reported gate the engine drafts nothing; not gated, it drafts on."""
+    async def go(mode):
+        engine = await started(engine_config(mode, batch_gate=1))
+        await asyncio.gather(*(collect(engine, request(PROMPT, max_tokens=40, rid=f"r{i}")) for i in range(4)))
+        drafted = engine._llm.args.speculative_config.runtime_draft_len(4)
+        gate = engine.stats().batch_gate
+        await engine.shutdown()
+        return gate, drafted
+
+    assert run(go("mtp")) == (1, 0)
+    assert run(go("hybrid")) == (NOT_GATED, 1)
 
 
 def test_configure_stages_and_restart_applies():
     async def go():
-        engine = await started(engine_config("hybrid", batch_gate=4))
+        engine = await started(engine_config("mtp", batch_gate=4))
         spec = engine.config.speculation
         engine.configure(spec)
         assert engine.restart_required == ()
@@ -274,9 +294,24 @@ def test_configure_stages_and_restart_applies():
     assert was_shut and (k, gate, pending) == (2, 2, ()) and finish == "length"
 
 
+def test_a_staged_gate_is_not_reported_until_restart():
+    async def go():
+        engine = await started(engine_config("mtp", batch_gate=4))
+        engine.configure(dataclasses.replace(engine.config.speculation, batch_gate=2))
+        staged = engine.stats().batch_gate
+        await engine.restart()
+        restarted = engine.stats().batch_gate
+        await engine.shutdown()
+        return staged, restarted
+
+    assert run(go()) == (4, 2)
+
+
 def test_settings_the_release_cannot_build_fail_fast():
-    with pytest.raises(UnsupportedRelease, match="global pool"):  # at construction
-        TrtllmEngine(engine_config("hybrid", "mtp", sa_global_pool=True), api=fake_api("use_sa_spec"))
+    api = fake_api()
+    api.classes.pop("SAEnhancerConfig")  # a release without the SA enhancer
+    with pytest.raises(UnsupportedRelease, match="sa_config"):  # at construction
+        TrtllmEngine(engine_config("hybrid", "mtp"), api=api)
     engine = TrtllmEngine(engine_config("sa", draft_model=None), api=fake_api())
     with pytest.raises(ValueError, match="draft_model"):  # at configure, not at restart
         engine.configure(dataclasses.replace(engine.config.speculation, mode="hybrid"))

@@ -1,4 +1,4 @@
-"""The pure translation: our settings -> TensorRT-LLM kwargs, for both SA field generations.
+"""The pure translation: our settings -> TensorRT-LLM kwargs, and the gate each mode really gets.
 
 Field tables come from the contract fake, whose classes carry upstream's field names.
 """
@@ -10,88 +10,102 @@ import dataclasses
 import pytest
 
 from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams
+from replicas.stats import NOT_GATED
+from replicas.trtllm.gate import draft_len_schedule
 from replicas.trtllm.translate import (
-    UnsupportedRelease, draft_len_schedule, guided_decoding_kwargs, llm_kwargs, plan_speculation, sampling_kwargs,
+    SINGLE_PROCESS_ENV, UnsupportedRelease, guided_decoding_kwargs, llm_kwargs, plan_speculation, sampling_kwargs,
+    worker_env,
 )
 from tests.trtllm.conftest import EAGLE3_HEAD, engine_config, fake_api
 
-NEW, LEGACY = "sa_config", "use_sa_spec"
+
+def plan(config):
+    return plan_speculation(config, config.speculation, fake_api().spec_fields())
 
 
-def plan(config, generation=NEW):
-    return plan_speculation(config, config.speculation, fake_api(generation).spec_fields())
-
-
-# (mode, drafter, generation) -> (config class, source, expected kwargs subset, sa_enhancer)
+# (mode, drafter) -> (config class, source, expected kwargs subset, sa_enhancer)
 MODES = [
-    ("off", "eagle3", NEW, None, "", {}, None),
-    ("sa", "eagle3", NEW, "SADecodingConfig", "sa", {"max_draft_len": 4}, None),
-    ("sa", "mtp", LEGACY, "SADecodingConfig", "sa", {"max_draft_len": 4}, None),
-    ("mtp", "eagle3", NEW, "Eagle3DecodingConfig", "mtp", {"speculative_model": EAGLE3_HEAD}, None),
-    ("mtp", "mtp", LEGACY, "MTPDecodingConfig", "mtp", {"max_draft_len": 4}, None),
-    ("hybrid", "eagle3", NEW, "Eagle3DecodingConfig", "mtp", {"speculative_model": EAGLE3_HEAD}, {"threshold": 3}),
-    ("hybrid", "mtp", NEW, "MTPDecodingConfig", "mtp", {"max_draft_len": 4}, {"threshold": 3}),
-    ("hybrid", "eagle3", LEGACY, "Eagle3DecodingConfig", "mtp",
-     {"use_sa_spec": True, "sa_spec_threshold": 3}, None),
-    ("hybrid", "mtp", LEGACY, "MTPDecodingConfig", "mtp", {"use_sa_spec": True, "sa_spec_threshold": 3}, None),
+    ("off", "eagle3", None, "", {}, None),
+    ("sa", "eagle3", "SADecodingConfig", "sa", {"max_draft_len": 4}, None),
+    ("sa", "mtp", "SADecodingConfig", "sa", {"max_draft_len": 4}, None),
+    ("mtp", "eagle3", "Eagle3DecodingConfig", "mtp", {"speculative_model": EAGLE3_HEAD}, None),
+    ("mtp", "mtp", "MTPDecodingConfig", "mtp", {"max_draft_len": 4}, None),
+    ("hybrid", "eagle3", "Eagle3DecodingConfig", "mtp", {"speculative_model": EAGLE3_HEAD}, {"threshold": 3}),
+    ("hybrid", "mtp", "MTPDecodingConfig", "mtp", {"max_draft_len": 4}, {"threshold": 3}),
 ]
 
 
-@pytest.mark.parametrize("mode,drafter,generation,cls,source,subset,enhancer", MODES)
-def test_mode_table(mode, drafter, generation, cls, source, subset, enhancer):
-    p = plan(engine_config(mode, drafter, sa_threshold=3), generation)
+@pytest.mark.parametrize("mode,drafter,cls,source,subset,enhancer", MODES)
+def test_mode_table(mode, drafter, cls, source, subset, enhancer):
+    p = plan(engine_config(mode, drafter, sa_threshold=3))
     assert p.config_class == cls
     assert p.source == source
     assert subset.items() <= p.kwargs.items()
     assert p.sa_enhancer == enhancer
-    if mode != "hybrid":
-        assert not {"use_sa_spec", "sa_config"} & set(p.kwargs)
+    assert "sa_config" not in p.kwargs  # the engine builds SAEnhancerConfig from sa_enhancer
 
 
 def test_gate_zero_means_no_speculation():
-    assert plan(engine_config("hybrid", batch_gate=0)).config_class is None
+    p = plan(engine_config("hybrid", batch_gate=0))
+    assert p.config_class is None and p.batch_gate == NOT_GATED and not p.speculates_at(1)
 
 
-@pytest.mark.parametrize("gate,taper,expected", [
-    (8, (), {}),  # gate == max_batch_size never trips: speculation always on
-    (12, (), {}),
-    (4, (), {"max_concurrency": 4}),
-    (6, ((2, 4), (4, 2)), {"draft_len_schedule": {2: 4, 4: 2, 6: 2}}),
-])
-def test_gate_mapping(gate, taper, expected):
-    p = plan(engine_config("hybrid", batch_gate=gate, draft_len_taper=taper))
-    got = {k: v for k, v in p.kwargs.items() if k in ("max_concurrency", "draft_len_schedule")}
-    assert got == expected
+# (mode, drafter, gate, taper) -> (gate kwargs, gate in force); max_batch_size 8, K 4
+GATES = [
+    ("mtp", "eagle3", 4, (), {"max_concurrency": 4}, 4),  # EAGLE-3 alone: upstream's own cut-off
+    ("mtp", "eagle3", 6, ((2, 4), (4, 2)), {"draft_len_schedule": {2: 4, 4: 2, 6: 2}}, 6),
+    ("mtp", "eagle3", 8, (), {}, NOT_GATED),  # gate == max_batch_size never trips
+    ("mtp", "eagle3", 12, (), {}, NOT_GATED),
+    ("hybrid", "eagle3", 4, (), {"draft_len_schedule": {4: 4, 8: 1}}, NOT_GATED),  # floored at 1 draft
+    ("hybrid", "eagle3", 6, ((2, 4), (4, 0)), {"draft_len_schedule": {2: 4, 4: 1, 6: 1, 8: 1}}, NOT_GATED),
+    ("hybrid", "mtp", 4, (), {}, NOT_GATED),  # one-engine MTP: max_concurrency would do nothing
+    ("mtp", "mtp", 4, ((2, 4),), {}, NOT_GATED),
+    ("sa", "mtp", 4, (), {}, NOT_GATED),
+]
 
 
-def test_taper_falls_back_to_max_concurrency_with_a_note():
-    fields = fake_api(NEW).spec_fields()
-    fields["Eagle3DecodingConfig"] -= {"draft_len_schedule"}
-    config = engine_config("hybrid", batch_gate=4, draft_len_taper=((2, 4),))
-    p = plan_speculation(config, config.speculation, fields)
-    assert p.kwargs["max_concurrency"] == 4 and p.notes
+@pytest.mark.parametrize("mode,drafter,gate,taper,kwargs,in_force", GATES)
+def test_gate_mapping(mode, drafter, gate, taper, kwargs, in_force):
+    p = plan(engine_config(mode, drafter, batch_gate=gate, draft_len_taper=taper))
+    assert {k: v for k, v in p.kwargs.items() if k in ("max_concurrency", "draft_len_schedule")} == kwargs
+    assert p.batch_gate == in_force
+    assert [p.speculates_at(b) for b in (1, 4, 5, 8)] == [in_force == NOT_GATED or b <= in_force for b in (1, 4, 5, 8)]
+    if gate < 8:  # a gate the engine does not apply as a cut-off is logged, never silent
+        assert bool(p.notes) == (in_force == NOT_GATED)
 
 
-def test_gate_without_max_concurrency_is_an_error():
-    fields = fake_api(NEW).spec_fields()
+def test_a_gate_needs_the_field_upstream_applies_it_with():
+    fields = fake_api().spec_fields()
     fields["Eagle3DecodingConfig"] -= {"max_concurrency", "draft_len_schedule"}
-    config = engine_config("hybrid", batch_gate=4)
-    with pytest.raises(UnsupportedRelease, match="max_concurrency"):
-        plan_speculation(config, config.speculation, fields)
-    wide = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, batch_gate=8))
+    for mode, missing in (("mtp", "max_concurrency"), ("hybrid", "draft_len_schedule")):
+        config = engine_config(mode, batch_gate=4)
+        with pytest.raises(UnsupportedRelease, match=missing):
+            plan_speculation(config, config.speculation, fields)
+    wide = engine_config("mtp", batch_gate=8)
     assert "max_concurrency" not in plan_speculation(wide, wide.speculation, fields).kwargs
 
 
-def test_hybrid_needs_an_sa_field_generation():
-    fields = fake_api(LEGACY).spec_fields()
-    fields["MTPDecodingConfig"] -= {"use_sa_spec", "sa_spec_threshold"}
+def test_hybrid_needs_the_sa_enhancer():
+    fields = fake_api().spec_fields()
+    fields["MTPDecodingConfig"] -= {"sa_config"}
     config = engine_config("hybrid", "mtp")
-    with pytest.raises(UnsupportedRelease, match="sa_config or use_sa_spec"):
+    with pytest.raises(UnsupportedRelease, match="sa_config"):
         plan_speculation(config, config.speculation, fields)
 
 
+@pytest.mark.parametrize("tp,orchestrator,env", [(1, "mpi", {SINGLE_PROCESS_ENV: "1"}), (2, "ray", {})])
+def test_worker_env(tp, orchestrator, env):
+    assert worker_env(engine_config(tensor_parallel_size=tp, orchestrator=orchestrator)) == env
+
+
+@pytest.mark.parametrize("tp,orchestrator", [(1, "ray"), (2, "mpi")])
+def test_the_orchestrator_follows_tensor_parallelism(tp, orchestrator):
+    with pytest.raises(ValueError, match="^orchestrator"):
+        engine_config(tensor_parallel_size=tp, orchestrator=orchestrator)
+
+
 def test_speculative_model_dir_on_older_releases():
-    fields = fake_api(NEW).spec_fields()
+    fields = fake_api().spec_fields()
     fields["Eagle3DecodingConfig"] = fields["Eagle3DecodingConfig"] - {"speculative_model"} | {"speculative_model_dir"}
     config = engine_config("mtp")
     assert plan_speculation(config, config.speculation, fields).kwargs["speculative_model_dir"] == EAGLE3_HEAD
@@ -100,8 +114,6 @@ def test_speculative_model_dir_on_older_releases():
 def test_sa_global_pool():
     assert plan(engine_config("sa", sa_global_pool=True)).kwargs["enable_global_pool"] is True
     assert plan(engine_config("hybrid", sa_global_pool=True)).sa_enhancer == {"threshold": 4, "enable_global_pool": True}
-    with pytest.raises(UnsupportedRelease, match="global pool"):
-        plan(engine_config("hybrid", sa_global_pool=True), LEGACY)
 
 
 def test_eagle3_without_its_head_is_rejected():
@@ -113,14 +125,16 @@ def test_eagle3_without_its_head_is_rejected():
         plan_speculation(config, hybrid, fake_api().spec_fields())
 
 
-@pytest.mark.parametrize("k,gate,taper,expected", [
-    (4, 8, (), {8: 4}),
-    (4, 8, ((2, 4), (4, 2)), {2: 4, 4: 2, 8: 2}),
-    (4, 4, ((2, 4), (4, 1), (16, 1)), {2: 4, 4: 1}),  # keys past the gate are dropped
-    (4, 8, ((1, 9), (3, 1)), {1: 4, 3: 1, 8: 1}),  # draft lengths clip to max_draft_len
+@pytest.mark.parametrize("k,gate,taper,floor,expected", [
+    (4, 8, (), 0, {8: 4}),
+    (4, 8, ((2, 4), (4, 2)), 0, {2: 4, 4: 2, 8: 2}),
+    (4, 4, ((2, 4), (4, 1), (16, 1)), 0, {2: 4, 4: 1}),  # keys past the gate are dropped
+    (4, 8, ((1, 9), (3, 1)), 0, {1: 4, 3: 1, 8: 1}),  # draft lengths clip to max_draft_len
+    (4, 8, (), 1, {8: 4, 64: 1}),  # a floor: max_batch_size drafts it, never 0
+    (4, 8, ((2, 4), (4, 0)), 1, {2: 4, 4: 1, 8: 1, 64: 1}),
 ])
-def test_draft_len_schedule(k, gate, taper, expected):
-    assert draft_len_schedule(k, gate, taper) == expected
+def test_draft_len_schedule(k, gate, taper, floor, expected):
+    assert draft_len_schedule(k, gate, taper, floor, max_batch_size=64) == expected
 
 
 def test_draft_len_schedule_must_start_at_max_draft_len():
@@ -163,10 +177,10 @@ def test_llm_kwargs():
     assert "guided_decoding_backend" not in llm_kwargs(engine_config(guided_decoding_backend="none"), have)
     with pytest.raises(UnsupportedRelease, match="guided_decoding_backend"):
         llm_kwargs(engine_config(), have - {"guided_decoding_backend"})
-    kwargs = llm_kwargs(engine_config(tokenizer="tok", orchestrator="ray"), have)
+    kwargs = llm_kwargs(engine_config(tokenizer="tok", tensor_parallel_size=2, orchestrator="ray"), have)
     assert kwargs["enable_iter_perf_stats"] is True
     assert kwargs["orchestrator_type"] == "ray" and kwargs["tokenizer"] == "tok"
     assert "orchestrator_type" not in llm_kwargs(engine_config(), have)
     assert llm_kwargs(engine_config(), frozenset())["model"]  # unknown field set: the core keys
     with pytest.raises(UnsupportedRelease, match="orchestrator_type"):
-        llm_kwargs(engine_config(orchestrator="ray"), have - {"orchestrator_type"})
+        llm_kwargs(engine_config(tensor_parallel_size=2, orchestrator="ray"), have - {"orchestrator_type"})

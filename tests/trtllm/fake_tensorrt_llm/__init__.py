@@ -2,8 +2,8 @@
 
 Not TensorRT-LLM: it mirrors the class names, field names and strictness the adapter
 relies on, and runs a toy model so streaming, abort and stats can be exercised. Build a
-module with `build(generation)`; `install(monkeypatch, ...)` also puts it in sys.modules
-as `tensorrt_llm` / `tensorrt_llm.llmapi`, for tests of the real import path.
+module with `build()`; `install(monkeypatch)` also puts it in sys.modules as
+`tensorrt_llm` / `tensorrt_llm.llmapi`, for tests of the real import path.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ import types
 from tests.trtllm.fake_tensorrt_llm import llmapi as _llmapi
 from tests.trtllm.fake_tensorrt_llm.llm import LLM, GuidedDecodingParams, SamplingParams
 
-VERSIONS = {"sa_config": "1.3.0rc27+fake", "use_sa_spec": "0.0.0+fake.use_sa_spec"}
+VERSION = "1.3.0rc27+fake"
 
 
-def build(generation: str = "sa_config", cuda_graph_class: str = "DecodeCudaGraphConfig") -> types.ModuleType:
+def build(cuda_graph_class: str = "DecodeCudaGraphConfig") -> types.ModuleType:
     """A fresh fake `tensorrt_llm` module (its `.llmapi` attribute is the submodule)."""
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    for name, cls in _llmapi.spec_classes(generation).items():
+    for name, cls in _llmapi.SPEC_CLASSES.items():
         setattr(llmapi, name, cls)
     llmapi.KvCacheConfig = _llmapi.KvCacheConfig
     setattr(llmapi, cuda_graph_class, getattr(_llmapi, cuda_graph_class))
     llmapi.TorchLlmArgs = _llmapi.TorchLlmArgs
     module = types.ModuleType("tensorrt_llm")
-    module.__version__ = VERSIONS[generation]
+    module.__version__ = VERSION
     module.LLM = LLM
     module.SamplingParams = SamplingParams
     module.llmapi = llmapi
@@ -34,8 +34,8 @@ def build(generation: str = "sa_config", cuda_graph_class: str = "DecodeCudaGrap
     return module
 
 
-def install(monkeypatch, generation: str = "sa_config") -> types.ModuleType:
-    module = build(generation)
+def install(monkeypatch) -> types.ModuleType:
+    module = build()
     monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", module.llmapi)
     return module

@@ -9,21 +9,59 @@ Surface mirrored (tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_param
   get_stats_async(timeout) -> async iterable of iteration rows, ending after `timeout` idle,
     empty until a request was submitted; shutdown(); _check_health(); .tokenizer.
 
+Construction mirrors where upstream's executor comes from (tensorrt_llm/executor/executor.py
+GenerationExecutor.create): outside mpirun, with no Ray orchestrator, the worker is spawned
+through an MPI pool session (executor/proxy.py, MpiPoolSession(n_workers=world size)), which
+from a plain Python process such as a Serve replica is reported to die with MPI_ERR_SPAWN
+(or hang). The fake refuses that case outright, unless TP=1 and TLLM_WORKER_USE_SINGLE_PROCESS=1
+(llmapi/utils.py), which keeps the worker in the calling process. Building the SA pool checks
+its size against max_batch_size as SuffixAutomatonManager (_torch/speculative/suffix_automaton.py)
+does.
+
 The toy model repeats its prompt (token t+1 = prompt[len(output) % len(prompt)]), so the
-output does not depend on speculation. Drafting follows the speculative_config: none above
-max_concurrency / past the draft_len_schedule, SA drafts accepted in full once the output is
-`threshold` long, learned drafts accepted half.
+output does not depend on speculation. Each step drafts `runtime_draft_len(batch)` tokens per
+request (llmapi.py: a schedule only where the mode follows one, floored; otherwise always
+max_draft_len); SA drafts are accepted in full once the output is `threshold` long, learned
+drafts accepted half.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional, Union
 
-from tests.trtllm.fake_tensorrt_llm.llmapi import TorchLlmArgs
+from tests.trtllm.fake_tensorrt_llm.llmapi import SADecodingConfig, TorchLlmArgs
+
+SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
+
+
+def spawn_refusal(args: TorchLlmArgs) -> Optional[str]:
+    """Why creating this LLM's executor from a plain process fails (None: it does not).
+
+    UNVERIFIED beyond the report: that every MPI spawn from a Serve replica fails, and
+    what a process launched by mpirun (where upstream reuses the world) would do.
+    """
+    if args.orchestrator_type == "ray":
+        return None
+    if args.tensor_parallel_size == 1 and os.environ.get(SINGLE_PROCESS_ENV) == "1":
+        return None
+    return (f"MPI_ERR_SPAWN: spawning {args.tensor_parallel_size} MPI worker(s) from a process not "
+            f"launched by mpirun (set {SINGLE_PROCESS_ENV}=1 at TP=1, orchestrator_type='ray' for TP>1)")
+
+
+def sa_pool_refusal(args: TorchLlmArgs) -> Optional[str]:
+    """SuffixAutomatonManager's check: one SA slot per running request at least."""
+    spec = args.speculative_config
+    if not isinstance(spec, SADecodingConfig) or args.max_batch_size is None:
+        return None
+    pool = spec.effective_pool_size(args.max_batch_size)
+    if pool < args.max_batch_size:
+        return f"global_pool_size ({pool}) must be >= max_batch_size ({args.max_batch_size})"
+    return None
 
 
 @dataclass(kw_only=True)
@@ -135,6 +173,10 @@ class LLM:
         if unknown:
             raise ValueError(f"Invalid argument(s): {unknown}")
         self.args = TorchLlmArgs(**kwargs)
+        if refusal := spawn_refusal(self.args):
+            raise RuntimeError(refusal)
+        if refusal := sa_pool_refusal(self.args):
+            raise ValueError(refusal)
         self.tokenizer = TransformersTokenizer(FakeTokenizer())
         self.stats_as_json = False
         self.iteration_latency_ms = 10.0
@@ -177,20 +219,13 @@ class LLM:
     # -- the toy engine loop ----------------------------------------------------------------
     def _draft_len(self, batch: int) -> int:
         spec = self.args.speculative_config
-        if spec is None:
-            return 0
-        if spec.draft_len_schedule:
-            return next((d for b, d in sorted(spec.draft_len_schedule.items()) if batch <= b), 0)
-        if spec.max_concurrency is not None and batch > spec.max_concurrency:
-            return 0
-        return spec.max_draft_len
+        return 0 if spec is None else spec.runtime_draft_len(batch)
 
     def _accepted(self, req: FakeRequestOutput, k: int) -> int:
         spec = self.args.speculative_config
         sa = getattr(spec, "sa_config", None)
-        threshold = sa.threshold if sa is not None else getattr(spec, "sa_spec_threshold", 4)
-        sa_on = spec.decoding_type == "SA" or sa is not None or getattr(spec, "use_sa_spec", False)
-        if sa_on and len(req._ids) >= threshold:
+        sa_on = spec.decoding_type == "SA" or sa is not None
+        if sa_on and len(req._ids) >= (sa.threshold if sa is not None else 4):
             return k
         return 0 if spec.decoding_type == "SA" else k // 2
 
