@@ -79,6 +79,16 @@ def test_a_draft_running_into_eos_leaves_no_trace(compiler, tokenizer, grammar, 
         constraint.advance(draft[:1])  # and it still takes what plain decoding emits next
 
 
+def test_the_mask_admits_each_next_token_of_a_valid_document(compiler, tokenizer):
+    """Mask and matcher read the tokenizer alike. A tokenizer converted by transformers 5.17
+    (a ByteFallback decoder chain) broke this: after `":` the mask offered only ':', which the
+    matcher then refused."""
+    constraint = compiler.compile(spec())
+    for token in tokenizer.encode(DOCUMENT, add_special_tokens=False):
+        assert constraint.allowed([])[0][token], repr(tokenizer.decode([token]))
+        constraint.advance([token])
+
+
 def test_valid_prefix_cuts_at_the_first_forbidden_token(compiler, tokenizer):
     good = tokenizer.encode('{"city": "Rome"', add_special_tokens=False)
     bad = tokenizer.encode(', "weeks"', add_special_tokens=False)
