@@ -61,8 +61,14 @@ bench-serve: install
 	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/serve.py $(SERVE_BENCH_ARGS)
 
+# Replicas and nodes killed or drained under a streaming load (a multi-node cluster on this machine).
+.PHONY: bench-faults
+bench-faults: install
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/faults.py
+
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
-bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured
+bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured bench-faults
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda

@@ -25,6 +25,9 @@ from replicas.replica import Replica
 
 ROUTER_CLASS = "deploy.router:SpeculationGateRouter"
 INGRESS_MAX_ONGOING_REQUESTS = 1000  # the ingress only waits on replicas; it must not throttle
+# Ray's resource on the head node alone (ray._common.constants.HEAD_NODE_RESOURCE_NAME): a
+# sliver of it pins an actor there.
+ON_HEAD_NODE = {"node:__internal_head__": 0.001}
 
 
 def replica_deployment(args: AppArgs, speculation: SpeculationConfig = SpeculationConfig()):
@@ -48,16 +51,21 @@ def replica_deployment(args: AppArgs, speculation: SpeculationConfig = Speculati
         ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=opts.health_check_timeout_s,
+        graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s,
         request_router_config=router,
     )
 
 
 def ingress_deployment(args: AppArgs):
+    """The HTTP deployment. A stream's client connection is held by a proxy and its replica
+    work by the Ingress the proxy picked: on the head (`ingress_placement: head`) that Ingress
+    dies only with the head, whose proxy and controller the cluster cannot lose anyway."""
+    placement = {"resources": ON_HEAD_NODE} if args.ingress_placement == "head" else {}
     return serve.deployment(serve.ingress()(Ingress)).options(
         name="Ingress",
         num_replicas=args.ingress_replicas,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **placement},
     )
 
 

@@ -75,6 +75,10 @@ class ReplicaArgs(_Strict):
         "speculating replica over it (0: never wait)"))
     gate_hold_min_acceptance: float = Field(GATE_HOLD_MIN_ACCEPTANCE, ge=1, description=(
         "gate router: hold only while the replicas' acceptance length averages at least this"))
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0, description=(
+        "a Replica being stopped (scale-down, node drain, redeploy) takes no new requests and "
+        "finishes its own for up to this long; the rest are killed with it and resumed on another "
+        "Replica (limits.replica_loss_retry_s)"))
 
 
 class AppArgs(_Strict):
@@ -85,6 +89,10 @@ class AppArgs(_Strict):
     limits: LimitArgs = LimitArgs()
     replica: ReplicaArgs = ReplicaArgs()
     ingress_replicas: int = Field(1, ge=1)
+    ingress_placement: Literal["head", "any"] = Field("head", description=(
+        "head: every Ingress replica on the Ray head node, beside the head's proxy and Serve's "
+        "controller, so a worker node's death never cuts a stream held elsewhere (a proxy on "
+        "any node reaches them); any: wherever Ray places them"))
     api_keys_env: str = Field("SPECSERVE_API_KEYS", min_length=1,
                               description="env var with comma-separated bearer tokens; unset = open")
 

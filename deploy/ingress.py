@@ -144,7 +144,7 @@ class Ingress:
                 if _replica_lost(exc) and time.monotonic() < deadline:
                     logger.warning("request %s lost its replica before any output (%s); sending it again",
                                    request.request_id, type(exc).__name__)
-                    self._count_retry()
+                    self._count_retry("resume" if request.resume is not None else "retry")
                     await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
                     continue
                 if isinstance(exc, Exception):
@@ -154,13 +154,15 @@ class Ingress:
             raise ApiError(400, first.message, first.param)
         return stream, first
 
-    def _count_retry(self) -> None:
+    def _count_retry(self, kind: str) -> None:
+        """kind: "retry" (sent again whole, nothing had reached the client) or "resume"."""
         if self._retries is None:
             from ray.serve import metrics
 
-            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again (whole, or resumed mid-stream) "
-                                            "after their replica died")
-        self._retries.inc()
+            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died: whole "
+                                            "(kind=retry) or as a continuation mid-stream (kind=resume)",
+                                            tag_keys=("kind",))
+        self._retries.inc(tags={"kind": kind})
 
     async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
         return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
@@ -179,7 +181,7 @@ class Ingress:
             _cancel(stream)
             logger.warning("request %s lost its replica after %d tokens (%s); resuming it",
                            request.request_id, len(acc.token_ids), type(exc).__name__)
-            self._count_retry()
+            self._count_retry("resume")
             return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))))
 
     async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta) -> fmt.Accumulated:

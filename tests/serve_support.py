@@ -6,7 +6,7 @@ import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 from unittest import mock
 
 from tests.polling import wait_until
@@ -45,6 +45,59 @@ def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
         finally:
             serve.shutdown()
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_cluster(num_workers: int, worker_cpus: int = 1,
+                  extra_env: dict[str, str] | None = None) -> Iterator[tuple[Any, str]]:
+    """A multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: one raylet per
+    node) with Serve's proxy on the head at 127.0.0.1; yields (cluster, base URL).
+
+    The head has no CPU, so every CPU-reserving actor (a Replica) lands on a worker node, one
+    per worker at `worker_cpus: 1`. Build it from the main thread: Ray adds and removes nodes
+    only there.
+    """
+    env = {"RAY_AUTH_MODE": "disabled", **(extra_env or {})}
+    with mock.patch.dict(os.environ, env):
+        import ray
+        from ray import serve
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        try:
+            for _ in range(num_workers):
+                cluster.add_node(num_cpus=worker_cpus)
+            worker_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+            ray.init(address=cluster.address, runtime_env={"env_vars": worker_env}, log_to_driver=False)
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+            yield cluster, f"http://127.0.0.1:{port}"
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def live_actors(class_suffix: str) -> list[dict]:
+    """Ray's records of the alive actors whose class name ends with `class_suffix` (e.g.
+    ":Replica"), on nodes Ray still counts alive (a killed node does until its heartbeats
+    time out): ActorID, Pid, Address.NodeID."""
+    import ray
+
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    return [a for a in ray._private.state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"].endswith(class_suffix) and a["Address"]["NodeID"] in alive]
+
+
+def replicas_serving(app: str, count: int, lost_actor: str = "") -> bool:
+    """`count` Replicas of `app` run, none of them the actor `lost_actor` (a lost one Ray
+    has not noticed yet)."""
+    from ray import serve
+
+    states = serve.status().applications[app].deployments["Replica"].replica_states
+    live = [a for a in live_actors(":Replica") if a["ActorID"] != lost_actor]
+    return states.get("RUNNING", 0) == count and sum(states.values()) == count and len(live) == count
 
 
 def deploy_config(document: dict, app: str, timeout_s: float) -> None:
