@@ -88,6 +88,7 @@ BAD_VALUES = [
     ("replica.num_replicas", "two"),
     ("replica.gate_hold_s", -1),
     ("replica.gate_hold_min_acceptance", 0.5),
+    ("replica.graceful_shutdown_timeout_s", -1),
 ]
 
 
@@ -101,6 +102,22 @@ def test_the_router_gets_its_gate_hold_settings(document):
     assert router.request_router_kwargs == {"gate_hold_s": args.replica.gate_hold_s,
                                             "gate_hold_min_acceptance": args.replica.gate_hold_min_acceptance}
     assert args.replica.gate_hold_s > 0  # deploy.yaml holds
+
+
+def test_failure_settings_reach_serve(document):
+    """deploy.yaml pins the Ingress to the head and gives stopping Replicas their grace;
+    `ingress_placement: any` leaves the Ingress to Ray."""
+    from deploy.app import ON_HEAD_NODE, ingress_deployment, replica_deployment
+    from deploy.config import AppArgs
+
+    raw = copy.deepcopy(document["applications"][0]["args"])
+    args = AppArgs.model_validate(raw)
+    assert args.ingress_placement == "head"
+    assert ingress_deployment(args).ray_actor_options["resources"] == ON_HEAD_NODE
+    grace = replica_deployment(args)._deployment_config.graceful_shutdown_timeout_s
+    assert grace == args.replica.graceful_shutdown_timeout_s > 0
+    anywhere = AppArgs.model_validate({**raw, "ingress_placement": "any"})
+    assert not ingress_deployment(anywhere).ray_actor_options.get("resources")
 
 
 @pytest.mark.parametrize("dotted,value", BAD_VALUES)
