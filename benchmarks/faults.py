@@ -25,21 +25,20 @@ import signal
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_check import ray_name  # noqa: E402
+from benchmarks.gpu_check import metrics, ray_name  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from deploy.app import compose_app  # noqa: E402
 from deploy.config import AppArgs  # noqa: E402
 from deploy.engine_factory import engine_factory  # noqa: E402
 from replicas.stats import METRIC_RETRIES  # noqa: E402
 from tests.polling import wait_until  # noqa: E402
-from tests.serve_support import live_actors, local_cluster, replicas_serving  # noqa: E402
+from tests.serve_support import drain_node, local_cluster, replica_and_node, replicas_serving  # noqa: E402
 from tests.stream_load import StreamLoad, StreamRecord  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -56,16 +55,8 @@ SCENARIOS = ("replica process killed", "worker node killed", "worker node draine
 
 def _retries(metrics_url: str) -> dict[str, float]:
     """The Ingress's counter by kind (retry / resume), as its node exports it."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    name = ray_name(METRIC_RETRIES)
-    counts = {"retry": 0.0, "resume": 0.0}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            kind = line.split('kind="', 1)[1].split('"', 1)[0] if 'kind="' in line else ""
-            if kind in counts:
-                counts[kind] += float(line.rsplit(" ", 1)[1])
-    return counts
+    totals = metrics(metrics_url)
+    return {kind: totals.get(f"{ray_name(METRIC_RETRIES)}{{kind={kind}}}", 0.0) for kind in ("retry", "resume")}
 
 
 def _settled_retries(metrics_url: str, quiet_s: float = 6.0, timeout_s: float = 40.0) -> dict[str, float]:
@@ -91,23 +82,12 @@ def _extra_latency_s(record: StreamRecord) -> float:
 
 def _fault(name: str, cluster: Any, drain_deadline_s: float) -> tuple[str, Callable[[], None]]:
     """(the Replica actor it hits, the action of one scenario on its process or node)."""
-    replica = live_actors(":Replica")[0]
-    node = next(n for n in cluster.worker_nodes if n.node_id == replica["Address"]["NodeID"])
+    replica, node = replica_and_node(cluster)
     if name == "replica process killed":
         return replica["ActorID"], lambda: os.kill(replica["Pid"], signal.SIGKILL)
     if name == "worker node killed":
         return replica["ActorID"], lambda: cluster.remove_node(node, allow_graceful=False)
-
-    def drain() -> None:
-        import ray
-        from ray.core.generated import autoscaler_pb2
-
-        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-        accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
-            node.node_id, reason, "benchmark drain", int((time.time() + drain_deadline_s) * 1000))
-        if not accepted:
-            raise RuntimeError(f"drain refused: {why}")
-    return replica["ActorID"], drain
+    return replica["ActorID"], lambda: drain_node(cluster, node, drain_deadline_s, "benchmark drain")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

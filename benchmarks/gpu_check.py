@@ -58,8 +58,12 @@ PROMPTS = {  # greedy completions: an edit the suffix automaton can copy, then o
 
 
 # -- pure parts (tests/test_gpu_check.py) -------------------------------------------------------
+KEPT_LABELS = ("source", "kind")  # the draft source; the Ingress's retry or resume
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value summed over its label sets} ({name{source=..}} kept too)."""
+    """Prometheus text -> {name: value summed over its label sets}, and for each label in
+    KEPT_LABELS, {name{label=value}: the sum over the sets carrying that value}."""
     totals: dict[str, float] = {}
     for line in text.splitlines():
         match = re.match(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)  # comments never match
@@ -67,10 +71,11 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         name, labels, value = match.groups()
         totals[name] = totals.get(name, 0.0) + float(value)
-        source = re.search(r'source="(\w+)"', labels or "")
-        if source:
-            key = f"{name}{{source={source.group(1)}}}"
-            totals[key] = totals.get(key, 0.0) + float(value)
+        for label in KEPT_LABELS:
+            found = re.search(rf'\b{label}="(\w+)"', labels or "")
+            if found:
+                key = f"{name}{{{label}={found.group(1)}}}"
+                totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
 

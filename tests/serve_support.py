@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Iterator
 from unittest import mock
@@ -22,6 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _worker_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for Ray's workers, with this checkout importable."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
 @contextlib.contextmanager
 def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """A one-module Ray cluster with Serve's HTTP proxy on 127.0.0.1; yields its base URL.
@@ -35,8 +41,7 @@ def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
         import ray
         from ray import serve
 
-        worker_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env},
+        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": _worker_env(env)},
                  log_to_driver=False)
         try:
             port = free_port()
@@ -67,8 +72,7 @@ def local_cluster(num_workers: int, worker_cpus: int = 1,
         try:
             for _ in range(num_workers):
                 cluster.add_node(num_cpus=worker_cpus)
-            worker_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-            ray.init(address=cluster.address, runtime_env={"env_vars": worker_env}, log_to_driver=False)
+            ray.init(address=cluster.address, runtime_env={"env_vars": _worker_env(env)}, log_to_driver=False)
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
             yield cluster, f"http://127.0.0.1:{port}"
@@ -88,6 +92,25 @@ def live_actors(class_suffix: str) -> list[dict]:
     alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     return [a for a in ray._private.state.actors().values()
             if a["State"] == "ALIVE" and a["ActorClassName"].endswith(class_suffix) and a["Address"]["NodeID"] in alive]
+
+
+def replica_and_node(cluster: Any) -> tuple[dict, Any]:
+    """A live Replica actor's record and the `cluster` worker node holding it."""
+    replica = live_actors(":Replica")[0]
+    return replica, next(n for n in cluster.worker_nodes if n.node_id == replica["Address"]["NodeID"])
+
+
+def drain_node(cluster: Any, node: Any, deadline_s: float, why: str) -> None:
+    """Ask Ray to drain `node` as KubeRay's autoscaler does before taking a preemptible pod:
+    reason PREEMPTION, the node going `deadline_s` from now."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, refusal = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node.node_id, reason, why, int((time.time() + deadline_s) * 1000))
+    if not accepted:
+        raise RuntimeError(f"drain refused: {refusal}")
 
 
 def replicas_serving(app: str, count: int, lost_actor: str = "") -> bool:

@@ -59,7 +59,7 @@ class StreamLoad:
 
     def wait_tokens(self, count: int, timeout_s: float) -> bool:
         """Whether every stream received at least `count` tokens (or ended) within `timeout_s`."""
-        return wait_until(lambda: all(len(r.tokens) >= count or r.status is not None and r.done or r.error
+        return wait_until(lambda: all(len(r.tokens) >= count or r.done or r.error is not None
                                       for r in self.records), timeout_s)
 
     def join(self, timeout_s: float) -> list[StreamRecord]:

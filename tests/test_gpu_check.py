@@ -25,13 +25,16 @@ ray_spec_acceptance_length_sum{deployment="Replica"} 90.0
 ray_spec_acceptance_length_count{deployment="Replica"} 30.0
 ray_engine_batch_size{replica="a"} 5.0
 ray_spec_gate_open{replica="a"} 1.0
+ray_request_retries_total{deployment="Ingress",kind="resume"} 2.0
+ray_request_retries_total{deployment="Ingress",kind="retry"} 1.0
 """
 
 
-def test_parse_metrics_sums_label_sets_and_keeps_sources():
+def test_parse_metrics_sums_label_sets_and_keeps_sources_and_kinds():
     m = gpu_check.parse_metrics(METRICS)
     assert m["ray_spec_draft_tokens_total"] == 150.0
     assert m["ray_spec_draft_tokens_total{source=sa}"] == 30.0
+    assert m["ray_request_retries_total{kind=resume}"] == 2.0 and m["ray_request_retries_total"] == 3.0
     assert m["ray_spec_acceptance_length_count"] == 30.0
     assert gpu_check.gate_sample(m) == {"batch_size": 5.0, "gate_open": 1.0, "draft_tokens": 150.0}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -22,7 +21,7 @@ from deploy.app import compose_app
 from deploy.config import AppArgs
 from tests.deploy.fakes import ALPHABET, FakeEngine
 from tests.polling import wait_until
-from tests.serve_support import live_actors, local_cluster, replicas_serving
+from tests.serve_support import drain_node, live_actors, local_cluster, replica_and_node, replicas_serving
 from tests.stream_load import StreamLoad
 
 pytestmark = pytest.mark.ray
@@ -63,13 +62,6 @@ def load(cluster_url):
         cluster.add_node(num_cpus=1)
 
 
-def _victim(cluster) -> tuple[dict, object]:
-    """A Replica actor and the worker node holding it."""
-    replica = live_actors(":Replica")[0]
-    node = next(n for n in cluster.worker_nodes if n.node_id == replica["Address"]["NodeID"])
-    return replica, node
-
-
 def _streams(url: str, count: int) -> StreamLoad:
     return StreamLoad(url, [{"model": "fake", "prompt": "SLOW", "max_tokens": TOKENS}] * count).start()
 
@@ -91,7 +83,7 @@ def test_the_ingress_lives_on_the_head(cluster_url):
 
 
 def test_a_replica_process_killed(cluster_url, load):
-    replica, _ = _victim(cluster_url[0])
+    replica, _ = replica_and_node(cluster_url[0])
     os.kill(replica["Pid"], signal.SIGKILL)
     _assert_nothing_lost(load)
 
@@ -100,7 +92,7 @@ def test_a_worker_node_killed(cluster_url, load):
     """Also requests sent just after the node went, while the router still lists its Replica:
     sent to it, they are sent again before their first token."""
     cluster, url = cluster_url
-    _, node = _victim(cluster)
+    _, node = replica_and_node(cluster)
     cluster.remove_node(node, allow_graceful=False)
     late = _streams(url, STREAMS)
     _assert_nothing_lost(load)
@@ -113,15 +105,9 @@ def test_a_worker_node_drained(cluster_url, load):
     replacement on the spare node and stops the drained Replica; what that Replica cannot
     finish within its graceful_shutdown_timeout_s (1 s here, the streams need 5) is resumed
     elsewhere. At the deadline the node goes, as the cloud would take it."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
     cluster = cluster_url[0]
-    _, node = _victim(cluster)
-    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
-        node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test drain",
-        int(time.time() * 1000) + DRAIN_DEADLINE_S * 1000)
-    assert accepted, why
+    _, node = replica_and_node(cluster)
+    drain_node(cluster, node, DRAIN_DEADLINE_S, "test drain")
     _assert_nothing_lost(load)
     if not wait_until(lambda: not _node_alive(node.node_id), DRAIN_DEADLINE_S):
         cluster.remove_node(node)
