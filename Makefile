@@ -68,7 +68,8 @@ bench-faults: install
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/faults.py
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
-bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured bench-faults
+bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured bench-faults \
+  bench-multiturn
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda
@@ -153,6 +154,12 @@ ENGINE_BENCH_ARGS ?=
 .PHONY: bench-engine
 bench-engine: install $(LLAMACPP_STAMP)
 	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
+
+# Multi-turn conversations with and without the prefix cache and prefix affinity, 1 and 2
+# Replicas, beside llama.cpp's server with cache_prompt; multiturn.{json,png}.
+.PHONY: bench-multiturn
+bench-multiturn: install $(LLAMACPP_STAMP)
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/multiturn.py
 
 # Structured output: JSON records and tool calls with speculation off / hybrid / hybrid plus
 # grammar drafts, against llama.cpp under the same constraint; structured.json/.png/.md.

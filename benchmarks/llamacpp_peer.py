@@ -9,10 +9,17 @@ so importing this module needs nothing and does nothing.
     .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --prompts-json P.json \
         [--max-tokens 64] [--threads 2] [--batch 1] [--modes plain,ngram_mod,ngram_map_k]
 
+    .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --conversations-json C.json \
+        [--max-tokens 32] [--threads 2]
+
 P.json maps a workload name to raw, already chat-templated prompts: {"chat": ["<|im_start|>..."]},
 or, for constrained output, to {"prompts": [...], "json_schema": {...}} or {"prompts": [...],
 "grammar": "..."} (llama.cpp's own request fields; this build takes `%llguidance` grammars):
 those requests stop at EOS, since a schema output ends when complete.
+C.json is a list of conversations, each a list of raw turn prompts (each turn's prompt
+holding the earlier turns): they run at once, one slot each, turns in order, with llama.cpp's
+prompt cache on (`cache_prompt`), and each turn reports how many prompt tokens the slot's
+cache supplied (`timings.cache_n`).
 """
 
 from __future__ import annotations
@@ -97,15 +104,18 @@ def _workload(entry) -> tuple[list[str], dict]:
     return entry["prompts"], {k: entry[k] for k in ("json_schema", "grammar") if k in entry}
 
 
-def _complete(server, prompt: str, max_tokens: int, constraint: dict | None = None) -> dict:
+def _complete(server, prompt: str, max_tokens: int, constraint: dict | None = None,
+              cache_prompt: bool = False) -> dict:
     """One streamed greedy completion; figures from llama.cpp's timings plus our own clock.
-    `constraint` ({"json_schema": ...} or {"grammar": ...}) constrains it, and then EOS ends it."""
+    `constraint` ({"json_schema": ...} or {"grammar": ...}) constrains it, and then EOS ends it.
+    `cache_prompt` off by default: the same prompts recur across modes and batches, so each
+    prefills cold unless the run is about the prompt cache."""
     request = {
         "prompt": prompt,  # the server tokenises prompt text with special tokens parsed
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,  # exactly max_tokens, so every mode decodes the same length
-        "cache_prompt": False,  # the same prompts recur across modes and batches: prefill cold
+        "cache_prompt": cache_prompt,
         "stream": True,
         **(constraint or {}),
     }
@@ -139,6 +149,7 @@ def _complete(server, prompt: str, max_tokens: int, constraint: dict | None = No
         "last_token_at": token_times[-1] if token_times else None,
         "wall_s": wall_s,
         "prompt_ms": timings["prompt_ms"],
+        "cache_n": timings.get("cache_n", 0),  # prompt tokens the slot's cache supplied
         "predicted_ms": timings["predicted_ms"],
         "decode_tok_s": timings["predicted_per_second"],
         "decode_tok_s_stream": (len(token_times) - 1) / span_s if span_s > 0 else None,
@@ -222,17 +233,47 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str] | dict], max_token
     return result
 
 
+def run_conversations(gguf_path: str, conversations: list[list[str]], max_tokens: int, threads: int = 2) -> dict:
+    """Every conversation at once, one server slot each, its turns in order, prompt cache on.
+    Returns {"llamacpp_version", "threads", "max_tokens", "wall_s", "conversations":
+    [[{turn row: ttft_s, prompt_tokens, cache_n, ...}, ...], ...]}."""
+    longest = max(len(p) for turns in conversations for p in turns)
+    slot_ctx = -(-(longest + max_tokens + 16) // 256) * 256
+    server, _ = _start_server(gguf_path, "plain", threads, len(conversations), slot_ctx)
+    _complete(server, _WARMUP_PROMPT, 8)
+
+    def converse(turns: list[str]) -> list[dict]:
+        rows = [_complete(server, prompt, max_tokens, cache_prompt=True) for prompt in turns]
+        for row in rows:
+            del row["text"]
+        return rows
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(conversations)) as pool:
+        rows = list(pool.map(converse, conversations))
+    result = {"llamacpp_version": llamacpp_version(), "threads": threads, "max_tokens": max_tokens,
+              "wall_s": time.perf_counter() - start, "conversations": rows}
+    del server
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", required=True)
-    parser.add_argument("--prompts-json", required=True,
-                        help='{"workload": ["raw prompt", ...] or {"prompts": [...], "json_schema": {...}}}')
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompts-json",
+                       help='{"workload": ["raw prompt", ...] or {"prompts": [...], "json_schema": {...}}}')
+    group.add_argument("--conversations-json", help='[["turn 1 prompt", "turn 2 prompt", ...], ...]')
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--with-text", action="store_true", help="keep each request's generated text")
     args = parser.parse_args()
+    if args.conversations_json:
+        with open(args.conversations_json, encoding="utf-8") as f:
+            print(json.dumps(run_conversations(args.gguf, json.load(f), args.max_tokens, args.threads), indent=1))
+        return
     with open(args.prompts_json, encoding="utf-8") as f:
         prompts = json.load(f)
     result = run_llamacpp(args.gguf, prompts, args.max_tokens, args.threads, args.batch,

@@ -37,8 +37,11 @@ def replica_deployment(args: AppArgs, speculation: SpeculationConfig = Speculati
     router = RequestRouterConfig(request_routing_stats_period_s=opts.routing_stats_period_s)
     if opts.gate_router:
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                     request_router_kwargs={"gate_hold_s": opts.gate_hold_s,
-                                                            "gate_hold_min_acceptance": opts.gate_hold_min_acceptance},
+                                     request_router_kwargs={
+                                         "gate_hold_s": opts.gate_hold_s,
+                                         "gate_hold_min_acceptance": opts.gate_hold_min_acceptance,
+                                         "prefix_affinity_chars": opts.prefix_affinity_chars,
+                                         "prefix_affinity_max_extra_load": opts.prefix_affinity_max_extra_load},
                                      request_routing_stats_period_s=opts.routing_stats_period_s)
     return serve.deployment(Replica).options(
         name="Replica",

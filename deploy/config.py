@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.engine import DEFAULT_MODEL, SpeculationConfig
+from replicas.speculation.affinity import AFFINITY_MAX_EXTRA_LOAD, AFFINITY_PREFIX_CHARS
 from replicas.speculation.ranking import GATE_HOLD_MIN_ACCEPTANCE, GATE_HOLD_S
 
 
@@ -31,6 +32,8 @@ class EngineArgs(_Strict):
                              "(under Serve: the replica's num_cpus)")
     mtp_weights: Optional[str] = "default"  # None disables MTP drafting
     sa_global_pool_tokens: int = Field(1 << 20, ge=0)
+    prefix_cache_bytes: int = Field(256 << 20, ge=0, description=(
+        "kind=torch: KV blocks kept for prompts that start alike; 0 = off; at least one context window"))
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,
     # tensor_parallel_size, ...); checked by building the real config in AppArgs below
     trtllm: Optional[dict[str, Any]] = None
@@ -75,6 +78,11 @@ class ReplicaArgs(_Strict):
         "speculating replica over it (0: never wait)"))
     gate_hold_min_acceptance: float = Field(GATE_HOLD_MIN_ACCEPTANCE, ge=1, description=(
         "gate router: hold only while the replicas' acceptance length averages at least this"))
+    prefix_affinity_chars: int = Field(AFFINITY_PREFIX_CHARS, ge=0, description=(
+        "gate router: prompts that share their first this many characters go to the same replica "
+        "(its prefix cache), unless that one is over its gate or busier; 0: no affinity"))
+    prefix_affinity_max_extra_load: int = Field(AFFINITY_MAX_EXTRA_LOAD, ge=0, description=(
+        "gate router: requests the prefix's replica may hold beyond the least loaded one"))
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0, description=(
         "a Replica being stopped (scale-down, node drain, redeploy) takes no new requests and "
         "finishes its own for up to this long; the rest are killed with it and resumed on another "

@@ -28,6 +28,7 @@ class Accumulated:
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
@@ -40,6 +41,7 @@ class Accumulated:
             self.finish_reason = delta.finish_reason
             self.prompt_tokens = delta.prompt_tokens
             self.completion_tokens = delta.completion_tokens
+            self.cached_tokens = delta.cached_tokens
             self.speculation = dict(delta.speculation)
 
 
@@ -49,6 +51,7 @@ def usage(acc: Accumulated) -> dict[str, Any]:
         "prompt_tokens": acc.prompt_tokens,
         "completion_tokens": acc.completion_tokens,
         "total_tokens": acc.prompt_tokens + acc.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": acc.cached_tokens},  # from the prefix cache
         "speculation": {
             "draft_tokens": int(spec.get("draft_tokens", 0)),
             "accepted_tokens": int(spec.get("accepted_tokens", 0)),

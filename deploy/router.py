@@ -7,10 +7,13 @@ stale) and Serve's live queue-length cache, ranks them with `rank_replicas`, and
 one replica per rank so Serve tries them best first (skipping full ones). While every
 candidate is at its gate and speculation pays, a `generate` call is held (no candidates:
 Serve backs off and asks again) for up to `gate_hold_s`; one routed over a gate after
-that gets `speculate=False`. `request_router_kwargs` (`initialize_state`): `gate_hold_s`,
-`gate_hold_min_acceptance` (deploy.yaml's `replica:` section sets them).
+that gets `speculate=False`. A `generate` call's prompt also names a preferred replica, the
+one most likely to hold its prefix in cache (`replicas/speculation/affinity.py`), which
+goes first unless it is over its gate or busier than the others. `request_router_kwargs`
+(`initialize_state`): `gate_hold_s`, `gate_hold_min_acceptance`, `prefix_affinity_chars`,
+`prefix_affinity_max_extra_load` (deploy.yaml's `replica:` section sets them).
 
-Imports Ray's router API, the ranking and the stats names only: never torch.
+Imports Ray's router API, the ranking and affinity rules and the stats names only: never torch.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from replicas.speculation.affinity import AFFINITY_MAX_EXTRA_LOAD, AFFINITY_PREFIX_CHARS, prefix_key, rank_with_affinity
 from replicas.speculation.ranking import (
     GATE_HOLD_MIN_ACCEPTANCE,
     GATE_HOLD_S,
     ReplicaLoad,
     all_above_gate,
     hold_at_gate,
-    rank_replicas,
 )
 
 GENERATE_METHOD = "generate"  # Replica.generate
@@ -42,11 +45,25 @@ class SpeculationGateRouter(RequestRouter):
 
     gate_hold_s: float = GATE_HOLD_S
     gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE
+    prefix_affinity_chars: int = AFFINITY_PREFIX_CHARS
+    prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD
 
     def initialize_state(self, gate_hold_s: float = GATE_HOLD_S,
-                         gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE) -> None:
+                         gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE,
+                         prefix_affinity_chars: int = AFFINITY_PREFIX_CHARS,
+                         prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD) -> None:
         self.gate_hold_s = float(gate_hold_s)
         self.gate_hold_min_acceptance = float(gate_hold_min_acceptance)
+        self.prefix_affinity_chars = int(prefix_affinity_chars)
+        self.prefix_affinity_max_extra_load = int(prefix_affinity_max_extra_load)
+
+    def affinity_key(self, pending_request: PendingRequest) -> Optional[bytes]:
+        """The prefix key of a `generate` call's prompt (None: no affinity)."""
+        request = pending_request.args[0] if pending_request.args else None
+        prompt = getattr(request, "prompt", None)
+        if not self.prefix_affinity_chars or not prompt:
+            return None
+        return prefix_key(prompt, self.prefix_affinity_chars)
 
     def replica_loads(self, candidates: List[RunningReplica]) -> List[ReplicaLoad]:
         cache = self.replica_queue_len_cache
@@ -63,6 +80,7 @@ class SpeculationGateRouter(RequestRouter):
         if not candidate_replicas:
             return []
         loads = self.replica_loads(candidate_replicas)
+        key = None
         if pending_request is not None:
             # No locality pass here: every answer is the full set, so Serve must back off
             # between attempts (its default, False, means "retry at once": a busy loop).
@@ -75,5 +93,7 @@ class SpeculationGateRouter(RequestRouter):
                 pending_request.kwargs[SPECULATE_KWARG] = False
             else:  # a retried request may have been marked on an earlier attempt
                 pending_request.kwargs.pop(SPECULATE_KWARG, None)
+            key = self.affinity_key(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        return [[by_id[load.replica_id]] for load in rank_replicas(loads)]
+        ranked = rank_with_affinity(loads, key, self.prefix_affinity_max_extra_load)
+        return [[by_id[load.replica_id]] for load in ranked]

@@ -29,7 +29,8 @@ from replicas.engine import (
 from replicas.speculation.gate import gate_open
 from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS,
-    METRIC_GATE_OPEN, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
+    METRIC_GATE_OPEN, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS,
+    METRIC_PREFIX_PROMPT_TOKENS, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,14 @@ class _Metrics:
         self.tpot = metrics.Histogram(METRIC_TPOT, "time per output token after the first",
                                       boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2])
         self._last = {source: (0, 0) for source in SOURCES}
+        # the prefix cache: engine totals -> counters (hit rate = hit / prompt tokens), blocks held
+        self.prefix_totals = {
+            "prefix_hit_tokens": metrics.Counter(METRIC_PREFIX_HIT_TOKENS, "prompt tokens served from the prefix cache"),
+            "prefix_prompt_tokens": metrics.Counter(METRIC_PREFIX_PROMPT_TOKENS, "prompt tokens admitted"),
+            "prefix_evicted_blocks": metrics.Counter(METRIC_PREFIX_EVICTIONS, "prefix cache blocks evicted"),
+        }
+        self._last_prefix = dict.fromkeys(self.prefix_totals, 0)
+        self.prefix_blocks = metrics.Gauge(METRIC_PREFIX_BLOCKS, "blocks held by the prefix cache")
 
     def refresh(self, stats: EngineStats) -> None:
         for source in SOURCES:
@@ -66,6 +75,12 @@ class _Metrics:
             if accepted > last_accepted:
                 self.accepted.inc(accepted - last_accepted, tags={"source": source})
             self._last[source] = (draft, accepted)
+        for name, counter in self.prefix_totals.items():
+            total = getattr(stats, name)
+            if total > self._last_prefix[name]:
+                counter.inc(total - self._last_prefix[name])
+            self._last_prefix[name] = total
+        self.prefix_blocks.set(stats.prefix_cached_blocks)
         self.batch.set(stats.batch_size)
         # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch
         self.gate_open.set(1.0 if gate_open(stats.batch_size, stats.batch_gate, stats.speculating) else 0.0)

@@ -25,6 +25,9 @@ ACCEPTANCE_LENGTH = "acceptance_length"
 STEP_MS = "step_ms"
 TOKENS_PER_S = "tokens_per_s"
 BATCH_GATE = "batch_gate"  # EngineStats.batch_gate: the gate the engine's steps obey
+PREFIX_HIT_TOKENS = "prefix_hit_tokens"  # prompt tokens served from the prefix cache (total)
+PREFIX_PROMPT_TOKENS = "prefix_prompt_tokens"  # prompt tokens admitted (total)
+PREFIX_HIT_RATE = "prefix_hit_rate"  # derived: prefix_hit_rate()
 
 # EngineStats.batch_gate when the engine does not switch speculation off by batch size: it
 # speculates at every batch size, or at none (`speculating` says which). The same number as
@@ -40,11 +43,20 @@ METRIC_BATCH_SIZE = "engine_batch_size"
 METRIC_TTFT = "request_ttft_seconds"
 METRIC_TPOT = "request_tpot_seconds"
 METRIC_RETRIES = "request_retries_total"  # the ingress: requests sent again after losing their replica
+METRIC_PREFIX_HIT_TOKENS = "prefix_cache_hit_tokens_total"
+METRIC_PREFIX_PROMPT_TOKENS = "prefix_cache_prompt_tokens_total"
+METRIC_PREFIX_BLOCKS = "prefix_cache_blocks"  # gauge: blocks held
+METRIC_PREFIX_EVICTIONS = "prefix_cache_evicted_blocks_total"
 
 
 def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:
     """Tokens emitted per verify step (bonus included); 0.0 before the first step."""
     return emitted_tokens / verify_steps if verify_steps else 0.0
+
+
+def prefix_hit_rate(hit_tokens: int, prompt_tokens: int) -> float:
+    """The share of admitted prompt tokens whose KV came from the prefix cache; 0.0 before any."""
+    return hit_tokens / prompt_tokens if prompt_tokens else 0.0
 
 
 @dataclass
@@ -107,6 +119,15 @@ class EngineStats:
     accepted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     step_ms: float = 0.0  # EWMA
     tokens_per_s: float = 0.0  # EWMA over steps
+    # Prefix cache (monotonic totals, and the blocks held now); all 0 where there is none.
+    prefix_hit_tokens: int = 0
+    prefix_prompt_tokens: int = 0
+    prefix_cached_blocks: int = 0
+    prefix_evicted_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return prefix_hit_rate(self.prefix_hit_tokens, self.prefix_prompt_tokens)
 
     def as_metrics(self) -> dict[str, float]:
         """Flat float dict for record_routing_stats / record_autoscaling_stats."""
@@ -115,6 +136,7 @@ class EngineStats:
             for k, v in dataclasses.asdict(self).items()
             if not isinstance(v, dict)
         }
+        flat[PREFIX_HIT_RATE] = self.prefix_hit_rate
         for source in SOURCES:
             flat[f"draft_tokens_{source}"] = float(self.draft_tokens.get(source, 0))
             flat[f"accepted_tokens_{source}"] = float(self.accepted_tokens.get(source, 0))

@@ -3,8 +3,9 @@
 TensorRT-LLM does the drafting (EAGLE-3 or MTP), its own GPU suffix automaton and the
 verification; this adapter adds what it lacks: the batch gate it really applies as a stat
 the router can read (`replicas/trtllm/gate.py`: often none), live acceptance figures for
-autoscaling, per-request usage, and our deltas. It stays thin: settings are translated by
-the pure functions in `replicas/trtllm/translate.py`.
+autoscaling, per-request usage, prefix-cache hits (upstream's KV block reuse), and our
+deltas. It stays thin: settings are translated by the pure functions in
+`replicas/trtllm/translate.py`.
 
 `tensorrt_llm` is imported when the engine is constructed, never at module import; without
 it the constructor raises TensorRTLLMUnavailable naming the install route.
@@ -24,10 +25,10 @@ from replicas.stats import EngineStats
 from replicas.trtllm.api import TensorRTLLMUnavailable, TrtllmApi, load_api
 from replicas.trtllm.config import TrtllmEngineConfig
 from replicas.trtllm.iteration_stats import IterationStatsFolder
-from replicas.trtllm.outputs import OutputTracker, request_usage
+from replicas.trtllm.outputs import OutputTracker, cached_prompt_tokens, prefilled, request_usage
 from replicas.trtllm.translate import (
-    SpecPlan, guided_decoding_kwargs, guided_decoding_refusal, llm_kwargs, plan_speculation, sampling_kwargs,
-    worker_env,
+    SpecPlan, guided_decoding_kwargs, guided_decoding_refusal, kv_cache_kwargs, llm_kwargs, plan_speculation,
+    sampling_kwargs, worker_env,
 )
 
 __all__ = ["TrtllmEngine", "TrtllmEngineConfig", "TensorRTLLMUnavailable"]
@@ -43,6 +44,7 @@ class _Live:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: Any = None  # tensorrt_llm RequestOutput (async iterable, .abort())
     pump: asyncio.Task | None = None
+    prefilled: bool = False  # counted in the prefix-cache totals
 
 
 class TrtllmEngine:
@@ -60,6 +62,9 @@ class TrtllmEngine:
         self._stats = IterationStatsFolder(self._plan.source)
         self._stats_task: asyncio.Task | None = None
         self._submitted = False
+        # Prefix-cache totals, kept across restart(): the replica exports their increase.
+        self._prefix_hit_tokens = 0
+        self._prefix_prompt_tokens = 0
 
     def _make_plan(self, spec: SpeculationConfig) -> SpecPlan:
         plan = plan_speculation(self.config, spec, self.api.spec_fields())
@@ -85,7 +90,7 @@ class TrtllmEngine:
         # Before the executor exists: upstream reads it once, when the LLM creates its worker.
         os.environ.update(worker_env(cfg))
         kwargs = llm_kwargs(cfg, api.llm_fields)
-        kwargs["kv_cache_config"] = api.kv_cache_config_cls(free_gpu_memory_fraction=cfg.free_gpu_memory_fraction)
+        kwargs["kv_cache_config"] = api.kv_cache_config_cls(**kv_cache_kwargs(cfg, api.kv_cache_fields))
         if cfg.cuda_graphs and api.cuda_graph_config_cls is not None:
             kwargs["cuda_graph_config"] = api.cuda_graph_config_cls(max_batch_size=cfg.max_batch_size, enable_padding=True)
         if plan.config_class is not None:
@@ -192,6 +197,8 @@ class TrtllmEngine:
         try:
             async for output in live.result:
                 out = output.outputs[0]
+                if not live.prefilled and prefilled(out.token_ids, out.finish_reason):
+                    self._count_prefill(live, getattr(output, "cached_tokens", 0))
                 usage = request_usage(getattr(out, "request_perf_metrics", None),
                                       int(getattr(output, "decoding_iter", 0) or 0), len(out.token_ids))
                 delta = tracker.update(out.text, out.token_ids, out.finish_reason, usage)
@@ -210,6 +217,14 @@ class TrtllmEngine:
             delta = tracker.finish("error", f"{type(exc).__name__}: {exc}")
         if delta is not None:
             live.queue.put_nowait(delta)
+
+    def _count_prefill(self, live: _Live, reported_cached: Any) -> None:
+        """Once per request, when upstream has run its prefill (the reused prefix is known by then)."""
+        tracker = live.tracker
+        tracker.cached_tokens = cached_prompt_tokens(reported_cached, tracker.prompt_tokens)
+        self._prefix_hit_tokens += tracker.cached_tokens
+        self._prefix_prompt_tokens += tracker.prompt_tokens
+        live.prefilled = True
 
     def _abort_upstream(self, live: _Live) -> None:
         result = live.result
@@ -274,7 +289,12 @@ class TrtllmEngine:
 
     def stats(self) -> EngineStats:
         """Live figures, with the gate the built engine applies (NOT_GATED where the mode cannot
-        stop drafting by batch size: then `speculating` is 1 whenever speculation is built)."""
+        stop drafting by batch size: then `speculating` is 1 whenever speculation is built).
+
+        Prefix cache: hit and prompt token totals from each request's `cached_tokens`; the
+        block figures stay 0, since upstream's iteration rows (`kvCacheStats`) count blocks in
+        use and blocks reused at allocation, not the reusable blocks it holds or evicts.
+        """
         live = len(self._live)  # our own count: immediate, where upstream rows lag a poll
         batch = min(live, self.config.max_batch_size)
         plan, s = self._plan, self._stats
@@ -284,6 +304,7 @@ class TrtllmEngine:
             acceptance_length=s.acceptance_length.value,
             draft_tokens=dict(s.draft_tokens), accepted_tokens=dict(s.accepted_tokens),
             step_ms=s.step_ms.value, tokens_per_s=s.tokens_per_s.value,
+            prefix_hit_tokens=self._prefix_hit_tokens, prefix_prompt_tokens=self._prefix_prompt_tokens,
         )
 
     async def _poll_stats(self) -> None:

@@ -22,11 +22,13 @@ from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mas
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import SeqSpan
+from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
 from replicas.torch_engine.sequence import Sequence, release_text
 
 if TYPE_CHECKING:
     from replicas.torch_engine.model import LlamaModel
     from replicas.torch_engine.native_model import NativeLlamaModel
+    from replicas.torch_engine.prefix_cache import PrefixCache
     from replicas.torch_engine.suffix_drafts import DeviceSuffixDrafts, HostSuffixDrafts
 
 logger = logging.getLogger(__name__)
@@ -36,9 +38,11 @@ class EngineCore:
     """Owns the model, the KV cache, the suffix automata and the MTP drafter; not thread-safe."""
 
     def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
-                 mtp, decode, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0):
+                 mtp, decode, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0,
+                 prefix: PrefixCache | None = None):
         self.model = model
         self.cache = cache
+        self.prefix = prefix  # KV blocks shared by prefix across requests, or None
         self.suffix = suffix  # the requests' suffix automata, fed once per step
         self.mtp = mtp  # MTPDrafter or None
         self.mtp_min_confidence = mtp_min_confidence
@@ -73,7 +77,12 @@ class EngineCore:
         return bool(self.waiting or self.running)
 
     def _release(self, seq: Sequence) -> None:
-        """Free every per-request resource: KV slot, SA slot, MTP slot."""
+        """Free every per-request resource: KV slot, SA slot, MTP slot, prefix blocks held."""
+        if self.prefix is not None:
+            if seq.finish_reason in ("stop", "length") and seq.slot >= 0:
+                self._store_prefix(seq, finished=True)  # its last, partial block: the next turn starts there
+            self.prefix.release(seq.prefix_blocks)
+            seq.prefix_hidden = []
         if seq.slot >= 0:
             self.cache.free(seq.slot)
             if self.mtp is not None:
@@ -124,9 +133,18 @@ class EngineCore:
             self.mtp.add(seq.slot)  # with the KV slot, so releasing one always releases both
         resumed = list(seq.output_ids)
         context = seq.prompt_ids + resumed[:-1]
-        hidden = self.model(torch.tensor(context, dtype=torch.long), [SeqSpan(seq.slot, 0, len(context))],
-                            self.cache)  # [P, d]
+        reused, reused_hidden = 0, None
+        if self.prefix is not None:  # the longest cached prefix goes into the slot: prefill the rest
+            seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
+            reused = self.cache.lengths[seq.slot]
+            seq.cached_tokens = min(reused, len(seq.prompt_ids))
+        hidden = self.model(torch.tensor(context[reused:], dtype=torch.long),
+                            [SeqSpan(seq.slot, reused, len(context) - reused)], self.cache)  # [P - reused, d]
+        if reused_hidden is not None:  # the MTP head needs every position's: [P, d]
+            hidden = torch.cat((reused_hidden, hidden))
         seq.num_cached = len(context)
+        # (without an MTP head no hidden state is stored: the offset is moot)
+        self._store_prefix(seq, hidden[len(seq.prefix_blocks) * BLOCK_TOKENS:])
         logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
         new = resumed or [self._verify(seq, [], logits).tokens[0]]
         self.suffix.add(seq.sa_id, seq.prompt_ids)
@@ -211,8 +229,25 @@ class EngineCore:
                 if self.mtp is not None:
                     self.mtp.observe(seq.slot, hidden[rows][:kept], torch.tensor(verdict.tokens, dtype=torch.long))
                 self._emit(seq, verdict.tokens, logits[rows])
+                self._store_prefix(seq, hidden[rows][:kept])
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
+
+    def _store_prefix(self, seq: Sequence, hidden: torch.Tensor | None = None, finished: bool = False) -> None:
+        """Offer the request's newly committed positions to the prefix cache; `hidden` holds
+        their hidden states (the MTP head reruns over them when a later request reuses them).
+        `finished`: the request is over; its last, partial block goes in too."""
+        if self.prefix is None:
+            return
+        if self.mtp is not None and hidden is not None:
+            seq.prefix_hidden.append(hidden.clone())
+        if not finished and seq.num_cached // BLOCK_TOKENS <= len(seq.prefix_blocks):
+            return  # no whole block yet
+        pending = torch.cat(seq.prefix_hidden) if seq.prefix_hidden else None
+        tokens = seq.prompt_ids + seq.output_ids  # a stop may have cut accepted drafts off the output
+        used = self.prefix.extend(seq.prefix_blocks, tokens, min(seq.num_cached, len(tokens)), seq.slot, pending,
+                                  tail=finished)
+        seq.prefix_hidden = [pending[used:]] if pending is not None else []
 
     @staticmethod
     def _sa_fallback(seq: Sequence, plan: DraftPlan) -> tuple[DraftPlan, list[int]]:
@@ -291,4 +326,10 @@ class EngineCore:
             accepted_tokens=dict(self.totals.accepted_tokens),
             step_ms=self.step_ms.value,
             tokens_per_s=self.tokens_per_s.value,
+            **(self._prefix_stats() if self.prefix is not None else {}),
         )
+
+    def _prefix_stats(self) -> dict[str, int]:
+        stats = self.prefix.stats
+        return dict(prefix_hit_tokens=stats.hit_tokens, prefix_prompt_tokens=stats.prompt_tokens,
+                    prefix_cached_blocks=self.prefix.cached_blocks, prefix_evicted_blocks=stats.evicted_blocks)

@@ -44,6 +44,10 @@ class TorchEngineConfig:
     # chat and code edits, and 0.3 was slower than no speculation on chat.
     mtp_min_confidence: float = 0.7
     sa_global_pool_tokens: int = 1 << 20  # cross-request suffix pool; 0 disables it
+    # KV blocks kept for reuse by later prompts with the same start (prefix_cache.py); 0
+    # turns the cache off. Must hold one whole context window (the default model needs
+    # about 0.8 MB per 32 tokens: 104 MB at max_seq_len 4096); 256 MiB is ~10k tokens.
+    prefix_cache_bytes: int = 256 << 20
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
@@ -54,8 +58,9 @@ class TorchEngineConfig:
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if not 0 <= self.mtp_min_confidence <= 1:
             raise ValueError(f"mtp_min_confidence: must be in [0, 1], got {self.mtp_min_confidence}")
-        if self.num_threads < 0 or self.sa_global_pool_tokens < 0:
-            raise ValueError("num_threads and sa_global_pool_tokens must be >= 0")
+        for name in ("num_threads", "sa_global_pool_tokens", "prefix_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
 class TorchEngine:
@@ -113,6 +118,12 @@ class TorchEngine:
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
+        prefix = None
+        if cfg.prefix_cache_bytes:
+            from replicas.torch_engine.prefix_cache import PrefixCache
+
+            prefix = PrefixCache(cache, model.cfg.hidden_size if cfg.mtp_weights is not None else 0,
+                                 cfg.prefix_cache_bytes)
         suffix = suffix_drafts(device, cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
         mtp = None
         if cfg.mtp_weights is not None:
@@ -121,7 +132,7 @@ class TorchEngine:
             path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
             mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return EngineCore(model, cache, suffix, mtp, decode, cfg.speculation, cfg.mtp_min_confidence)
+        return EngineCore(model, cache, suffix, mtp, decode, cfg.speculation, cfg.mtp_min_confidence, prefix)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -14,7 +14,10 @@ from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, S
 from replicas.stats import SpecCounters
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from replicas.speculation.grammar import Constraint
+    from replicas.torch_engine.prefix_cache import Block
 
 
 @dataclass
@@ -30,6 +33,9 @@ class Sequence:
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose KV is in the cache
+    cached_tokens: int = 0  # of the prompt, positions whose KV came from the prefix cache
+    prefix_blocks: list[Block] = field(default_factory=list)  # prefix-cache blocks held (PrefixCache)
+    prefix_hidden: list[Tensor] = field(default_factory=list)  # hidden rows past them, not yet stored
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
     mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
@@ -114,6 +120,7 @@ def release_text(seq: Sequence, decode) -> GenerationDelta | None:
         error=seq.error,
         prompt_tokens=len(seq.prompt_ids),
         completion_tokens=len(seq.output_ids),
+        cached_tokens=seq.cached_tokens,
         speculation=seq.counters.usage(),
         logprobs=new_logprobs,
     )

@@ -71,6 +71,10 @@ class TrtllmApi:
     def sampling_fields(self) -> frozenset[str]:
         return field_names(self.sampling_params_cls)
 
+    @property
+    def kv_cache_fields(self) -> frozenset[str]:
+        return field_names(self.kv_cache_config_cls)
+
 
 def api_from_modules(trtllm: Any, llmapi: Any) -> TrtllmApi:
     """Describe an imported `tensorrt_llm` (or a contract fake of it)."""

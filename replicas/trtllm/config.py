@@ -36,6 +36,9 @@ class TrtllmEngineConfig:
     max_num_tokens: int = 8192
     max_seq_len: int = 8192
     free_gpu_memory_fraction: float = 0.85  # KV cache share of the GPU memory left after weights
+    # Upstream's prefix cache: a prompt reuses the KV blocks of an earlier one with the same
+    # prefix (KvCacheConfig.enable_block_reuse); off recomputes every prompt in full.
+    enable_block_reuse: bool = True
     cuda_graphs: bool = True  # capture decode CUDA graphs up to max_batch_size (padded)
     sa_global_pool: bool = False  # SA searches every live request's automaton, not only its own
     # Optional taper below the batch gate, upstream's `draft_len_schedule` format:

@@ -63,6 +63,26 @@ def request_usage(perf_metrics: Any, decoding_iter: int, completion_tokens: int)
     }
 
 
+def cached_prompt_tokens(reported: Any, prompt_tokens: int) -> int:
+    """A result's `cached_tokens`, bounded by its prompt (0 when the release has none).
+
+    Upstream sets `RequestOutput.cached_tokens` from each response (executor/result.py) to
+    `LlmRequest.cached_tokens`, which latches the first value written: the KV positions its
+    first context chunk did not compute, i.e. the reused prefix (_torch/pyexecutor/
+    model_engine.py, llm_request.py), at most the prompt less its last token. Upstream has
+    also reported a whole sequence length there (a disaggregated generation-only request whose
+    first write came from a decode step), so the figure is clamped to the prompt: a hit rate
+    never exceeds 1.
+    """
+    return max(0, min(int(reported or 0), prompt_tokens))
+
+
+def prefilled(token_ids: Sequence[int], upstream_finish: str | None) -> bool:
+    """Has upstream run the request's prefill? It has output tokens, or it ended for a reason
+    other than cancellation (a stop string trimmed from the first token leaves none)."""
+    return bool(token_ids) or upstream_finish in ("stop", "length")
+
+
 @dataclass
 class OutputTracker:
     request_id: str
@@ -71,6 +91,7 @@ class OutputTracker:
     sent_chars: int = 0
     sent_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served from upstream's prefix cache (block reuse)
     usage: dict[str, float] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
 
@@ -113,5 +134,5 @@ class OutputTracker:
         return GenerationDelta(
             request_id=self.request_id, token_ids=ids, text=text, finish_reason=finish, error=error,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            speculation=dict(self.usage),
+            cached_tokens=self.cached_tokens, speculation=dict(self.usage),
         )

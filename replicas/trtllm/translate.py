@@ -159,6 +159,18 @@ def guided_decoding_kwargs(grammar: GrammarSpec) -> dict[str, Any]:
     return {"json": {**grammar.schema(), "x-guidance": JSON_LAYOUT}}
 
 
+def kv_cache_kwargs(config: TrtllmEngineConfig, have: frozenset[str]) -> dict[str, Any]:
+    """KvCacheConfig kwargs; `have` is its fields. Block reuse is always passed, on or off:
+    upstream's default has changed (True in the LLM API's KvCacheConfig, llmapi/llm_args.py;
+    false in the older executor API's `enableBlockReuse`)."""
+    kwargs = {"free_gpu_memory_fraction": config.free_gpu_memory_fraction,
+              "enable_block_reuse": config.enable_block_reuse}
+    missing = sorted(k for k in kwargs if k not in have)
+    if missing:
+        raise UnsupportedRelease(f"this TensorRT-LLM's KvCacheConfig has no {missing}")
+    return kwargs
+
+
 def llm_kwargs(config: TrtllmEngineConfig, have: frozenset[str]) -> dict[str, Any]:
     """LLM(...) scalar kwargs; `have` is TorchLlmArgs' fields (empty: trust the core set)."""
     kwargs: dict[str, Any] = {

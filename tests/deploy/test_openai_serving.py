@@ -124,6 +124,17 @@ def test_usage_reports_speculation_and_the_request_can_turn_it_off(client):
     assert off.choices[0].text == spec.choices[0].text  # greedy speculation is exact
 
 
+def test_a_repeated_conversation_reports_its_cached_prompt_tokens(client):
+    chat = [{"role": "user", "content": "Summarise this log:\n" + "\n".join(
+        f"{i:04d} worker-{i % 3} finished task {i * 7} in {i % 11} ms" for i in range(40))}]
+    first = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
 def test_32_concurrent_streams_all_complete(url, client):
     prompts = [f"Count from {i} to {i + 20}:" for i in range(4)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text

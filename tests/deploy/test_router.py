@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from replicas.engine import GenerationRequest, SamplingParams
+from replicas.speculation.affinity import preferred_replica, prefix_key
 from replicas.speculation.ranking import ReplicaLoad, all_above_gate, hold_at_gate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,9 +50,11 @@ def _router_with_replicas(stats_by_id, queue_by_id=None):
     return router, replicas
 
 
-def _pending(method="generate", age_s=0.0):
-    return SimpleNamespace(metadata=SimpleNamespace(call_method=method), kwargs={}, created_at=time.time() - age_s,
-                           routing_context=SimpleNamespace(should_backoff=False))
+def _pending(method="generate", age_s=0.0, prompt="hi"):
+    # Serve's PendingRequest: the call's positional args (Replica.generate's GenerationRequest) and kwargs
+    request = GenerationRequest(request_id="r", prompt=prompt, sampling=SamplingParams())
+    return SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=[request], kwargs={},
+                           created_at=time.time() - age_s, routing_context=SimpleNamespace(should_backoff=False))
 
 
 def test_router_adapter_ranks_and_marks():
@@ -135,6 +139,29 @@ def test_no_request_waits_for_a_gate_nobody_has():
     loads = [ReplicaLoad.from_stats("off", {"batch_size": 9, "batch_gate": 0, "speculating": 0,
                                             "acceptance_length": 3.0})]
     assert all_above_gate(loads) and not hold_at_gate(loads, waited_s=0.1, hold_s=5.0, min_acceptance=1.0)
+
+
+def test_prompts_that_start_alike_go_to_one_replica_while_it_has_room():
+    stats = {rid: {"batch_size": 1, "batch_gate": 4, "acceptance_length": 2.0} for rid in ("a", "b", "c")}
+    router, replicas = _router_with_replicas(stats)
+    router.initialize_state(prefix_affinity_chars=64)
+    turn1 = "system: you edit code. " * 4 + "user: rename x"
+    turn2 = turn1 + " assistant: done. user: now rename y"
+    home = preferred_replica(prefix_key(turn1, 64), ["a", "b", "c"])
+    for prompt in (turn1, turn2):
+        ranks = asyncio.run(router.choose_replicas(replicas, _pending(prompt=prompt)))
+        assert ranks[0][0].replica_id.unique_id == home
+
+    busy = {**stats, home: {"batch_size": 4, "batch_gate": 4, "acceptance_length": 2.0}}  # at its gate
+    router, replicas = _router_with_replicas(busy)
+    router.initialize_state(prefix_affinity_chars=64)
+    ranks = asyncio.run(router.choose_replicas(replicas, _pending(prompt=turn2)))
+    assert ranks[0][0].replica_id.unique_id != home
+
+    router, replicas = _router_with_replicas(stats)
+    router.initialize_state(prefix_affinity_chars=0)  # off: the gate rule alone (ties keep input order)
+    ranks = asyncio.run(router.choose_replicas(replicas, _pending(prompt=turn2)))
+    assert [r[0].replica_id.unique_id for r in ranks] == ["a", "b", "c"]
 
 
 def test_importing_the_router_does_not_import_torch():

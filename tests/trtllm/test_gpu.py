@@ -1,4 +1,5 @@
-"""Real TensorRT-LLM on a GPU: speculative greedy output equals non-speculative output.
+"""Real TensorRT-LLM on a GPU: speculative greedy output equals non-speculative output, and
+KV block reuse serves a repeated prompt's prefix.
 
 Marked `gpu` (skipped without CUDA by tests/conftest.py) and skipped without tensorrt_llm.
 Run inside the pinned container on one GPU (docs/trtllm.md):
@@ -71,3 +72,27 @@ def baseline():
 @pytest.mark.parametrize("mode", ["hybrid", "mtp", "sa"])
 def test_speculative_greedy_output_equals_plain(baseline, mode):
     assert generate_all(mode) == baseline
+
+
+def test_a_repeated_prompt_reuses_its_kv_blocks():
+    """Upstream's block reuse (on by default) serves a repeated prompt's prefix from its cache."""
+    pytest.importorskip("tensorrt_llm")
+    from replicas.trtllm_engine import TrtllmEngine, TrtllmEngineConfig
+
+    async def go():
+        engine = TrtllmEngine(TrtllmEngineConfig(
+            model=MODEL, max_batch_size=4, max_seq_len=4096, max_num_tokens=4096,
+            speculation=SpeculationConfig(mode="off"),
+        ))
+        await engine.start()
+        try:
+            finals = [(await collect(engine, request(PROMPTS[0], max_tokens=16, rid=f"reuse-{i}")))[-1]
+                      for i in range(2)]
+            return finals, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    (first, again), stats = asyncio.run(go())
+    assert first.cached_tokens == 0 and 0 < again.cached_tokens < again.prompt_tokens
+    assert stats.prefix_hit_tokens == again.cached_tokens
+    assert stats.prefix_prompt_tokens == first.prompt_tokens + again.prompt_tokens

@@ -4,7 +4,8 @@ Surface mirrored (tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_param
   LLM(**kwargs) rejects keywords TorchLlmArgs lacks (upstream raises ValueError);
   generate_async(inputs, sampling_params, streaming=True) -> a result that is async-iterable,
     yields itself with .outputs[0].{text, token_ids, finish_reason, request_perf_metrics},
-    has .finished, .abort() (final output then has finish_reason 'cancelled');
+    has .finished, .abort() (final output then has finish_reason 'cancelled') and
+    .cached_tokens (executor/result.py GenerationResultBase: the reused prompt prefix);
   stop strings are matched on token ids and trimmed from the final output only;
   get_stats_async(timeout) -> async iterable of iteration rows, ending after `timeout` idle,
     empty until a request was submitted; shutdown(); _check_health(); .tokenizer.
@@ -17,6 +18,14 @@ from a plain Python process such as a Serve replica is reported to die with MPI_
 (llmapi/utils.py), which keeps the worker in the calling process. Building the SA pool checks
 its size against max_batch_size as SuffixAutomatonManager (_torch/speculative/suffix_automaton.py)
 does.
+
+Block reuse (KvCacheConfig.enable_block_reuse, on by default): a prefilled prompt's whole
+blocks of tokens_per_block are remembered, and a later request reuses its longest remembered
+prefix of whole blocks, so its result reports that many `cached_tokens` from its first output
+on. Only the first len - 1 prompt tokens count, as in upstream's BlockManager
+(cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp: "only (length - 1) tokens of the sequence
+have their kv-state recorded"); requests scheduled in one iteration do not reuse each other's
+blocks, which are stored after the step. Not modelled: partial-block reuse and eviction.
 
 The toy model repeats its prompt (token t+1 = prompt[len(output) % len(prompt)]), so the
 output does not depend on speculation. Each step drafts `runtime_draft_len(batch)` tokens per
@@ -34,7 +43,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional, Union
 
-from tests.trtllm.fake_tensorrt_llm.llmapi import SADecodingConfig, TorchLlmArgs
+from tests.trtllm.fake_tensorrt_llm.llmapi import KvCacheConfig, SADecodingConfig, TorchLlmArgs
 
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 
@@ -148,6 +157,7 @@ class FakeRequestOutput:
         self.aborted = False
         self.iterations = 0
         self.decoding_iter = 0  # upstream GenerationResultBase.decoding_iter
+        self.cached_tokens = 0  # upstream GenerationResultBase.cached_tokens, set at scheduling
         self.draft_total = self.accepted_total = 0
         self._ids: list[int] = []  # the engine's view of the output
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -178,6 +188,8 @@ class LLM:
         if refusal := sa_pool_refusal(self.args):
             raise ValueError(refusal)
         self.tokenizer = TransformersTokenizer(FakeTokenizer())
+        self.kv_cache_config = self.args.kv_cache_config or KvCacheConfig()
+        self.reusable_prefixes: set[tuple[int, ...]] = set()  # whole-block prompt prefixes held
         self.stats_as_json = False
         self.iteration_latency_ms = 10.0
         self.abort_calls: list[FakeRequestOutput] = []
@@ -217,6 +229,24 @@ class LLM:
         return not self.fatal
 
     # -- the toy engine loop ----------------------------------------------------------------
+    def _whole_block_prefixes(self, prompt: list[int]) -> list[tuple[int, ...]]:
+        n = self.kv_cache_config.tokens_per_block
+        return [tuple(prompt[:end]) for end in range(n, len(prompt), n)]  # within the first len - 1
+
+    def _reused_tokens(self, prompt: list[int]) -> int:
+        if not self.kv_cache_config.enable_block_reuse:
+            return 0
+        reused = 0
+        for prefix in self._whole_block_prefixes(prompt):
+            if prefix not in self.reusable_prefixes:
+                break
+            reused = len(prefix)
+        return reused
+
+    def _store_blocks(self, prompt: list[int]) -> None:
+        if self.kv_cache_config.enable_block_reuse:
+            self.reusable_prefixes.update(self._whole_block_prefixes(prompt))
+
     def _draft_len(self, batch: int) -> int:
         spec = self.args.speculative_config
         return 0 if spec is None else spec.runtime_draft_len(batch)
@@ -235,6 +265,9 @@ class LLM:
             gen = [r for r in batch if r.iterations > 0 and not r.aborted]
             k = self._draft_len(len(batch))
             drafts = accepted = 0
+            scheduled = [r for r in batch if r.iterations == 0 and not r.aborted]
+            for req in scheduled:
+                req.cached_tokens = self._reused_tokens(req.prompt_token_ids)
             for req in batch:
                 if req.aborted:
                     self._finish(req, "cancelled")
@@ -247,6 +280,8 @@ class LLM:
                     req.draft_total += k
                     req.accepted_total += acc
                 self._emit(req, 1 + acc)
+            for req in scheduled:
+                self._store_blocks(req.prompt_token_ids)
             with_drafts = len(gen) if k else 0
             self._rows.put_nowait({
                 "iter": 0, "iterLatencyMS": self.iteration_latency_ms,

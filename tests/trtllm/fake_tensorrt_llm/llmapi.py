@@ -173,9 +173,14 @@ SpeculativeConfig = Union[Eagle3DecodingConfig, MTPDecodingConfig, SADecodingCon
 
 
 class KvCacheConfig(StrictBaseModel):
+    """The pinned reference's KvCacheConfig, the fields the adapter or the fake reads:
+    `enable_block_reuse` (default True) turns the prefix cache on, which reuses whole blocks
+    of `tokens_per_block` (default 32) prompt tokens."""
+
     free_gpu_memory_fraction: Optional[float] = None
     enable_block_reuse: bool = True
     max_tokens: Optional[int] = None
+    tokens_per_block: int = 32
 
 
 def default_cuda_graph_batch_sizes(max_batch_size: int, enable_padding: bool) -> list[int]:

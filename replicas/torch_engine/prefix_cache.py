@@ -1,0 +1,230 @@
+"""Prefix cache: KV of earlier requests in fixed 32-token blocks, reused by prompts that start alike.
+
+Blocks form a tree keyed by their tokens (a radix tree over token blocks): block i of a
+sequence is the child, under block i-1, keyed by tokens [32i, 32i + 32). A path from the
+root is a token prefix, matched exactly (keys are the tokens, not a hash of them), so a
+new request reuses the longest prefix its context shares with any earlier one (whole
+blocks, then the leading positions of one more) and prefills only the rest.
+
+Exact by construction: the KV (and hidden state) of a position depends only on the tokens
+up to it, and the native forward computes each row's bits the same whatever else its
+step holds, so KV stored from one request's prefill or decode steps is bitwise what a cold
+prefill of the same tokens writes. Only positions whose KV is committed (below the
+request's `num_cached`) are stored, so a verify's rejected draft positions never get in.
+
+The blocks live in a pool of their own and are copied into a request's KV slot on
+admission (about 0.75 MB per block for the default model: milliseconds for a 1k-token
+prefix, against seconds of prefill); the forward keeps reading one contiguous slot per
+request. A block is held (reference-counted) by every running request whose context
+passes through it, from admission until the request ends; the least recently used blocks
+that no request holds and that have no children are evicted when the pool is full. When
+nothing can be evicted, a request simply stores no more blocks: a full cache means cold
+prefill, never an error.
+
+The MTP head's own KV depends on the token after each position, which a block's key does
+not fix, so the head's cache is not stored: the target's hidden states are, and the head
+reruns over them (its one layer costs a few percent of the target's prefill).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+from torch import Tensor
+
+from replicas.torch_engine.kv_cache import KVCache
+
+BLOCK_TOKENS = 32  # the native K layout's block: a cached block is one of them, copied whole
+BUDGET_KEY = "prefix_cache_bytes"
+
+
+@dataclass(eq=False)
+class Block:
+    """One cached block: a row of the pools, its place in the tree, who holds it."""
+
+    row: int  # index into the pools; -1 for the root
+    parent: Block | None
+    key: tuple[int, ...]
+    children: dict[tuple[int, ...], Block] = field(default_factory=dict)
+    refs: int = 0  # running requests holding it
+
+
+@dataclass
+class PrefixStats:
+    """Monotonic counters: prompt tokens admitted, those served from the cache, blocks evicted."""
+
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    evicted_blocks: int = 0
+
+
+class PrefixCache:
+    """Blocks of committed KV (and hidden states, for the MTP head) shared across requests by prefix."""
+
+    def __init__(self, cache: KVCache, hidden_size: int, budget_bytes: int) -> None:
+        """`cache`: the target's KV cache (its slots are what blocks are copied into and out
+        of); `hidden_size` 0 keeps no hidden states (no MTP head). `budget_bytes` must hold
+        the blocks of one full context window (`cache.max_seq_len`)."""
+        layers, _, heads, _, head_dim = cache.k.shape
+        kv_shape = (layers, 0, heads, BLOCK_TOKENS, head_dim)
+        self.block_bytes = 2 * _nbytes(kv_shape[:1] + (1,) + kv_shape[2:], cache.k.dtype) \
+            + BLOCK_TOKENS * hidden_size * 4
+        self.num_blocks = budget_bytes // self.block_bytes
+        need = -(-cache.max_seq_len // BLOCK_TOKENS)
+        if self.num_blocks < need:
+            raise ValueError(f"{BUDGET_KEY}: {budget_bytes} bytes hold {self.num_blocks} blocks of "
+                             f"{BLOCK_TOKENS} tokens ({self.block_bytes} bytes each); one request's context "
+                             f"window ({cache.max_seq_len} tokens) needs {need}, so at least "
+                             f"{need * self.block_bytes} bytes (or 0 to turn the cache off)")
+        self.cache = cache
+        shape = kv_shape[:1] + (self.num_blocks,) + kv_shape[2:]
+        # Untouched pool pages cost no memory: the footprint follows what is cached.
+        self._k = torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device)  # [L, blocks, kvh, 32, hd]
+        self._v = torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device)
+        self._hidden = torch.empty((self.num_blocks, BLOCK_TOKENS, hidden_size), dtype=torch.float32,
+                                   device=cache.k.device) if hidden_size else None
+        self._root = Block(-1, None, ())
+        self._free_rows = list(range(self.num_blocks - 1, -1, -1))
+        self._lru: OrderedDict[int, Block] = OrderedDict()  # row -> block, least recently used first
+        self.stats = PrefixStats()
+
+    # -- admission ------------------------------------------------------------------------
+    def admit(self, context: Seq[int], slot: int) -> tuple[list[Block], Tensor | None]:
+        """Copy the longest cached prefix of `context` into `slot` (its length set to it) and
+        hold its whole blocks. At least one token is left to prefill (its logits are needed).
+        Past the whole blocks, the cached block sharing the most leading tokens with the rest
+        lends those positions too (the KV of a position depends on nothing after it); it is
+        copied, not held. Returns the held chain and the prefix's hidden states [n, d] (None
+        without them, or when nothing is reused)."""
+        limit = len(context) - 1
+        chain, node = [], self._root
+        for i in range(limit // BLOCK_TOKENS):
+            child = node.children.get(_key(context, i))
+            if child is None:
+                break
+            chain.append(child)
+            node = child
+        whole = len(chain) * BLOCK_TOKENS
+        tail = tuple(context[whole: min(whole + BLOCK_TOKENS, limit)])
+        partial, shared = None, 0
+        for child in node.children.values():
+            common = _common_prefix(child.key, tail)
+            if common > shared:
+                partial, shared = child, common
+        for block in chain:
+            block.refs += 1
+        for block in chain + ([partial] if partial else []):
+            self._lru.move_to_end(block.row)
+        n = whole + shared
+        self.stats.prompt_tokens += len(context)
+        self.stats.hit_tokens += n
+        if not n:
+            return chain, None
+        copied = chain + ([partial] if partial else [])
+        rows = torch.tensor([b.row for b in copied], device=self._k.device)
+        for pool, dest in ((self._k, self.cache.k), (self._v, self.cache.v)):
+            _slot_blocks(dest, slot, 0, len(copied)).copy_(pool[:, rows].transpose(1, 2))
+        self.cache.lengths[slot] = n
+        hidden = self._hidden[rows].flatten(0, 1)[:n] if self._hidden is not None else None
+        return chain, hidden
+
+    # -- storing --------------------------------------------------------------------------
+    def extend(self, chain: list[Block], tokens: Seq[int], num_committed: int, slot: int,
+               hidden: Tensor | None, tail: bool = False) -> int:
+        """Store the whole blocks of `tokens[:num_committed]` past `chain` (held, extended in
+        place), from `slot`'s KV and `hidden` [rows, d] (the hidden states from position
+        `len(chain) * 32` on). `tail`: the request is over, so its last, partial block is stored
+        too, as a leaf keyed by its fewer tokens (not held; a later prompt can reuse its leading
+        positions). Returns how many hidden rows it consumed; it stops early, without error,
+        when no block can be evicted."""
+        start = len(chain)
+        parent = chain[-1] if chain else self._root
+        for i in range(start, num_committed // BLOCK_TOKENS):
+            block = self._block(parent, _key(tokens, i), slot, i, hidden, (i - start) * BLOCK_TOKENS)
+            if block is None:
+                break
+            block.refs += 1
+            chain.append(block)
+            parent = block
+        used = (len(chain) - start) * BLOCK_TOKENS
+        end = len(chain) * BLOCK_TOKENS
+        if tail and end < num_committed and len(chain) == num_committed // BLOCK_TOKENS:
+            self._block(parent, tuple(tokens[end:num_committed]), slot, len(chain), hidden, used)
+        return used
+
+    def _block(self, parent: Block, key: tuple[int, ...], slot: int, index: int, hidden: Tensor | None,
+               first_row: int) -> Block | None:
+        """`parent`'s child under `key`, stored from block `index` of `slot` (and `hidden` rows
+        from `first_row`) if new; touched as just used. None when the pool has no room."""
+        block = parent.children.get(key)
+        if block is None:
+            row = self._take_row()
+            if row is None:
+                return None
+            block = Block(row, parent, key)
+            parent.children[key] = block
+            for pool, src in ((self._k, self.cache.k), (self._v, self.cache.v)):
+                pool[:, row] = _slot_blocks(src, slot, index, 1)[:, :, 0]
+            if self._hidden is not None:
+                self._hidden[row, :len(key)] = hidden[first_row: first_row + len(key)]
+        self._lru[block.row] = block
+        self._lru.move_to_end(block.row)
+        return block
+
+    def release(self, chain: list[Block]) -> None:
+        """The request holding `chain` has ended: its blocks may be evicted from now on."""
+        for block in chain:
+            block.refs -= 1
+        chain.clear()
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._lru)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks some running request holds (0 when the engine is idle)."""
+        return sum(1 for b in self._lru.values() if b.refs)
+
+    # -- internals ------------------------------------------------------------------------
+    def _take_row(self) -> int | None:
+        if not self._free_rows:
+            victim = next((b for b in self._lru.values() if not b.refs and not b.children), None)
+            if victim is None:
+                return None
+            del victim.parent.children[victim.key]
+            del self._lru[victim.row]
+            self._free_rows.append(victim.row)
+            self.stats.evicted_blocks += 1
+        return self._free_rows.pop()
+
+
+def _key(tokens: Seq[int], i: int) -> tuple[int, ...]:
+    return tuple(tokens[i * BLOCK_TOKENS: (i + 1) * BLOCK_TOKENS])
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _slot_blocks(cache_kv: Tensor, slot: int, first: int, count: int) -> Tensor:
+    """Blocks [first, first + count) of a slot as a view [L, kvh, count, 32, hd]. A block's
+    positions are one contiguous run of the slot whatever the layout inside it (the native
+    K is transposed within each 32-block), so copying whole blocks keeps it."""
+    span = cache_kv[:, slot, :, first * BLOCK_TOKENS: (first + count) * BLOCK_TOKENS]
+    return span.unflatten(2, (count, BLOCK_TOKENS))
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.tensor([], dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n

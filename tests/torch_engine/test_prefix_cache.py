@@ -1,0 +1,193 @@
+"""The prefix cache: a prompt served partly from cached blocks is bitwise a cold prefill.
+
+Every warm run is compared with an engine that has no prefix cache (the oracle), token for
+token and logprob for logprob; the block copy itself with `torch.equal` on logits and KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from replicas.engine import SpeculationConfig
+from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.model import SeqSpan
+from replicas.torch_engine.prefix_cache import BLOCK_TOKENS, PrefixCache
+from tests.polling import wait_until
+from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect_logprobs, request
+
+MAX_SEQ_LEN = 2048
+
+
+def _engine(device: str, **overrides) -> TorchEngine:
+    settings = dict(max_batch_size=8, max_seq_len=MAX_SEQ_LEN, speculation=SpeculationConfig(batch_gate=8))
+    return TorchEngine(TorchEngineConfig(device=device, **{**settings, **overrides}))
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engines(request, loop):
+    """(warm: the default prefix cache, cold: none), on one device."""
+    pair = (_engine(request.param), _engine(request.param, prefix_cache_bytes=0))
+    for engine in pair:
+        loop.run_until_complete(engine.start())
+    yield pair
+    for engine in pair:
+        loop.run_until_complete(engine.shutdown())
+
+
+def _ids(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(count)]
+
+
+def _run(loop, engine, prompt, **kw):
+    """(tokens, logprobs, cached_tokens) of one request run to the end."""
+    tokens, _, logprobs, last = loop.run_until_complete(collect_logprobs(engine, request(prompt, **kw)))
+    return tokens, logprobs, last.cached_tokens
+
+
+def _same_as_cold(loop, engines, prompt, **kw) -> int:
+    """Run `prompt` on both engines; assert equal tokens and logprobs; the warm run's cached tokens."""
+    warm, cold = engines
+    tokens, logprobs, cached = _run(loop, warm, prompt, logprobs=2, **kw)
+    assert (tokens, logprobs) == _run(loop, cold, prompt, logprobs=2, **kw)[:2]
+    return cached
+
+
+def _idle(engine) -> bool:
+    core = engine.core
+    return not core.has_work and core.prefix.held_blocks == 0 and core.cache.num_free == core.cache.max_slots
+
+
+def test_blocks_copied_into_a_slot_are_bitwise_a_cold_prefill(engines):
+    core = engines[0].core
+    model, cache, prefix = core.model, core.cache, core.prefix
+    first = _ids(1, 150)
+    second = first[:100] + _ids(2, 50)  # diverges inside block 3 (positions 96-127)
+    a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+    try:
+        hidden_a = model(torch.tensor(first), [SeqSpan(a, 0, len(first))], cache)
+        chain = []
+        assert prefix.extend(chain, first, len(first), a, hidden_a) == 4 * BLOCK_TOKENS
+        prefix.release(chain)
+
+        chain, reused_hidden = prefix.admit(second, b)  # 3 whole blocks, then 4 positions of block 3
+        assert len(chain) == 3 and cache.lengths[b] == 100
+        assert torch.equal(reused_hidden, hidden_a[:100])
+        warm = model(torch.tensor(second[100:]), [SeqSpan(b, 100, len(second) - 100)], cache)
+        cold = model(torch.tensor(second), [SeqSpan(c, 0, len(second))], cache)
+        assert torch.equal(warm, cold[100:])
+        assert torch.equal(model.logits(warm), model.logits(cold[100:]))
+        n = len(second)
+        assert torch.equal(cache.k[:, b, :, :n], cache.k[:, c, :, :n]) and torch.equal(cache.v[:, b, :, :n], cache.v[:, c, :, :n])
+        prefix.release(chain)
+    finally:
+        for slot in (a, b, c):
+            cache.free(slot)
+
+
+def test_repeated_prompt_and_the_next_turn_equal_cold(engines, loop):
+    warm = engines[0]
+    user = "Add type hints.\n\n```python\n" + "\n".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(12)) + "```"
+    turn1 = chat_prompt(warm, user)
+    assert _same_as_cold(loop, engines, turn1, max_tokens=48) == 0
+    cached = _same_as_cold(loop, engines, turn1, max_tokens=48)
+    assert cached == len(warm.tokenizer.encode(turn1, add_special_tokens=False)) - 1  # all but the last
+
+    answer = warm.tokenizer.decode(_run(loop, warm, turn1, max_tokens=48)[0], skip_special_tokens=True)
+    turn2 = warm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "Now add a docstring to f3."}], tokenize=False, add_generation_prompt=True)
+    assert _same_as_cold(loop, engines, turn2, max_tokens=32) >= cached  # the first turn's blocks
+    # seeded sampling draws the same tokens warm or cold
+    assert _same_as_cold(loop, engines, turn2, max_tokens=32, temperature=0.8, seed=7) > cached
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_a_prompt_diverging_mid_block_reuses_what_it_shares(engines, loop, mode):
+    base = _ids(10 + len(mode), 200)
+    _same_as_cold(loop, engines, base, max_tokens=8, mode=mode)
+    variant = base[:100] + _ids(20, 60)  # diverges at position 100, inside block 3
+    assert _same_as_cold(loop, engines, variant, max_tokens=24, mode=mode) == 100
+
+
+def test_concurrent_requests_sharing_a_prefix_equal_cold_alone(engines, loop):
+    warm, cold = engines
+    edits = code_edit_prompts(warm, 2)
+    shared = _ids(30, 300)
+    prompts = [shared + _ids(31 + i, 40) for i in range(6)] + edits
+    modes = ["auto", "sa", "mtp", "off"] * 2
+
+    async def together():
+        return await asyncio.gather(*(collect_logprobs(warm, request(p, max_tokens=40, mode=m, logprobs=1))
+                                      for p, m in zip(prompts, modes)))
+
+    results = loop.run_until_complete(together())
+    for prompt, mode, (tokens, _, logprobs, last) in zip(prompts, modes, results):
+        assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=40, mode=mode, logprobs=1)[:2]
+    assert sum(last.cached_tokens >= 300 for *_, last in results[:6]) >= 5  # the first one stores the rest's
+    assert wait_until(lambda: _idle(warm), timeout_s=10)
+
+
+def test_a_small_budget_evicts_and_a_full_cache_is_a_cold_prefill(engines, loop):
+    warm, cold = engines
+    small = _engine(cold.config.device, max_seq_len=256, prefix_cache_bytes=10 * warm.core.prefix.block_bytes)
+    loop.run_until_complete(small.start())
+    try:
+        prefix = small.core.prefix
+        assert prefix.num_blocks == 10
+        prompts = [_ids(100 + i, 100) for i in range(12)]  # 3 blocks each
+        for prompt in prompts:
+            tokens, logprobs, _ = _run(loop, small, prompt, max_tokens=16, logprobs=1)
+            assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=16, logprobs=1)[:2]
+        assert prefix.stats.evicted_blocks > 0 and prefix.cached_blocks <= 10
+        assert _run(loop, small, prompts[-1], max_tokens=4)[2] == 99  # the newest are kept (all but one token)
+
+        async def together():  # 8 x 6 blocks held at once: more than the budget
+            return await asyncio.gather(*(collect_logprobs(small, request(_ids(200 + i, 200), max_tokens=16))
+                                          for i in range(8)))
+
+        for i, (tokens, _, _, last) in enumerate(loop.run_until_complete(together())):
+            assert last.finish_reason == "length"
+            assert tokens == _run(loop, cold, _ids(200 + i, 200), max_tokens=16)[0]
+        assert wait_until(lambda: _idle(small), timeout_s=10)
+        stats = small.stats()
+        assert stats.prefix_cached_blocks == prefix.cached_blocks and stats.prefix_evicted_blocks > 0
+        assert 0 < stats.prefix_hit_tokens < stats.prefix_prompt_tokens
+    finally:
+        loop.run_until_complete(small.shutdown())
+
+
+def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop):
+    warm = engines[0]
+    prompt = _ids(300, 1500)  # a prefill of a second or more
+
+    async def abort_while_prefilling():
+        task = asyncio.ensure_future(collect_logprobs(warm, request(prompt, max_tokens=8, rid="long")))
+        while not any(s.request_id == "long" for s in warm.core.running):
+            await asyncio.sleep(0.005)
+        await warm.abort("long")
+        return (await task)[3]
+
+    last = loop.run_until_complete(abort_while_prefilling())
+    assert last.finish_reason == "abort"
+    assert wait_until(lambda: _idle(warm), timeout_s=10)
+    # the prefill stored its 46 whole blocks before the abort took effect; they are sound
+    assert _same_as_cold(loop, engines, prompt, max_tokens=8) == 46 * BLOCK_TOKENS
+
+
+def test_a_budget_below_one_context_window_is_refused_naming_the_key(loop):
+    cache = KVCache(2, 1, 256, 1, 8, dtype=torch.float16, zeroed=False)
+    with pytest.raises(ValueError, match="prefix_cache_bytes: .* needs 8"):
+        PrefixCache(cache, 16, 7 * (2 * 2 * 32 * 8 * 2 + 32 * 16 * 4))
+    assert PrefixCache(cache, 16, 8 * (2 * 2 * 32 * 8 * 2 + 32 * 16 * 4)).num_blocks == 8
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        TorchEngineConfig(prefix_cache_bytes=-1)
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=256, prefix_cache_bytes=1 << 20))
+    with pytest.raises(ValueError, match="prefix_cache_bytes: .* needs 8"):
+        loop.run_until_complete(engine.start())
+    loop.run_until_complete(engine.shutdown())
