@@ -215,10 +215,10 @@ class GenerationDelta:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
     speculation: dict[str, float] = field(default_factory=dict)  # SpecCounters.usage()
     # when asked for: one per emitted token of `token_ids`, except a final EOS / stop id
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
 
 
 @runtime_checkable

@@ -92,15 +92,18 @@ BAD_VALUES = [
 ]
 
 
-def test_the_router_gets_its_gate_hold_settings(document):
+def test_the_router_gets_its_gate_hold_and_affinity_settings(document):
     from deploy.app import replica_deployment
     from deploy.config import AppArgs
 
     args = AppArgs.model_validate(copy.deepcopy(document["applications"][0]["args"]))
     router = replica_deployment(args)._deployment_config.request_router_config
     assert router.request_router_class == "deploy.router:SpeculationGateRouter"
-    assert router.request_router_kwargs == {"gate_hold_s": args.replica.gate_hold_s,
-                                            "gate_hold_min_acceptance": args.replica.gate_hold_min_acceptance}
+    assert router.request_router_kwargs == {
+        "gate_hold_s": args.replica.gate_hold_s, "gate_hold_min_acceptance": args.replica.gate_hold_min_acceptance,
+        "prefix_affinity_chars": args.replica.prefix_affinity_chars,
+        "prefix_affinity_max_extra_load": args.replica.prefix_affinity_max_extra_load}
+    assert args.replica.prefix_affinity_chars > 0  # deploy.yaml routes by prefix
     assert args.replica.gate_hold_s > 0  # deploy.yaml holds
 
 
