@@ -20,9 +20,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.llamacpp_peer import MODES as LLAMACPP_MODES  # noqa: E402
+from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer, MODES as LLAMACPP_MODES  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
@@ -209,31 +207,20 @@ def bench_transformers(prompts: dict[str, list[str]], max_tokens: int) -> dict:
     return out
 
 
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
-
-
 def bench_llamacpp(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict | None:
     """llama.cpp's server (xllamacpp, the bench venv) on the same GGUF and prompts, batch 1 and 8."""
     if not BENCH_PYTHON.exists():
         print(f"  skipped: {BENCH_PYTHON} missing (`make bench-engine` installs it)", flush=True)
         return None
     out = {}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(prompts, f)
-        f.flush()
-        for batch in (1, 8):
-            proc = subprocess.run([str(BENCH_PYTHON), str(ROOT / "benchmarks" / "llamacpp_peer.py"),
-                                   "--gguf", str(packaged_gguf_path()), "--prompts-json", f.name,
-                                   "--max-tokens", str(max_tokens), "--threads", str(threads), "--batch", str(batch)],
-                                  capture_output=True, text=True)
-            if proc.returncode:
-                raise RuntimeError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-            run = json.loads(proc.stdout)
-            out[f"batch{batch}"] = run
-            for mode, entry in run["modes"].items():
-                for workload, figures in entry["workloads"].items():
-                    print(f"  batch {batch} {workload:9s} {mode:11s} {figures['decode_throughput_tok_s']:7.2f} tok/s decode, "
-                          f"{figures['throughput_tok_s']:7.2f} end-to-end, acceptance {figures['acceptance']}", flush=True)
+    for batch in (1, 8):
+        run = run_peer(str(packaged_gguf_path()), "--prompts-json", prompts, "--max-tokens", str(max_tokens),
+                       "--threads", str(threads), "--batch", str(batch))
+        out[f"batch{batch}"] = run
+        for mode, entry in run["modes"].items():
+            for workload, figures in entry["workloads"].items():
+                print(f"  batch {batch} {workload:9s} {mode:11s} {figures['decode_throughput_tok_s']:7.2f} tok/s decode, "
+                      f"{figures['throughput_tok_s']:7.2f} end-to-end, acceptance {figures['acceptance']}", flush=True)
     return out
 
 

@@ -28,11 +28,16 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 MODES = ("plain", "ngram_mod", "ngram_map_k")
+BENCH_PYTHON = Path(__file__).resolve().parents[1] / ".venv-bench" / "bin" / "python"  # where xllamacpp lives
 _SPEC_TYPE = {"ngram_mod": "COMMON_SPECULATIVE_TYPE_NGRAM_MOD", "ngram_map_k": "COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K"}
 _WARMUP_PROMPT = "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"
 # In this build predicted_per_second is (predicted_n - 1) / predicted_ms, timed from the first
@@ -253,8 +258,21 @@ def run_conversations(gguf_path: str, conversations: list[list[str]], max_tokens
         rows = list(pool.map(converse, conversations))
     result = {"llamacpp_version": llamacpp_version(), "threads": threads, "max_tokens": max_tokens,
               "wall_s": time.perf_counter() - start, "conversations": rows}
-    del server
     return result
+
+
+def run_peer(gguf_path: str, input_flag: str, payload: Any, *args: str) -> dict:
+    """Run this module in the bench venv (from the project's venv, where xllamacpp is not):
+    `payload` goes in as a JSON file named by `input_flag` (--prompts-json or
+    --conversations-json), `args` are further flags; returns its JSON output."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(payload, f)
+        f.flush()
+        proc = subprocess.run([str(BENCH_PYTHON), __file__, "--gguf", gguf_path, input_flag, f.name, *args],
+                              capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
 
 
 def main() -> None:

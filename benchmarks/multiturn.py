@@ -23,9 +23,7 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from benchmarks.serve import percentile  # noqa: E402
 from deploy.app import compose_app  # noqa: E402
@@ -46,7 +45,6 @@ from tests.serve_support import local_serve, replicas_serving  # noqa: E402
 from training.corpora import CODE_EDITS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 APP = "multiturn"
 MODEL = "smollm2-135m-instruct"
 FOLLOW_UPS = [
@@ -150,16 +148,8 @@ def bench_llamacpp(conversations: list[list[str]], max_tokens: int, threads: int
     if not BENCH_PYTHON.exists():
         print(f"llama.cpp skipped: {BENCH_PYTHON} missing (`make bench-multiturn` installs it)", flush=True)
         return None
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(conversations, f)
-        f.flush()
-        proc = subprocess.run([str(BENCH_PYTHON), str(ROOT / "benchmarks" / "llamacpp_peer.py"),
-                               "--gguf", str(packaged_gguf_path()), "--conversations-json", f.name,
-                               "--max-tokens", str(max_tokens), "--threads", str(threads)],
-                              capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    run = json.loads(proc.stdout)
+    run = run_peer(str(packaged_gguf_path()), "--conversations-json", conversations, "--max-tokens", str(max_tokens),
+                   "--threads", str(threads))
     rows = run.pop("conversations")
     for c in rows:
         for r in c:

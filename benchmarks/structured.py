@@ -24,9 +24,7 @@ import difflib
 import functools
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import BENCH_PYTHON, ROOT  # noqa: E402
+from benchmarks.engine import ROOT  # noqa: E402
+from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from deploy.tool_calls import format_tool_calls, parse_tool_calls, tool_call_grammar, tools_system_prompt  # noqa: E402
 from replicas.engine import JSON_LAYOUT, GenerationRequest, GrammarSpec, SamplingParams, SpeculationConfig  # noqa: E402
@@ -230,16 +229,8 @@ def bench_llamacpp(prompts: dict[str, dict], max_tokens: int, threads: int) -> d
                              "json_schema": RECORD_SCHEMA | {"x-guidance": JSON_LAYOUT}},  # our ", " and ": "
             "tool_calls": {"prompts": prompts["tool_calls"]["prompts"],
                            "grammar": "%llguidance {}\n" + prompts["tool_calls"]["grammar"].text}}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(peer, f)
-        f.flush()
-        proc = subprocess.run([str(BENCH_PYTHON), str(ROOT / "benchmarks" / "llamacpp_peer.py"), "--gguf",
-                               str(packaged_gguf_path()), "--prompts-json", f.name, "--max-tokens", str(max_tokens),
-                               "--threads", str(threads), "--modes", ",".join(LLAMACPP_MODES), "--with-text"],
-                              capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    run = json.loads(proc.stdout)
+    run = run_peer(str(packaged_gguf_path()), "--prompts-json", peer, "--max-tokens", str(max_tokens),
+                   "--threads", str(threads), "--modes", ",".join(LLAMACPP_MODES), "--with-text")
     for mode, entry in run["modes"].items():
         for workload, f in entry["workloads"].items():
             f["valid"] = sum(is_valid(workload, r["text"]) for r in f["requests"])

@@ -39,6 +39,14 @@ STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine 
 STALLED_CHECKS = 3  # health checks in a row with live requests and no new token = unhealthy
 
 
+def _follow(counter, total: int, last: int, tags: dict[str, str] | None = None) -> int:
+    """Advance a Prometheus counter by what an engine's monotonic `total` grew since `last`;
+    returns `total`, the next call's `last`."""
+    if total > last:
+        counter.inc(total - last, tags=tags)
+    return total
+
+
 class _Metrics:
     """The DESIGN.md Prometheus metrics; counters follow the engine's monotonic totals."""
 
@@ -68,18 +76,12 @@ class _Metrics:
 
     def refresh(self, stats: EngineStats) -> None:
         for source in SOURCES:
-            draft, accepted = stats.draft_tokens.get(source, 0), stats.accepted_tokens.get(source, 0)
+            tags = {"source": source}
             last_draft, last_accepted = self._last[source]
-            if draft > last_draft:
-                self.draft.inc(draft - last_draft, tags={"source": source})
-            if accepted > last_accepted:
-                self.accepted.inc(accepted - last_accepted, tags={"source": source})
-            self._last[source] = (draft, accepted)
+            self._last[source] = (_follow(self.draft, stats.draft_tokens.get(source, 0), last_draft, tags),
+                                  _follow(self.accepted, stats.accepted_tokens.get(source, 0), last_accepted, tags))
         for name, counter in self.prefix_totals.items():
-            total = getattr(stats, name)
-            if total > self._last_prefix[name]:
-                counter.inc(total - self._last_prefix[name])
-            self._last_prefix[name] = total
+            self._last_prefix[name] = _follow(counter, getattr(stats, name), self._last_prefix[name])
         self.prefix_blocks.set(stats.prefix_cached_blocks)
         self.batch.set(stats.batch_size)
         # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch

@@ -69,9 +69,7 @@ class PrefixCache:
         of); `hidden_size` 0 keeps no hidden states (no MTP head). `budget_bytes` must hold
         the blocks of one full context window (`cache.max_seq_len`)."""
         layers, _, heads, _, head_dim = cache.k.shape
-        kv_shape = (layers, 0, heads, BLOCK_TOKENS, head_dim)
-        self.block_bytes = 2 * _nbytes(kv_shape[:1] + (1,) + kv_shape[2:], cache.k.dtype) \
-            + BLOCK_TOKENS * hidden_size * 4
+        self.block_bytes = BLOCK_TOKENS * (2 * layers * heads * head_dim * cache.k.element_size() + hidden_size * 4)
         self.num_blocks = budget_bytes // self.block_bytes
         need = -(-cache.max_seq_len // BLOCK_TOKENS)
         if self.num_blocks < need:
@@ -80,7 +78,7 @@ class PrefixCache:
                              f"window ({cache.max_seq_len} tokens) needs {need}, so at least "
                              f"{need * self.block_bytes} bytes (or 0 to turn the cache off)")
         self.cache = cache
-        shape = kv_shape[:1] + (self.num_blocks,) + kv_shape[2:]
+        shape = (layers, self.num_blocks, heads, BLOCK_TOKENS, head_dim)
         # Untouched pool pages cost no memory: the footprint follows what is cached.
         self._k = torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device)  # [L, blocks, kvh, 32, hd]
         self._v = torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device)
@@ -116,14 +114,14 @@ class PrefixCache:
                 partial, shared = child, common
         for block in chain:
             block.refs += 1
-        for block in chain + ([partial] if partial else []):
+        copied = chain + ([partial] if partial else [])
+        for block in copied:
             self._lru.move_to_end(block.row)
         n = whole + shared
         self.stats.prompt_tokens += len(context)
         self.stats.hit_tokens += n
         if not n:
             return chain, None
-        copied = chain + ([partial] if partial else [])
         rows = torch.tensor([b.row for b in copied], device=self._k.device)
         for pool, dest in ((self._k, self.cache.k), (self._v, self.cache.v)):
             _slot_blocks(dest, slot, 0, len(copied)).copy_(pool[:, rows].transpose(1, 2))
@@ -221,10 +219,3 @@ def _slot_blocks(cache_kv: Tensor, slot: int, first: int, count: int) -> Tensor:
     K is transposed within each 32-block), so copying whole blocks keeps it."""
     span = cache_kv[:, slot, :, first * BLOCK_TOKENS: (first + count) * BLOCK_TOKENS]
     return span.unflatten(2, (count, BLOCK_TOKENS))
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.tensor([], dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n
