@@ -6,7 +6,9 @@ rolled back after each run; the two forwards alternate inside every repeat so th
 other processes hits both alike. Reported: median wall time and its p10-p90 spread, the cost
 of a 1..17-row verify relative to one row, batch 8, the time to first token of a 1,000-token
 prompt, decode tokens/s against the memory-bandwidth roofline (weights + KV read per token),
-and the CPU model and the kernel path used.
+and the CPU model and the kernel path used. Beside them, llama.cpp's own step of the same row
+counts on the same context and GGUF (`llamacpp_peer.run_step_costs`, in the bench venv): its
+prompt path, which computes the last row's logits only, so it is a lower bound on its verify.
 
     .venv/bin/python -m benchmarks.forward [--threads 1 2] [--repeats 15] [--context 1024]
 
@@ -25,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.llamacpp_peer import run_peer
 from benchmarks.machine import cpu_description, read_bandwidth_gbs
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model import LlamaModel, SeqSpan
 from replicas.torch_engine.native_model import NativeLlamaModel
 
-CASES = ((1, 1), (1, 2), (1, 3), (1, 5), (1, 9), (1, 13), (1, 17), (8, 1), (8, 9))  # (batch, new tokens)
+CASES = ((1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (1, 9), (1, 13), (1, 17), (8, 1), (8, 9))  # (batch, new tokens)
 PREFILL_TOKENS = 1000
 
 
@@ -106,6 +109,9 @@ def run(context: int, repeats: int, threads: list[int], warmup: int = 2) -> tupl
             "kv_bytes_per_token": 2 * 2 * native.cfg.num_layers * native.cfg.num_kv_heads * native.cfg.head_dim * context,
             "ttft_ms": {"ours": time_to_first_token_ms(native, long_prompt, 3),
                         "fp32": time_to_first_token_ms(fp32, long_prompt, 3)},
+            "llamacpp": run_peer(str(packaged_gguf_path()), "--step-costs-json",
+                                 {"context": prompt_ids.tolist(), "rows": [t for b, t in CASES if b == 1],
+                                  "repeats": repeats}, "--threads", str(num_threads)),
         }
         for batch in sorted({b for b, _ in CASES}):
             sides = Side(native, prompt_ids, batch), Side(fp32, prompt_ids, batch)
@@ -137,13 +143,15 @@ def summarize(rows: list[Row], per_threads: dict, bandwidth: dict[int, float]) -
     for num_threads, extra in per_threads.items():
         ms = {(r.batch, r.new_tokens): r for r in rows if r.threads == num_threads}
         one = ms[(1, 1)]
+        peer_ms = {int(t): v for t, v in extra["llamacpp"]["step_ms"].items()}
         bytes_per_token = extra["weight_bytes"] + extra["kv_bytes_per_token"]
         roofline = bandwidth[num_threads] * 1e9 / bytes_per_token
         decode = 1e3 / one.ours_ms
         out[str(num_threads)] = {
             **extra,
             "verify_cost_vs_one_row": {str(t): {"ours": round(ms[(1, t)].ours_ms / one.ours_ms, 2),
-                                                "fp32": round(ms[(1, t)].fp32_ms / one.fp32_ms, 2)}
+                                                "fp32": round(ms[(1, t)].fp32_ms / one.fp32_ms, 2),
+                                                "llamacpp": round(peer_ms[t] / peer_ms[1], 2)}
                                        for b, t in CASES if b == 1},
             "batch8_verify9_vs_decode": round(ms[(8, 9)].ours_ms / ms[(8, 1)].ours_ms, 2),
             "decode_tok_s": {"ours": round(decode, 1), "fp32": round(1e3 / one.fp32_ms, 1)},
@@ -155,7 +163,7 @@ def summarize(rows: list[Row], per_threads: dict, bandwidth: dict[int, float]) -
     return out
 
 
-def plot(rows: list[Row], path: Path, title: str) -> None:
+def plot(rows: list[Row], per_threads: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,6 +176,9 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
             base = getattr(own[0], field)
             label = f"{'native' if field == 'ours_ms' else 'fp32 torch'}, {num_threads} thread(s)"
             ax.plot([r.new_tokens for r in own], [getattr(r, field) / base for r in own], style, label=label)
+        peer = {int(t): ms for t, ms in per_threads[num_threads]["llamacpp"]["step_ms"].items()}
+        ax.plot(sorted(peer), [peer[t] / peer[1] for t in sorted(peer)], ":^",
+                label=f"llama.cpp (last row's logits only), {num_threads} thread(s)")
     ax.set_xlabel("rows in the step (1 = plain decode, K+1 = verify of K drafts)")
     ax.set_ylabel("step time / 1-row step")
     ax.set_title(title, fontsize=9)
@@ -196,7 +207,7 @@ def main() -> None:
     result = {"cpu": cpu, "context_tokens": args.context, "repeats": args.repeats, "torch": torch.__version__,
               "load_average_at_end": os.getloadavg(), "summary": summary, "rows": [asdict(r) for r in rows]}
     args.out.write_text(json.dumps(result, indent=2))
-    plot(rows, args.out.with_suffix(".png"), f"verify cost, {cpu['model']} fam {cpu['family']} model "
+    plot(rows, per_threads, args.out.with_suffix(".png"), f"verify cost, {cpu['model']} fam {cpu['family']} model "
                                              f"{cpu['model_number']}, {args.context}-token context")
     print(f"wrote {args.out}")
 

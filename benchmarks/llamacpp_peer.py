@@ -12,6 +12,8 @@ so importing this module needs nothing and does nothing.
     .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --conversations-json C.json \
         [--max-tokens 32] [--threads 2]
 
+    .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --step-costs-json S.json [--threads 2]
+
 P.json maps a workload name to raw, already chat-templated prompts: {"chat": ["<|im_start|>..."]},
 or, for constrained output, to {"prompts": [...], "json_schema": {...}} or {"prompts": [...],
 "grammar": "..."} (llama.cpp's own request fields; this build takes `%llguidance` grammars):
@@ -20,6 +22,10 @@ C.json is a list of conversations, each a list of raw turn prompts (each turn's 
 holding the earlier turns): they run at once, one slot each, turns in order, with llama.cpp's
 prompt cache on (`cache_prompt`), and each turn reports how many prompt tokens the slot's
 cache supplied (`timings.cache_n`).
+S.json is {"context": [token ids], "rows": [1, 2, 8, ...], "repeats": 9}: the time llama.cpp takes
+for one forward step of each row count on top of that cached context (its prompt path: a batch
+of new tokens after `cache_prompt` supplied the context, timed by its own `timings.prompt_ms`;
+unlike a verify it computes logits for the batch's last row only).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -261,10 +268,35 @@ def run_conversations(gguf_path: str, conversations: list[list[str]], max_tokens
     return result
 
 
+def run_step_costs(gguf_path: str, context: list[int], rows: list[int], repeats: int, threads: int = 2) -> dict:
+    """Median ms of a step of each row count on the cached `context`, rounds interleaved.
+    Returns {"llamacpp_version", "threads", "step_ms": {rows: ms}}."""
+    server, _ = _start_server(gguf_path, "plain", threads, 1, -(-(len(context) + max(rows) + 16) // 256) * 256)
+    rng = random.Random(0)
+
+    def step(new_tokens: int) -> float:
+        chunks: list[dict] = []
+        extra = [rng.randrange(100, 40000) for _ in range(new_tokens)]
+        request = {"prompt": context + extra, "max_tokens": 1, "temperature": 0.0, "cache_prompt": True}
+        server.handle_completions(request, lambda chunk: chunks.append(chunk) or False)
+        timings = chunks[-1].get("timings") if chunks else None
+        if not timings or timings["prompt_n"] != new_tokens:
+            raise RuntimeError(f"llama.cpp did not reuse the cached context: {json.dumps(chunks[-1:])[:500]}")
+        return timings["prompt_ms"]
+
+    server.handle_completions({"prompt": context, "max_tokens": 1, "cache_prompt": True}, lambda chunk: False)
+    samples: dict[int, list[float]] = {n: [] for n in rows}
+    for _ in range(repeats):
+        for n in rows:
+            samples[n].append(step(n))
+    return {"llamacpp_version": llamacpp_version(), "threads": threads,
+            "step_ms": {n: round(statistics.median(v), 2) for n, v in samples.items()}}
+
+
 def run_peer(gguf_path: str, input_flag: str, payload: Any, *args: str) -> dict:
     """Run this module in the bench venv (from the project's venv, where xllamacpp is not):
-    `payload` goes in as a JSON file named by `input_flag` (--prompts-json or
-    --conversations-json), `args` are further flags; returns its JSON output."""
+    `payload` goes in as a JSON file named by `input_flag` (--prompts-json, --conversations-json
+    or --step-costs-json), `args` are further flags; returns its JSON output."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(payload, f)
         f.flush()
@@ -282,12 +314,18 @@ def main() -> None:
     group.add_argument("--prompts-json",
                        help='{"workload": ["raw prompt", ...] or {"prompts": [...], "json_schema": {...}}}')
     group.add_argument("--conversations-json", help='[["turn 1 prompt", "turn 2 prompt", ...], ...]')
+    group.add_argument("--step-costs-json", help='{"context": [ids], "rows": [1, 8, ...], "repeats": 9}')
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--with-text", action="store_true", help="keep each request's generated text")
     args = parser.parse_args()
+    if args.step_costs_json:
+        with open(args.step_costs_json, encoding="utf-8") as f:
+            spec = json.load(f)
+        print(json.dumps(run_step_costs(args.gguf, spec["context"], spec["rows"], spec["repeats"], args.threads)))
+        return
     if args.conversations_json:
         with open(args.conversations_json, encoding="utf-8") as f:
             print(json.dumps(run_conversations(args.gguf, json.load(f), args.max_tokens, args.threads), indent=1))

@@ -40,12 +40,26 @@ struct QuantRows {
   int k;
 };
 
-// A weight matrix [n, k] in column groups; n % 8 == 0, k % 32 == 0.
+// A weight matrix [n, k] in column groups; n % 8 == 0, k % 32 == 0. The groups go in pairs
+// whose blocks alternate (block b of group 2p, then block b of group 2p + 1), so a kernel
+// that takes 16 columns at once reads one stream; an odd last group stands alone.
 struct PackedMatrix {
   WeightType type;
   int n, k;
-  const uint8_t* data;  // (n / 8) * (k / 32) group blocks, group-major
+  const uint8_t* data;  // (n / 8) * (k / 32) group blocks
 };
+
+// Column group g's block 0, and the bytes from one of its blocks to the next.
+inline size_t group_offset(WeightType t, int k, int g) {
+  const size_t pair_bytes = 2 * static_cast<size_t>(k / 32) * group_block_bytes(t);
+  return static_cast<size_t>(g / 2) * pair_bytes + (g % 2) * group_block_bytes(t);
+}
+inline size_t group_stride(WeightType t, int n, int g) {
+  const bool paired = (g | 1) < n / kGroupCols;
+  return (paired ? 2 : 1) * group_block_bytes(t);
+}
+inline const uint8_t* group_start(const PackedMatrix& w, int g) { return w.data + group_offset(w.type, w.k, g); }
+inline size_t group_stride(const PackedMatrix& w, int g) { return group_stride(w.type, w.n, g); }
 
 struct Kernels {
   const char* name;

@@ -39,8 +39,9 @@ OwnedMatrix::OwnedMatrix(const GgufMatrix& m) {
   const size_t src_block = gguf_block_bytes(m.type), dst_block = group_block_bytes(m.type);
   bytes_.resize(static_cast<size_t>(m.n / kGroupCols) * nb * dst_block);
   for (int g = 0; g < m.n / kGroupCols; ++g) {
+    const size_t start = group_offset(m.type, m.k, g), stride = group_stride(m.type, m.n, g);
     for (int b = 0; b < nb; ++b) {
-      uint8_t* dst = bytes_.data() + (static_cast<size_t>(g) * nb + b) * dst_block;
+      uint8_t* dst = bytes_.data() + start + b * stride;
       for (int c = 0; c < kGroupCols; ++c) {
         const uint8_t* src = m.rows + (static_cast<size_t>(g * kGroupCols + c) * nb + b) * src_block;
         std::copy(src, src + 2, dst + 2 * c);                                      // d
@@ -56,9 +57,10 @@ OwnedMatrix::OwnedMatrix(const GgufMatrix& m) {
 
 void OwnedMatrix::dequantize_row(int r, float* out) const {
   const int nb = view_.k / kBlock, g = r / kGroupCols, c = r % kGroupCols;
-  const size_t gbb = group_block_bytes(view_.type);
+  const uint8_t* group = group_start(view_, g);
+  const size_t stride = group_stride(view_, g);
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* blk = bytes_.data() + (static_cast<size_t>(g) * nb + b) * gbb;
+    const uint8_t* blk = group + b * stride;
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
     const float d = half_to_float(scales[c]);
     float* o = out + b * kBlock;

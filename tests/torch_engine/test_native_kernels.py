@@ -51,7 +51,7 @@ def test_quantize_rows_rounds_to_nearest_within_half_a_step(isa):
 @pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
 def test_linear_against_float64(isa, kind):
     rng = np.random.default_rng(kind)
-    rows, w = quantized(rng, 48, 192, kind)
+    rows, w = quantized(rng, 40, 192, kind)  # 5 column groups: two pairs and one alone
     x = rng.standard_normal((7, 192)).astype(np.float32)
     got = native.linear(rows, kind, x, isa, 2)
     # The kernel multiplies the dequantised weights by the row's quantised activations exactly
@@ -103,10 +103,12 @@ def test_silu_mul_against_float64(isa):
 @pytest.mark.parametrize("isa", [runnable(i) for i in ISAS[1:]])
 def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     rng = np.random.default_rng(4)
-    for kind in (Q4_1, Q8_0):
-        rows, _ = quantized(rng, 64, 256, kind)
+    for kind, n in ((Q4_1, 64), (Q8_0, 64), (Q4_1, 56), (Q8_0, 24)):  # column groups in pairs, or one left
+        rows, _ = quantized(rng, n, 256, kind)
         x = rng.standard_normal((9, 256)).astype(np.float32)
-        np.testing.assert_array_equal(native.linear(rows, kind, x, isa, 2), native.linear(rows, kind, x, "scalar", 1))
+        for threads in (1, 2):
+            np.testing.assert_array_equal(native.linear(rows, kind, x, isa, threads),
+                                          native.linear(rows, kind, x, "scalar", 1))
     x = (rng.standard_normal((3, 160)) * 5).astype(np.float32)
     for a, b in zip(native.quantize_rows(x, isa), native.quantize_rows(x, "scalar")):
         np.testing.assert_array_equal(a, b)
