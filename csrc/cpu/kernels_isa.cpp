@@ -304,7 +304,7 @@ void group_rows(const uint8_t* group, size_t stride, int nb, const QuantRows& a,
 // Two adjacent column groups at once, 16 columns per zmm: columns 0-7 from group g, 8-15 from
 // g + 1. Each broadcast 4-byte run of activations then feeds 16 columns: on Zen 4 a dpbusd with
 // a broadcast operand takes about as long for a zmm as for a ymm (measured 7.9 vs 6.2 cycles
-// for 8), so a row costs ~1.4x less. Per column, the same arithmetic as group_rows.
+// for 8), and a row's matmul about 1.3x less. Per column, the same arithmetic as group_rows.
 inline __m512i load_pair(const uint8_t* lo, const uint8_t* hi) {
   return _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
