@@ -77,9 +77,12 @@ bench-cuda: install
 	$(PY) benchmarks/cuda_engine.py
 
 # Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
+# Another kernel path on the same machine: SPECSERVE_CPU_ISA=avx2 make bench-forward
+#   FORWARD_BENCH_ARGS="--out benchmarks/results/forward_avx2.json" (what an AVX2-only CPU runs).
+FORWARD_BENCH_ARGS ?=
 .PHONY: bench-forward
 bench-forward: install
-	$(PY) -m benchmarks.forward
+	$(PY) -m benchmarks.forward $(FORWARD_BENCH_ARGS)
 
 # Drafter benchmark: the peers (Arctic Inference, vLLM's n-gram kernel) live in their own
 # venv, never in the project's dependencies. Arctic builds from source against the

@@ -70,7 +70,7 @@ void attend(const Kernels& kernels, const float* q, size_t q_stride, int rows, i
   kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, k, v, 0, total, chunk_scratch);
   for (int c = 1; c < chunks; ++c) {
     kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, k, v, c, part, chunk_scratch);
-    for (int i = 0; i < states; ++i) merge_state(total + i * sf, part + i * sf, hd);
+    for (int i = 0; i < states; ++i) kernels.merge_state(total + i * sf, part + i * sf, hd);
   }
   for (int r = 0; r < rows; ++r)
     for (int h = 0; h < group; ++h) finish_state(total + (r * group + h) * sf, hd, out + r * out_stride + h * hd);

@@ -351,7 +351,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
                      static_cast<size_t>((r - tiles[tile].first_row) * group + head % group) * sf;
             };
             float* total = state(0);
-            for (int c = 1; c < chunks; ++c) merge_state(total, state(c), hd);
+            for (int c = 1; c < chunks; ++c) kernels_->merge_state(total, state(c), hd);
             finish_state(total, hd, attn.data() + static_cast<size_t>(r) * q_size + head * hd);
           }
         }

@@ -11,6 +11,10 @@
 #include <cstring>
 
 namespace cpu {
+// Internal linkage: each translation unit keeps its own copies, compiled with its own
+// instruction set. With ordinary inline linkage the linker keeps one out-of-line copy for all,
+// and an AVX-512 translation unit's copy could be what a generic one calls.
+namespace {
 
 constexpr int kBlock = 32;  // values per quantisation block (GGUF's QK4_1 / QK8_0)
 constexpr int kLanes = 8;   // lanes of a canonical reduction (one AVX2 register of floats)
@@ -160,4 +164,5 @@ inline float rms_inverse(float sum_squares, int n, float eps) {
 // Per-row quantisation of one block of 32: scale amax / 127, q = round-half-even(x * 127 / amax).
 inline float quant_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
 
+}  // namespace
 }  // namespace cpu

@@ -105,10 +105,11 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     rng = np.random.default_rng(4)
     for kind, n in ((Q4_1, 64), (Q8_0, 64), (Q4_1, 56), (Q8_0, 24)):  # column groups in pairs, or one left
         rows, _ = quantized(rng, n, 256, kind)
-        x = rng.standard_normal((9, 256)).astype(np.float32)
-        for threads in (1, 2):
-            np.testing.assert_array_equal(native.linear(rows, kind, x, isa, threads),
-                                          native.linear(rows, kind, x, "scalar", 1))
+        for m in (11, 6, 1):  # row tiles of 4, then 3, 2 or 1 left
+            x = rng.standard_normal((m, 256)).astype(np.float32)
+            for threads in (1, 2):
+                np.testing.assert_array_equal(native.linear(rows, kind, x, isa, threads),
+                                              native.linear(rows, kind, x, "scalar", 1))
     x = (rng.standard_normal((3, 160)) * 5).astype(np.float32)
     for a, b in zip(native.quantize_rows(x, isa), native.quantize_rows(x, "scalar")):
         np.testing.assert_array_equal(a, b)
