@@ -180,9 +180,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
       if (nb < kBlock) x = _mm256_blendv_ps(neg_inf, x, valid_lanes(i, nb));  // only a last block
       m = _mm256_max_ps(m, x);
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    return hmax8(m);
   };
   auto exp_sum = [](float* s, int nb, float m_new) {
     const __m256 m8 = _mm256_set1_ps(m_new);

@@ -57,9 +57,7 @@ void quantize_row_simd(const float* x, int k, int8_t* q, float* d, float* s, int
       v[i] = _mm256_loadu_ps(xb + kLanes * i);
       amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));  // max is exact in any order
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float amax = hmax8(amax8);
     const __m256 inverse = _mm256_set1_ps(quant_inverse(amax));
     __m256i qi[4];
     for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // round half even
