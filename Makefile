@@ -68,8 +68,8 @@ bench-faults: install
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/faults.py
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
-bench: bench-forward bench-drafters bench-engine bench-serve bench-autoscaling bench-grammar bench-structured bench-faults \
-  bench-multiturn
+bench: bench-forward bench-drafters bench-engine bench-long bench-serve bench-autoscaling bench-grammar bench-structured \
+  bench-faults bench-multiturn
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda
@@ -157,6 +157,12 @@ ENGINE_BENCH_ARGS ?=
 .PHONY: bench-engine
 bench-engine: install $(LLAMACPP_STAMP)
 	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
+
+# Long outputs: the engine's per-step cost beside the compiled forward's, by quarter of a
+# 2,048-token output; long_output.json/.png.
+.PHONY: bench-long
+bench-long: install
+	$(PY) benchmarks/long_output.py
 
 # Multi-turn conversations with and without the prefix cache and prefix affinity, 1 and 2
 # Replicas, beside llama.cpp's server with cache_prompt; multiturn.{json,png}.

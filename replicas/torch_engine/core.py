@@ -23,7 +23,7 @@ from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
-from replicas.torch_engine.sequence import Sequence, release_text
+from replicas.torch_engine.sequence import Detokenizer, Sequence, release_text
 
 if TYPE_CHECKING:
     from replicas.torch_engine.model import LlamaModel
@@ -38,7 +38,7 @@ class EngineCore:
     """Owns the model, the KV cache, the suffix automata and the MTP drafter; not thread-safe."""
 
     def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
-                 mtp, decode, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0,
+                 mtp, detokenizer: Detokenizer, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0,
                  prefix: PrefixCache | None = None):
         self.model = model
         self.cache = cache
@@ -46,7 +46,7 @@ class EngineCore:
         self.suffix = suffix  # the requests' suffix automata, fed once per step
         self.mtp = mtp  # MTPDrafter or None
         self.mtp_min_confidence = mtp_min_confidence
-        self.decode = decode  # token ids -> text
+        self.detokenizer = detokenizer  # output token ids -> text
         self.speculation = speculation
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -241,8 +241,10 @@ class EngineCore:
             return
         if self.mtp is not None and hidden is not None:
             seq.prefix_hidden.append(hidden.clone())
-        if not finished and seq.num_cached // BLOCK_TOKENS <= len(seq.prefix_blocks):
-            return  # no whole block yet
+        whole = seq.num_cached // BLOCK_TOKENS
+        if not finished and whole <= max(len(seq.prefix_blocks), seq.prefix_offered):
+            return  # no whole block since the last offer (a pool full of held blocks refuses)
+        seq.prefix_offered = whole
         pending = torch.cat(seq.prefix_hidden) if seq.prefix_hidden else None
         tokens = seq.prompt_ids + seq.output_ids  # a stop may have cut accepted drafts off the output
         used = self.prefix.extend(seq.prefix_blocks, tokens, min(seq.num_cached, len(tokens)), seq.slot, pending,
@@ -298,7 +300,7 @@ class EngineCore:
         for seq in list(self.running):
             if seq.finish_reason != "error":
                 try:
-                    delta = release_text(seq, self.decode)
+                    delta = release_text(seq, self.detokenizer)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(seq, exc)
                     delta = None

@@ -1,8 +1,9 @@
 """TorchEngine: the embedded engine behind the `Engine` protocol.
 
-An asyncio face over `EngineCore`. The step runs in one worker thread so the event loop
-stays free for HTTP; requests join, leave and reconfigure only between steps, applied by
-the loop task itself, so the core needs no locks.
+An asyncio face over `EngineCore`. Steps run back to back in one worker thread so the event
+loop stays free for HTTP, each step's deltas handed to the loop as they come; requests join,
+leave and reconfigure only while no step runs, applied by the loop task itself, so the core
+needs no locks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, R
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
-from replicas.torch_engine.sequence import Sequence
+from replicas.torch_engine.sequence import Detokenizer, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class TorchEngine:
         self._pending_config: SpeculationConfig | None = None
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._stopping = False  # read by the worker thread between steps
         self._sa_ids = itertools.count()
         self._eos_ids: frozenset[int] = frozenset()
         self._grammars = None  # GrammarCompiler, built with the core
@@ -131,10 +133,11 @@ class TorchEngine:
 
             path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
             mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return EngineCore(model, cache, suffix, mtp, decode, cfg.speculation, cfg.mtp_min_confidence, prefix)
+        return EngineCore(model, cache, suffix, mtp, Detokenizer.for_tokenizer(self.tokenizer), cfg.speculation,
+                          cfg.mtp_min_confidence, prefix)
 
     async def shutdown(self) -> None:
+        self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -273,17 +276,29 @@ class TorchEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                deltas = await loop.run_in_executor(self._executor, self._core.step)
+                await loop.run_in_executor(self._executor, self._steps, loop)
             except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang clients
                 logger.exception("engine step failed")
                 self._fail_all(exc)
-                continue
-            for delta in deltas:
-                queue = self._queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
-                    if delta.finish_reason is not None:
-                        self._queues.pop(delta.request_id, None)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Steps back to back in the worker thread until a request joins or leaves, the
+        settings change, the work runs out or the engine stops. Each step's deltas go to the
+        loop as they come: the next step does not wait for the loop to take them."""
+        core = self._core
+        while True:
+            loop.call_soon_threadsafe(self._publish, core.step())
+            if (self._stopping or self._pending_add or self._pending_abort or self._pending_config is not None
+                    or not core.has_work):
+                return
+
+    def _publish(self, deltas: list[GenerationDelta]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+                if delta.finish_reason is not None:
+                    self._queues.pop(delta.request_id, None)
 
     def _fail_all(self, exc: Exception) -> None:
         """Finish every live request with an error; never raises, so the loop lives on."""

@@ -173,6 +173,7 @@ class MTPDrafter:
         self._cache = self._runner.cache
         self._cache_slot: dict[int, int] = {}           # engine slot -> head cache slot
         self._pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self._queued: dict[int, int] = {}  # positions in _pending[slot], counted as they come
         self._tail: dict[int, tuple[Tensor, int, float]] = {}  # h'_last [d], first draft id, its prob
 
     @classmethod
@@ -189,11 +190,11 @@ class MTPDrafter:
         if slot in self._cache_slot:
             raise ValueError(f"MTP slot {slot} is already added")
         self._cache_slot[slot] = self._cache.allocate()
-        self._pending[slot] = []
+        self._pending[slot], self._queued[slot] = [], 0
 
     def remove(self, slot: int) -> None:
         self._cache.free(self._cache_slot.pop(self._require(slot)))
-        del self._pending[slot]
+        del self._pending[slot], self._queued[slot]
         self._tail.pop(slot, None)
 
     def observe(self, slot: int, hidden: Tensor, next_tokens: Tensor) -> None:
@@ -203,11 +204,12 @@ class MTPDrafter:
             raise ValueError(f"hidden must be [n, {self._hidden_size}], got {tuple(hidden.shape)}")
         if next_tokens.shape != hidden.shape[:1]:
             raise ValueError(f"next_tokens must be [{hidden.shape[0]}], got {tuple(next_tokens.shape)}")
-        queued = sum(h.shape[0] for h, _ in self._pending[slot])
-        if self._cache.lengths[self._cache_slot[slot]] + queued + hidden.shape[0] > self._cache.max_seq_len:
+        n = hidden.shape[0]
+        if self._cache.lengths[self._cache_slot[slot]] + self._queued[slot] + n > self._cache.max_seq_len:
             raise ValueError(f"MTP slot {slot}: more than max_seq_len={self._cache.max_seq_len} positions")
-        if hidden.shape[0]:
+        if n:
             self._pending[slot].append((hidden, next_tokens))
+            self._queued[slot] += n
 
     def propose(self, slots: Sequence[int], num_draft: Sequence[int], min_confidence: float = 0.0) -> list[list[int]]:
         """Greedy drafts (full-vocab ids) for each slot; a draft stops before any token whose
@@ -270,7 +272,7 @@ class MTPDrafter:
             nexts.append(torch.cat([t for _, t in self._pending[slot]]))
             cs = self._cache_slot[slot]
             spans.append(SeqSpan(cs, self._cache.lengths[cs], h.shape[0]))
-            self._pending[slot] = []
+            self._pending[slot], self._queued[slot] = [], 0
         dtype, device = self.target.dtype, self.target.device
         h_out = self._step(torch.cat(hiddens).to(dtype), torch.cat(nexts).to(device=device, dtype=torch.int64), spans)
         last_rows = torch.tensor([s.length for s in spans]).cumsum(0) - 1

@@ -1,14 +1,16 @@
 """One request inside the embedded engine: its tokens, cache slot, sampling state, output.
 
-Text is produced here, incrementally: token ids are decoded as a whole and the new suffix
+Text is produced here, incrementally: the output's token ids are decoded and the new suffix
 is released, holding back an incomplete UTF-8 character and any tail that could still
 grow into a stop string, so a stop string spanning token boundaries is never streamed.
+Where the tokenizer allows it (`Detokenizer.joins`), only the tokens after the last settled
+point are decoded again, so a long output costs the same per step as a short one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob
 from replicas.stats import SpecCounters
@@ -36,6 +38,7 @@ class Sequence:
     cached_tokens: int = 0  # of the prompt, positions whose KV came from the prefix cache
     prefix_blocks: list[Block] = field(default_factory=list)  # prefix-cache blocks held (PrefixCache)
     prefix_hidden: list[Tensor] = field(default_factory=list)  # hidden rows past them, not yet stored
+    prefix_offered: int = 0  # whole blocks of the context offered to the cache so far
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
     mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
@@ -46,6 +49,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for; none for a final stop id
     # text streaming state
     text: str = ""  # decoded output, stop strings cut once finished
+    settled_tokens: int = 0  # output tokens whose text is settled_text (Detokenizer.joins)
+    settled_text: str = ""
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
@@ -77,16 +82,43 @@ class Sequence:
         return token in self.sampling.stop_token_ids or (token in self.eos_ids and not self.sampling.ignore_eos)
 
 
-def release_text(seq: Sequence, decode) -> GenerationDelta | None:
+SETTLE_TOKENS = 16  # decoded again at most ~2x this many tokens per step (Detokenizer.joins)
+
+
+@dataclass(frozen=True)
+class Detokenizer:
+    """Token ids -> text (`decode`), and whether a split decodes to its parts' texts joined
+    (`joins`): decode(a + b) == decode(a) + decode(b) whenever decode(a) ends on a whole
+    character, i.e. not in U+FFFD. True of a byte-level decoder that does no space clean-up
+    (its text is the UTF-8 of the kept tokens' bytes, joined); not of SentencePiece-style
+    decoders, which drop the first token's leading space."""
+
+    decode: Callable[[list[int]], str]
+    joins: bool = False
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> Detokenizer:
+        from tokenizers.decoders import ByteLevel
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        joins = (backend is not None and isinstance(backend.decoder, ByteLevel)
+                 and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), joins)
+
+
+def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | None:
     """Decode the output so far and return the delta not yet sent (None if nothing new).
 
-    `decode(ids) -> str`. Stop strings are searched in the whole text; a match finishes the
-    request and cuts the text before the stop string.
+    Stop strings are searched in the whole text; a match finishes the request and cuts the
+    text before the stop string.
     """
     ids = seq.output_ids
     if seq.finish_reason == "stop" and ids and seq.is_visible_stop(ids[-1]):
         ids = ids[:-1]
-    text = decode(ids)
+    tail = detokenizer.decode(ids[seq.settled_tokens:])
+    text = seq.settled_text + tail
+    if detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
+        seq.settled_text, seq.settled_tokens = text, len(ids)
     stops = seq.sampling.stop
     if stops:
         search_from = max(0, seq.num_sent_chars - max(map(len, stops)))

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
+from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from tests.polling import async_wait_until
 from tests.torch_engine.engine_util import chat_prompt, collect, request
 
@@ -129,3 +130,22 @@ def test_bad_input_names_the_field_before_any_work(engine, make, field):
 def test_abort_unknown_id_is_a_noop(engine, loop):
     loop.run_until_complete(engine.abort("no-such-request"))
     assert idle(engine)
+
+
+def test_shutdown_mid_generation_stops_stepping(loop):
+    """Steps run back to back in the worker thread; shutdown() ends them within a step, not
+    at the end of the work in flight (which would hold shutdown for the whole request)."""
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=2048, mtp_weights=None,
+                                           sa_global_pool_tokens=0, prefix_cache_bytes=0))
+    loop.run_until_complete(engine.start())
+    max_tokens = 1500
+
+    async def run():
+        stream = engine.generate(request(chat_prompt(engine, POEM), max_tokens=max_tokens, mode="off", ignore_eos=True))
+        await anext(stream)  # decoding has begun
+        await engine.shutdown()
+        await stream.aclose()
+        return engine.core.running
+
+    running = loop.run_until_complete(run())
+    assert len(running) == 1 and len(running[0].output_ids) < max_tokens // 2

@@ -136,7 +136,11 @@ def test_drafter_slot_lifecycle_and_confidence_cut(tiny):
     drafter.remove(0)
     with pytest.raises(ValueError):
         drafter.propose([0], [1])
-    drafter.add(0)  # the freed cache slot is reusable
+    drafter.add(0)  # the freed cache slot is reusable, with nothing queued
+    drafter.observe(0, hidden[:10], tokens[1:11])
+    drafter.observe(0, hidden[10:15], tokens[11:16])  # queued, not yet run: 15 of 16
+    with pytest.raises(ValueError, match="max_seq_len"):
+        drafter.observe(0, hidden[15:17], tokens[16:18])
 
 
 # --- the shipped weights on the real model -------------------------------------------------

@@ -191,3 +191,28 @@ def test_a_budget_below_one_context_window_is_refused_naming_the_key(loop):
     with pytest.raises(ValueError, match="prefix_cache_bytes: .* needs 8"):
         loop.run_until_complete(engine.start())
     loop.run_until_complete(engine.shutdown())
+
+
+def test_a_pool_full_of_held_blocks_is_offered_each_block_once(engines, loop):
+    """Two requests that would hold more blocks than the pool has: a refused block is not
+    offered again every step (each offer copies all pending hidden rows and scans the pool)."""
+    warm, cold = engines
+    small = _engine(cold.config.device, max_batch_size=2, max_seq_len=256,
+                    prefix_cache_bytes=10 * warm.core.prefix.block_bytes)
+    loop.run_until_complete(small.start())
+    prefix, offers = small.core.prefix, []
+    extend = prefix.extend
+    prefix.extend = lambda *args, **kwargs: offers.append(args[2]) or extend(*args, **kwargs)
+    prompts = [_ids(300 + i, 100) for i in range(2)]
+    try:
+        async def together():  # a token per step, 2 x 7 whole blocks; the pool has 10
+            return await asyncio.gather(*(collect_logprobs(small, request(p, max_tokens=150, ignore_eos=True, mode="off"))
+                                          for p in prompts))
+
+        for prompt, (tokens, _, _, last) in zip(prompts, loop.run_until_complete(together())):
+            assert last.finish_reason == "length"
+            assert tokens == _run(loop, cold, prompt, max_tokens=150, ignore_eos=True)[0]
+        assert prefix.cached_blocks == prefix.num_blocks
+        assert len(offers) <= 2 * (250 // BLOCK_TOKENS + 1)  # each whole block once, then the tail
+    finally:
+        loop.run_until_complete(small.shutdown())

@@ -1,0 +1,72 @@
+"""Streaming text: at every step the text release_text holds is the tokenizer's own decode of
+the output so far, and what it sends adds up to it, whether it decodes the whole output or,
+with the shipped byte-level tokenizer, only the tokens after its last settled point."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from replicas.engine import DEFAULT_MODEL, RequestSpeculation, SamplingParams
+from replicas.torch_engine.loader import resolve_model_dir
+from replicas.torch_engine.sequence import SETTLE_TOKENS, Detokenizer, Sequence, release_text
+
+TEXT = ("Grüße aus Köln! 東京の天気は晴れです。 Emoji: 👩‍💻🚀🎉, math: ∀x∈ℝ, x²≥0. "
+        "def f(x):\n    return {'ключ': x}  # комментарий\n") * 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def stream(tokenizer, detokenizer: Detokenizer, ids: list[int], seed: int) -> str:
+    """Emit `ids` in runs of 1-17 tokens (a verify step's), releasing after each; the text sent."""
+    rng = random.Random(seed)
+    seq = Sequence("r", 0, [1], SamplingParams(max_tokens=len(ids)), RequestSpeculation(), None, frozenset())
+    sent, i = "", 0
+    while i < len(ids):
+        n = rng.randint(1, 17)
+        seq.output_ids += ids[i:i + n]
+        i += n
+        if i >= len(ids):
+            seq.finish_reason = "length"
+        delta = release_text(seq, detokenizer)
+        sent += delta.text if delta is not None else ""
+        assert seq.text == decode(tokenizer, seq.output_ids)
+    return sent
+
+
+def test_the_shipped_tokenizer_decodes_only_new_tokens(tokenizer):
+    detokenizer = Detokenizer.for_tokenizer(tokenizer)
+    assert detokenizer.joins
+    windows = []
+    counting = Detokenizer(lambda ids: windows.append(len(ids)) or detokenizer.decode(ids), joins=True)
+    ids = tokenizer.encode(TEXT)
+    assert stream(tokenizer, counting, ids, seed=0) == decode(tokenizer, ids)
+    assert len(ids) > 20 * SETTLE_TOKENS and max(windows) < 5 * SETTLE_TOKENS  # not the whole output
+
+
+@pytest.mark.parametrize("joins", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_text_is_the_decode_of_the_output(tokenizer, joins, seed):
+    """Multi-byte characters split across tokens, random ids (invalid UTF-8, special tokens)."""
+    rng = random.Random(seed)
+    special = sorted(tokenizer.all_special_ids)
+    ids = tokenizer.encode(TEXT[seed * 40:])[:600]
+    ids += [rng.choice(special) if rng.random() < 0.05 else rng.randrange(len(tokenizer)) for _ in range(600)]
+    detokenizer = Detokenizer(lambda ids: decode(tokenizer, ids), joins)
+    assert stream(tokenizer, detokenizer, ids, seed) == decode(tokenizer, ids)
+
+
+def test_space_clean_up_decodes_the_whole_output(tokenizer):
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True  # " ." -> "." joins across any split
+    assert not Detokenizer.for_tokenizer(cleaning).joins
