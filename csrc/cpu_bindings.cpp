@@ -22,19 +22,26 @@ void require(bool ok, const std::string& message) {
 }
 
 // The array itself (no conversion), checked: dtype character, shape (-1 = any), C-contiguous.
+// The message is built only for a failed check (the dtype's name is a Python call).
 template <typename T>
 T* checked(py::array& a, const char* name, char dtype, std::vector<py::ssize_t> shape, bool writable = false) {
-  require(a.dtype().char_() == dtype || (dtype == 'i' && a.dtype().kind() == 'i' && a.itemsize() == 4),
-          std::string(name) + ": dtype must be " + (dtype == 'f' ? "float32" : dtype == 'e' ? "float16" : dtype == 'i' ? "int32" : "uint8") +
-              ", got " + std::string(py::str(a.dtype())));
-  require(a.ndim() == static_cast<py::ssize_t>(shape.size()),
-          std::string(name) + ": must have " + std::to_string(shape.size()) + " dimensions, got " + std::to_string(a.ndim()));
-  for (size_t i = 0; i < shape.size(); ++i) {
-    require(shape[i] < 0 || a.shape(i) == shape[i], std::string(name) + ": dimension " + std::to_string(i) + " must be " +
-                                                         std::to_string(shape[i]) + ", got " + std::to_string(a.shape(i)));
+  auto fail = [name](const std::string& what) { throw std::invalid_argument(std::string(name) + ": " + what); };
+  if (a.dtype().char_() != dtype && !(dtype == 'i' && a.dtype().kind() == 'i' && a.itemsize() == 4)) {
+    fail(std::string("dtype must be ") +
+         (dtype == 'f' ? "float32" : dtype == 'e' ? "float16" : dtype == 'i' ? "int32" : "uint8") + ", got " +
+         std::string(py::str(a.dtype())));
   }
-  require((a.flags() & py::array::c_style) != 0, std::string(name) + ": must be C-contiguous");
-  require(!writable || a.writeable(), std::string(name) + ": must be writable");
+  if (a.ndim() != static_cast<py::ssize_t>(shape.size())) {
+    fail("must have " + std::to_string(shape.size()) + " dimensions, got " + std::to_string(a.ndim()));
+  }
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] >= 0 && a.shape(i) != shape[i]) {
+      fail("dimension " + std::to_string(i) + " must be " + std::to_string(shape[i]) + ", got " +
+           std::to_string(a.shape(i)));
+    }
+  }
+  if ((a.flags() & py::array::c_style) == 0) fail("must be C-contiguous");
+  if (writable && !a.writeable()) fail("must be writable");
   return static_cast<T*>(writable ? a.mutable_data() : const_cast<void*>(a.data()));
 }
 

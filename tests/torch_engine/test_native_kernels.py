@@ -140,6 +140,10 @@ def test_bad_arguments_raise_value_error():
         native.linear(rows, Q8_0, np.zeros((1, 64)), "scalar")
     with pytest.raises(ValueError, match="weights: dimension 1 must be"):
         native.linear(rows, Q4_1, np.zeros((1, 64), np.float32), "scalar")
+    with pytest.raises(ValueError, match="x: must have 2 dimensions, got 1"):
+        native.linear(rows, Q8_0, np.zeros(64, np.float32), "scalar")
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        native.linear(rows, Q8_0, np.zeros((2, 128), np.float32)[:, ::2], "scalar")
     with pytest.raises(ValueError, match="weight type must be"):
         native.linear(rows, 2, np.zeros((1, 64), np.float32), "scalar")
     with pytest.raises(ValueError, match="unknown or not supported"):
