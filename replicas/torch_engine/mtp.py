@@ -198,7 +198,9 @@ class MTPDrafter:
         self._tail.pop(slot, None)
 
     def observe(self, slot: int, hidden: Tensor, next_tokens: Tensor) -> None:
-        """Queue accepted positions: hidden [n, d], next_tokens [n] int. Tensors are kept, not copied."""
+        """Queue accepted positions: hidden [n, d], next_tokens [n] int. The rows are copied: a
+        verify step's rows view the whole step's hidden states (every request's drafts), which
+        the queue would otherwise keep alive until the slot's next draft."""
         self._require(slot)
         if hidden.dim() != 2 or hidden.shape[1] != self._hidden_size:
             raise ValueError(f"hidden must be [n, {self._hidden_size}], got {tuple(hidden.shape)}")
@@ -208,7 +210,7 @@ class MTPDrafter:
         if self._cache.lengths[self._cache_slot[slot]] + self._queued[slot] + n > self._cache.max_seq_len:
             raise ValueError(f"MTP slot {slot}: more than max_seq_len={self._cache.max_seq_len} positions")
         if n:
-            self._pending[slot].append((hidden, next_tokens))
+            self._pending[slot].append((hidden.clone(), next_tokens))
             self._queued[slot] += n
 
     def propose(self, slots: Sequence[int], num_draft: Sequence[int], min_confidence: float = 0.0) -> list[list[int]]:

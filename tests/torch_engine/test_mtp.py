@@ -4,6 +4,8 @@ the shipped weights on the real model (load, draft, acceptance above a measured 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -100,6 +102,25 @@ def test_lazy_observe_equals_eager(tiny):
     (de,), (dl,) = eager.draft([0], [5]), lazy.draft([0], [5])
     assert de.tokens == dl.tokens
     assert de.confidences == pytest.approx(dl.confidences, rel=1e-4, abs=1e-5)
+
+
+def test_queue_keeps_its_rows_not_the_step(tiny):
+    """A verify step's accepted rows view the whole step's hidden states: the queue copies
+    them, so it neither keeps that tensor alive nor sees it change."""
+    target, module, tokens, hidden = tiny
+    pristine = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    queued = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    for d in (pristine, queued):
+        d.add(0)
+        d.observe(0, hidden[:10], tokens[1:11])
+    pristine.observe(0, hidden[10:12].clone(), tokens[11:13])
+    step = hidden[10:27].clone()  # a 17-row step, 2 rows accepted
+    alive = weakref.ref(step)
+    queued.observe(0, step[:2], tokens[11:13])
+    step.fill_(1e4)  # whatever the step's buffer holds afterwards
+    del step
+    assert alive() is None
+    assert queued.propose([0], [4]) == pristine.propose([0], [4])
 
 
 def test_batched_propose_equals_per_slot(tiny):
