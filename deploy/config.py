@@ -34,6 +34,8 @@ class EngineArgs(_Strict):
     sa_global_pool_tokens: int = Field(1 << 20, ge=0)
     prefix_cache_bytes: int = Field(256 << 20, ge=0, description=(
         "kind=torch: KV blocks kept for prompts that start alike; 0 = off; at least one context window"))
+    max_prefill_tokens: int = Field(2048, ge=1, description=(
+        "kind=torch: prompt tokens one engine step prefills; the step's first request goes whatever its length"))
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,
     # tensor_parallel_size, ...); checked by building the real config in AppArgs below
     trtllm: Optional[dict[str, Any]] = None

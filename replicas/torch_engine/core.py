@@ -39,7 +39,7 @@ class EngineCore:
 
     def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
                  mtp, detokenizer: Detokenizer, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, max_prefill_tokens: int = 2048):
         self.model = model
         self.cache = cache
         self.prefix = prefix  # KV blocks shared by prefix across requests, or None
@@ -48,6 +48,7 @@ class EngineCore:
         self.mtp_min_confidence = mtp_min_confidence
         self.detokenizer = detokenizer  # output token ids -> text
         self.speculation = speculation
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens a step admits (its first request: any)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
@@ -111,10 +112,17 @@ class EngineCore:
         return deltas
 
     def _admit(self) -> list[Sequence]:
-        """Prefill waiting requests while KV slots are free; each alone, so one bad prompt
-        fails only itself."""
-        admitted = []
+        """Prefill waiting requests while KV slots are free and their prompts fit the step's
+        `max_prefill_tokens` (the first whatever its length); each alone, so one bad prompt
+        fails only itself. The budget keeps a step short: between two steps requests finish,
+        join and leave, and each admitted request's first token goes out (8 long prompts in
+        one step held every token back for a minute, long enough to fail health checks)."""
+        admitted, budget = [], self.max_prefill_tokens
         while self.waiting and self.cache.num_free > 0:
+            cost = len(self.waiting[0].prompt_ids) + len(self.waiting[0].output_ids)  # a resumed one's too
+            if admitted and cost > budget:
+                break
+            budget -= cost
             seq = self.waiting.pop(0)
             self.running.append(seq)
             try:

@@ -49,10 +49,14 @@ class TorchEngineConfig:
     # turns the cache off. Must hold one whole context window (the default model needs
     # about 0.8 MB per 32 tokens: 104 MB at max_seq_len 4096); 256 MiB is ~10k tokens.
     prefix_cache_bytes: int = 256 << 20
+    # Prompt tokens one engine step prefills (a step's first request goes whatever its length):
+    # later requests wait for the next step, so running requests keep decoding and first
+    # tokens go out between long prompts.
+    max_prefill_tokens: int = 2048
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_seq_len"):
+        for name in ("max_batch_size", "max_seq_len", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -134,7 +138,7 @@ class TorchEngine:
             path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
             mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
         return EngineCore(model, cache, suffix, mtp, Detokenizer.for_tokenizer(self.tokenizer), cfg.speculation,
-                          cfg.mtp_min_confidence, prefix)
+                          cfg.mtp_min_confidence, prefix, cfg.max_prefill_tokens)
 
     async def shutdown(self) -> None:
         self._stopping = True

@@ -83,6 +83,7 @@ BAD_VALUES = [
     ("engine.kind", "tensorflow"),
     ("engine.max_batch_size", 0),
     ("engine.max_seq_len", 4),
+    ("engine.max_prefill_tokens", 0),
     ("limits.max_tokens", 0),
     ("limits.max_prompt_tokens", 999999),
     ("replica.num_replicas", "two"),

@@ -132,6 +132,41 @@ def test_abort_unknown_id_is_a_noop(engine, loop):
     assert idle(engine)
 
 
+def test_a_step_prefills_within_its_token_budget(engine, monkeypatch):
+    """Waiting requests join a step while their prompts fit its max_prefill_tokens, the first
+    whatever its length; those left join the next steps, with the same output."""
+    core = engine.core
+    questions = (POEM, "Name three rivers in Europe.", "What is 2 + 2?")
+
+    def run(budget: int) -> tuple[list[int], list[list[int]]]:
+        """(requests admitted by each step that admitted any, the outputs): the three at once."""
+        monkeypatch.setattr(core, "max_prefill_tokens", budget)
+        per_step, admit = [], core._admit
+
+        def counted():
+            joined = admit()
+            per_step.append(len(joined))
+            return joined
+
+        monkeypatch.setattr(core, "_admit", counted)
+        seqs = [engine._make_sequence(request(chat_prompt(engine, q), max_tokens=6, mode="off", ignore_eos=True))
+                for q in questions]
+        for seq in seqs:
+            core.add(seq)
+        while core.waiting or core.running:  # the engine is idle: the test steps its core
+            core.step()
+        monkeypatch.setattr(core, "_admit", admit)
+        assert idle(engine)
+        return [n for n in per_step if n], [seq.output_ids for seq in seqs]
+
+    assert core.max_prefill_tokens == 2048  # TorchEngineConfig's default
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        TorchEngineConfig(max_prefill_tokens=0)
+    together, alone = run(2048), run(1)
+    assert together[0] == [3] and alone[0] == [1, 1, 1]
+    assert alone[1] == together[1] and all(len(out) == 6 for out in alone[1])
+
+
 def test_shutdown_mid_generation_stops_stepping(loop):
     """Steps run back to back in the worker thread; shutdown() ends them within a step, not
     at the end of the work in flight (which would hold shutdown for the whole request)."""
