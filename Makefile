@@ -69,7 +69,7 @@ bench-faults: install
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
 bench: bench-forward bench-drafters bench-engine bench-long bench-serve bench-autoscaling bench-grammar bench-structured \
-  bench-faults bench-multiturn
+  bench-faults bench-multiturn bench-memory
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda
@@ -169,6 +169,12 @@ bench-long: install
 .PHONY: bench-multiturn
 bench-multiturn: install $(LLAMACPP_STAMP)
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/multiturn.py
+
+# Replica memory at the default deploy.yaml: idle, a chat batch, every slot at its full
+# context; beside llama.cpp's server with the same slots; memory.json/.png.
+.PHONY: bench-memory
+bench-memory: install $(LLAMACPP_STAMP)
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/memory.py
 
 # Structured output: JSON records and tool calls with speculation off / hybrid / hybrid plus
 # grammar drafts, against llama.cpp under the same constraint; structured.json/.png/.md.

@@ -7,7 +7,7 @@ llama.cpp itself counts. Lives in the bench venv only; xllamacpp is imported on 
 so importing this module needs nothing and does nothing.
 
     .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --prompts-json P.json \
-        [--max-tokens 64] [--threads 2] [--batch 1] [--modes plain,ngram_mod,ngram_map_k]
+        [--max-tokens 64] [--threads 2] [--batch 1] [--modes plain,ngram_mod,ngram_map_k] [--slot-ctx 0]
 
     .venv-bench/bin/python benchmarks/llamacpp_peer.py --gguf M.gguf --conversations-json C.json \
         [--max-tokens 32] [--threads 2]
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -206,23 +207,25 @@ def _run_workload(server, prompts: list[str], max_tokens: int, batch: int, const
 
 
 def run_llamacpp(gguf_path: str, prompts: dict[str, list[str] | dict], max_tokens: int, threads: int = 2,
-                 batch: int = 1, modes=MODES) -> dict:
+                 batch: int = 1, modes=MODES, slot_ctx: int = 0) -> dict:
     """Benchmark llama.cpp's server on `prompts` (workload -> raw prompts) in each mode.
 
     Greedy, `max_tokens` new tokens per request (EOS ignored; a constrained workload, see the
     module docstring, stops at EOS). `batch` requests run at once
     against one server with `batch` slots; batch 1 runs them one after another. Each
     (mode, workload) gets a fresh server, so ngram_mod's hash pool, which outlives a request,
-    learns nothing from another workload or batch size. Returns
+    learns nothing from another workload or batch size. `slot_ctx` (tokens per slot; 0: just
+    enough for the longest prompt) sizes each slot's KV cache. Returns
     {"llamacpp_version", "system_info", "omp_wait_policy", "threads", "batch", "max_tokens",
-     "slot_ctx", "decode_rate_source", "modes": {mode: {"spec_settings": {...}, "workloads":
+     "slot_ctx", "decode_rate_source", "peak_rss_mb" (this process's), "modes": {mode: {"spec_settings": {...}, "workloads":
      {name: {"median": {...}, "draft_n", "draft_n_accepted", "acceptance", "wall_s",
      "throughput_tok_s", "decode_throughput_tok_s", "requests": [{...}, ...]}}}}}.
     """
     xllamacpp, omp_note = _xllamacpp()
-    longest = max(len(p) for entry in prompts.values() for p in _workload(entry)[0])
-    # A token covers at least one character of prompt text, so this always fits; 256-aligned.
-    slot_ctx = -(-(longest + max_tokens + 16) // 256) * 256
+    if not slot_ctx:
+        longest = max(len(p) for entry in prompts.values() for p in _workload(entry)[0])
+        # A token covers at least one character of prompt text, so this always fits; 256-aligned.
+        slot_ctx = -(-(longest + max_tokens + 16) // 256) * 256
     result = {
         "llamacpp_version": llamacpp_version(),
         "system_info": xllamacpp.get_system_info().strip(),
@@ -242,6 +245,7 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str] | dict], max_token
                 entry["workloads"][name]["constraint"] = sorted(constraint)
             del server  # joins llama.cpp's loop and frees the model before the next one loads
         result["modes"][mode] = entry
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
@@ -319,6 +323,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--slot-ctx", type=int, default=0, help="KV tokens per slot (0: fit the longest prompt)")
     parser.add_argument("--with-text", action="store_true", help="keep each request's generated text")
     args = parser.parse_args()
     if args.step_costs_json:
@@ -333,7 +338,7 @@ def main() -> None:
     with open(args.prompts_json, encoding="utf-8") as f:
         prompts = json.load(f)
     result = run_llamacpp(args.gguf, prompts, args.max_tokens, args.threads, args.batch,
-                          tuple(args.modes.split(",")))
+                          tuple(args.modes.split(",")), args.slot_ctx)
     if not args.with_text:
         for entry in result["modes"].values():
             for workload in entry["workloads"].values():
