@@ -217,9 +217,9 @@ def run_llamacpp(gguf_path: str, prompts: dict[str, list[str] | dict], max_token
     learns nothing from another workload or batch size. `slot_ctx` (tokens per slot; 0: just
     enough for the longest prompt) sizes each slot's KV cache. Returns
     {"llamacpp_version", "system_info", "omp_wait_policy", "threads", "batch", "max_tokens",
-     "slot_ctx", "decode_rate_source", "peak_rss_mb" (this process's), "modes": {mode: {"spec_settings": {...}, "workloads":
-     {name: {"median": {...}, "draft_n", "draft_n_accepted", "acceptance", "wall_s",
-     "throughput_tok_s", "decode_throughput_tok_s", "requests": [{...}, ...]}}}}}.
+     "slot_ctx", "decode_rate_source", "peak_rss_mb" (this process's), "modes": {mode:
+     {"spec_settings": {...}, "workloads": {name: {"median": {...}, "draft_n", "draft_n_accepted",
+     "acceptance", "wall_s", "throughput_tok_s", "decode_throughput_tok_s", "requests": [{...}, ...]}}}}}.
     """
     xllamacpp, omp_note = _xllamacpp()
     if not slot_ctx:

@@ -41,6 +41,7 @@ from replicas.torch_engine.model_config import ModelConfig  # noqa: E402
 from tests.serve_support import APP, DEPLOY_YAML, deploy_config, live_actors, local_serve  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+MODEL = "smollm2-135m-instruct"  # deploy.yaml's engine.model
 KV_BYTES = 2  # fp16 K and V, the native forward's cache
 
 
@@ -98,35 +99,29 @@ def full_context_prompts(tokenizer, count: int, tokens: int) -> list[str]:
     return [tokenizer.decode(ids[i * stride:i * stride + tokens]) for i in range(count)]
 
 
-async def chat_batch(url: str, questions: list[str]) -> int:
+def openai_client(url: str):
+    """The official client on the local deployment; no retries (a failure is a finding)."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
 
-    async def one(question: str) -> int:
-        reply = await client.chat.completions.create(model="smollm2-135m-instruct",
-                                                     messages=[{"role": "user", "content": question}])
-        return reply.usage.completion_tokens
-    try:
+
+async def chat_batch(url: str, questions: list[str]) -> int:
+    """Completion tokens of the chat `questions` sent at once."""
+    async with openai_client(url) as client:
+        async def one(question: str) -> int:
+            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}])
+            return reply.usage.completion_tokens
         return sum(await asyncio.gather(*(one(q) for q in questions)))
-    finally:
-        await client.close()
 
 
 async def raw_batch(url: str, prompts: list[str], max_tokens: int) -> tuple[int, int]:
     """(prompt tokens, completion tokens) of `prompts` sent at once."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
-
-    async def one(prompt: str) -> tuple[int, int]:
-        reply = await client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens,
-                                                temperature=0.0)
-        return reply.usage.prompt_tokens, reply.usage.completion_tokens
-    try:
+    async with openai_client(url) as client:
+        async def one(prompt: str) -> tuple[int, int]:
+            reply = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+            return reply.usage.prompt_tokens, reply.usage.completion_tokens
         counts = await asyncio.gather(*(one(p) for p in prompts))
-    finally:
-        await client.close()
     return sum(p for p, _ in counts), sum(c for _, c in counts)
 
 
@@ -213,7 +208,8 @@ def plot(result: dict, path: Path) -> None:
     ax.plot([t for t, _, _ in samples], [mb for _, mb, _ in samples], color="#4a7", label="our Replica (VmRSS)")
     for entry in result["replica"]["phases"]:
         times = [t for t, _, phase in samples if phase == entry["phase"]]
-        ax.axvspan(times[0], times[-1], alpha=0.06 if "wave" in entry["phase"] else 0.0, color="#4a7")
+        if "wave" in entry["phase"]:
+            ax.axvspan(times[0], times[-1], alpha=0.06, color="#4a7")
         ax.annotate(entry["phase"], (times[0], entry["peak_mb"]), fontsize=8, xytext=(2, 6), textcoords="offset points")
     if result["llamacpp"]:
         ax.axhline(result["llamacpp"]["peak_rss_mb"], color="#57b", ls="--",
