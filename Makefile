@@ -76,14 +76,6 @@ bench: bench-forward bench-drafters bench-engine bench-long bench-serve bench-au
 bench-cuda: install
 	$(PY) benchmarks/cuda_engine.py
 
-# Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
-# Another kernel path on the same machine: SPECSERVE_CPU_ISA=avx2 make bench-forward
-#   FORWARD_BENCH_ARGS="--out benchmarks/results/forward_avx2.json" (what an AVX2-only CPU runs).
-FORWARD_BENCH_ARGS ?=
-.PHONY: bench-forward
-bench-forward: install
-	$(PY) -m benchmarks.forward $(FORWARD_BENCH_ARGS)
-
 # Drafter benchmark: the peers (Arctic Inference, vLLM's n-gram kernel) live in their own
 # venv, never in the project's dependencies. Arctic builds from source against the
 # preinstalled CPU torch (no build isolation; cmake must find this venv's python); its wheel
@@ -126,6 +118,14 @@ $(LLAMACPP_STAMP):
 	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PIP) install xllamacpp==$(XLLAMACPP_VERSION)
 	touch $@
+
+# Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
+# Another kernel path on the same machine: SPECSERVE_CPU_ISA=avx2 make bench-forward
+#   FORWARD_BENCH_ARGS="--out benchmarks/results/forward_avx2.json" (what an AVX2-only CPU runs).
+FORWARD_BENCH_ARGS ?=
+.PHONY: bench-forward
+bench-forward: install $(LLAMACPP_STAMP)
+	$(PY) -m benchmarks.forward $(FORWARD_BENCH_ARGS)
 
 # Grammar libraries for constrained decoding, side by side (benchmarks/grammar_libs.py).
 # xgrammar asks for triton, a GPU kernel compiler its CPU path never imports: it installs
