@@ -2,6 +2,12 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#ifdef CPU_HAVE_X86_PATHS
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernels.hpp"
 #include "numerics.hpp"
 
@@ -11,6 +17,26 @@ namespace isa_scalar { extern const Kernels kernels; }
 #ifdef CPU_HAVE_X86_PATHS
 namespace isa_avx2 { extern const Kernels kernels; }
 namespace isa_avx512 { extern const Kernels kernels; }
+namespace isa_amx { extern const Kernels kernels; }
+
+namespace {
+
+// AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25), and Linux's leave to use the tile data
+// state: a process must ask for it (arch_prctl) before its first tile instruction, or that
+// instruction faults. Asking again is harmless, and the answer holds for every thread.
+bool amx_int8_usable() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 #endif
 
 bool cpu_supports(const std::string& name) {
@@ -20,9 +46,12 @@ bool cpu_supports(const std::string& name) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
   if (name == "avx2") return avx2;
-  if (name == "avx512") {
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (name == "avx512") return avx512;
+  if (name == "amx") {
+    static const bool usable = avx512 && amx_int8_usable();
+    return usable;
   }
 #endif
   return false;
@@ -33,6 +62,7 @@ const Kernels* kernels_by_name(const std::string& name) {
 #ifdef CPU_HAVE_X86_PATHS
   if (name == "avx2") return &isa_avx2::kernels;
   if (name == "avx512") return &isa_avx512::kernels;
+  if (name == "amx") return &isa_amx::kernels;
 #endif
   return nullptr;
 }
@@ -41,12 +71,12 @@ std::string best_isa() {
   if (const char* forced = std::getenv("SPECSERVE_CPU_ISA"); forced != nullptr && *forced != '\0') {
     const std::string name(forced);
     if (kernels_by_name(name) == nullptr) {
-      throw std::invalid_argument("SPECSERVE_CPU_ISA=" + name + ": must be scalar, avx2 or avx512");
+      throw std::invalid_argument("SPECSERVE_CPU_ISA=" + name + ": must be scalar, avx2, avx512 or amx");
     }
     if (!cpu_supports(name)) throw std::invalid_argument("SPECSERVE_CPU_ISA=" + name + ": this CPU cannot run it");
     return name;
   }
-  for (const char* name : {"avx512", "avx2"})
+  for (const char* name : {"amx", "avx512", "avx2"})
     if (cpu_supports(name)) return name;
   return "scalar";
 }

@@ -1,7 +1,8 @@
 // What the per-instruction-set translation units share. CMake compiles matmul_isa.cpp,
 // attention_isa.cpp and kernels_isa.cpp once per instruction set, defining CPU_ISA_SCALAR,
-// _AVX2 or _AVX512 and the matching -m flags; each copy lives in its own namespace
-// (isa_scalar, isa_avx2, isa_avx512) and kernels_isa.cpp assembles that set's Kernels table.
+// _AVX2 or _AVX512 (plus CPU_ISA_AMX for the amx set: AVX-512 code, AMX-INT8 matmul tiles)
+// and the matching -m flags; each copy lives in its own namespace (isa_scalar, isa_avx2,
+// isa_avx512, isa_amx) and kernels_isa.cpp assembles that set's Kernels table.
 // The SIMD code computes the canonical arithmetic of numerics.hpp and no other: exact integer
 // block sums, then per (row, column) one fma chain over the blocks in order; reductions over 8
 // lanes folded as hsum8.
@@ -18,7 +19,10 @@
 #define CPU_SIMD 1
 #endif
 
-#if defined(CPU_ISA_AVX512)
+#if defined(CPU_ISA_AMX)
+#define ISA_NS isa_amx
+#define ISA_NAME "amx"
+#elif defined(CPU_ISA_AVX512)
 #define ISA_NS isa_avx512
 #define ISA_NAME "avx512"
 #elif defined(CPU_ISA_AVX2)

@@ -86,10 +86,11 @@ struct Kernels {
   void (*quantize_row)(const float* x, int k, int8_t* q, float* d, float* s, int32_t* sum);
 };
 
-// "scalar", "avx2", "avx512": the paths compiled in, and which this CPU can run.
+// "scalar", "avx2", "avx512", "amx": the paths compiled in, and which this CPU can run ("amx"
+// also asks the OS for the tile state, once per process).
 const Kernels* kernels_by_name(const std::string& name);  // nullptr if unknown
 bool cpu_supports(const std::string& name);
-std::string best_isa();  // SPECSERVE_CPU_ISA overrides (scalar | avx2 | avx512)
+std::string best_isa();  // SPECSERVE_CPU_ISA overrides (scalar | avx2 | avx512 | amx)
 
 constexpr int kAttendRows = 32;  // most rows per attention call
 size_t attend_chunk_scratch_floats(int group);

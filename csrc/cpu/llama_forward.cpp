@@ -177,8 +177,10 @@ struct LlamaForward::Scratch {
 
 void LlamaForward::matmul(const OwnedMatrix& w, const QuantRows& a, int rows, float* out) {
   const PackedMatrix& m = w.view();
-  pool_.parallel_for(m.n / kGroupCols, [&](int g0, int g1, int) {
-    kernels_->matmul(m, a, rows, g0, g1, out, static_cast<size_t>(m.n));
+  const int groups = m.n / kGroupCols;
+  // Threads take whole pairs of column groups: the wide kernels read a pair's blocks as one.
+  pool_.parallel_for((groups + 1) / 2, [&](int p0, int p1, int) {
+    kernels_->matmul(m, a, rows, 2 * p0, std::min(2 * p1, groups), out, static_cast<size_t>(m.n));
   });
 }
 

@@ -48,7 +48,7 @@ class NativeLlamaModel:
 
     @property
     def isa(self) -> str:
-        """The kernel path in use: avx512, avx2 or scalar."""
+        """The kernel path in use: amx, avx512, avx2 or scalar."""
         return self._forward.isa
 
     @property
@@ -70,7 +70,7 @@ class NativeLlamaModel:
 
         num_threads 0: torch's intra-op thread count (under Ray, the replica's num_cpus; else
         the cores this process may use). isa "": the best path this CPU runs
-        (the environment variable SPECSERVE_CPU_ISA forces one: scalar, avx2, avx512).
+        (the environment variable SPECSERVE_CPU_ISA forces one: scalar, avx2, avx512, amx).
         """
         path = Path(path)
         if path.suffix == ".gguf":

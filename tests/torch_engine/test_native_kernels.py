@@ -13,7 +13,7 @@ import pytest
 
 from replicas.torch_engine import _cpu_forward as native
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "amx")
 Q4_1, Q8_0 = 3, 8
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -105,7 +105,8 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     rng = np.random.default_rng(4)
     for kind, n in ((Q4_1, 64), (Q8_0, 64), (Q4_1, 56), (Q8_0, 24)):  # column groups in pairs, or one left
         rows, _ = quantized(rng, n, 256, kind)
-        for m in (11, 6, 1):  # row tiles of 4, then 3, 2 or 1 left
+        # Row tiles of 4, then 3, 2 or 1 left; amx: tiles of 16 from 32 rows, the rest as avx512.
+        for m in (11, 6, 1, 32, 37):
             x = rng.standard_normal((m, 256)).astype(np.float32)
             for threads in (1, 2):
                 np.testing.assert_array_equal(native.linear(rows, kind, x, isa, threads),
@@ -126,10 +127,10 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
 def test_linear_rows_are_independent_of_the_batch_and_threads():
     rng = np.random.default_rng(5)
     rows, _ = quantized(rng, 96, 128, Q4_1)
-    x = rng.standard_normal((11, 128)).astype(np.float32)
+    x = rng.standard_normal((37, 128)).astype(np.float32)  # amx: two tiles of 16 and 5 rows left
     isa = native.best_isa()
     together = native.linear(rows, Q4_1, x, isa, 2)
-    alone = np.concatenate([native.linear(rows, Q4_1, x[i:i + 1], isa, 1) for i in range(11)])
+    alone = np.concatenate([native.linear(rows, Q4_1, x[i:i + 1], isa, 1) for i in range(37)])
     np.testing.assert_array_equal(together, alone)
 
 
