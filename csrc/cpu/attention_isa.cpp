@@ -2,6 +2,7 @@
 // tile of rows, online softmax over blocks of 32 positions in order.
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "isa.hpp"
 
@@ -11,20 +12,22 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The chunk loop shared by every path. Per block and row: `scores(q_row, group, hd, kt, s)`
-// fills s [group][32] from the block's K^T (fp16, straight from the cache); per head,
-// `block_max` is the largest of the block's nb scores and `exp_sum` turns s into
-// p = exp(s - m_new) (zero past nb) and returns block_sum_canonical(p); then
-// `accumulate_v(states, alpha, s, nb, v, group, hd)` rescales each head's acc by its alpha
-// and adds p's weighted V rows in order. A last block's K lanes past nb were never written
-// (the cache is not initialised): their scores are computed and then never used.
-template <typename Scores, typename BlockMax, typename ExpSum, typename AccumulateV>
+// The chunk loop shared by every path. Per block, rows go RowsAtOnce at a time (those of them
+// that reach the block): `scores(q_row, q_stride, nr, group, hd, kt, s)` fills s [nr][group][32]
+// from the block's K^T (fp16, straight from the cache); per row and head, `block_max` is the
+// largest of the row's nb scores and `exp_sum` turns s into p = exp(s - m_new) (zero past nb)
+// and returns block_sum_canonical(p); then `accumulate_v(states, sf_row, alpha, s, nbs, nr, v,
+// group, hd)` rescales each (row, head)'s acc by its alpha and adds p's weighted V rows in
+// order, each row its own nb of them. A row's arithmetic is the same whichever rows share its
+// call. A last block's K lanes past nb were never written (the cache is not initialised):
+// their scores are computed and then never used.
+template <int RowsAtOnce, typename Scores, typename BlockMax, typename ExpSum, typename AccumulateV>
 void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
                          const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch,
                          Scores scores, BlockMax block_max, ExpSum exp_sum, AccumulateV accumulate_v) {
-  float* s = scratch;                   // [group][kBlock]: scores, then p
-  float* alpha = s + group * kBlock;    // [group]: each head's rescale of its state by the block
-  const int sf = state_floats(hd);
+  float* s = scratch;                                 // [RowsAtOnce][group][kBlock]: scores, then p
+  float* alpha = s + RowsAtOnce * group * kBlock;     // [RowsAtOnce][group]: each state's rescale
+  const int sf = state_floats(hd), sf_row = group * sf;
   for (int i = 0; i < rows * group; ++i) {
     float* state = states + i * sf;
     std::fill(state, state + hd, 0.0f);
@@ -35,22 +38,33 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
   for (int j0 = chunk * kChunk; j0 < end; j0 += kBlock) {
     const uint16_t* kt = k + static_cast<size_t>(j0) * hd;
     const uint16_t* vb = v + static_cast<size_t>(j0) * hd;
-    for (int r = 0; r < rows; ++r) {
-      const int n_pos = first_n_pos + r;
-      if (j0 >= n_pos) continue;
-      const int nb = std::min(kBlock, n_pos - j0);
-      float* row_states = states + r * group * sf;
-      scores(q + r * q_stride, group, hd, kt, s);
-      for (int h = 0; h < group; ++h) {
-        float* state = row_states + h * sf;
-        const float m = state[hd];
-        const float m_new = max_canonical(m, block_max(s + h * kBlock, nb));
-        alpha[h] = m == kNegInf ? 0.0f : exp_canonical(m - m_new);
-        const float sum = exp_sum(s + h * kBlock, nb, m_new);
-        state[hd + 1] = state[hd + 1] * alpha[h] + sum;
-        state[hd] = m_new;
+    if (j0 + kBlock < end) {  // the next block's K^T and V, while this one is computed
+      for (size_t at = 0; at < static_cast<size_t>(kBlock) * hd; at += 32) {
+        __builtin_prefetch(kt + kBlock * hd + at);
+        __builtin_prefetch(vb + kBlock * hd + at);
       }
-      accumulate_v(row_states, alpha, s, nb, vb, group, hd);
+    }
+    for (int r0 = 0; r0 < rows; r0 += RowsAtOnce) {
+      const int r_first = std::max(r0, j0 - first_n_pos + 1);  // row r reaches positions below first_n_pos + r
+      const int nr = std::min(r0 + RowsAtOnce, rows) - r_first;
+      if (nr <= 0) continue;
+      int nbs[RowsAtOnce];
+      scores(q + r_first * q_stride, q_stride, nr, group, hd, kt, s);
+      for (int i = 0; i < nr; ++i) {
+        nbs[i] = std::min(kBlock, first_n_pos + r_first + i - j0);
+        float* row_states = states + (r_first + i) * sf_row;
+        for (int h = 0; h < group; ++h) {
+          float* state = row_states + h * sf;
+          float* sh = s + (i * group + h) * kBlock;
+          const float m = state[hd];
+          const float m_new = max_canonical(m, block_max(sh, nbs[i]));
+          alpha[i * group + h] = m == kNegInf ? 0.0f : exp_canonical(m - m_new);
+          const float sum = exp_sum(sh, nbs[i], m_new);
+          state[hd + 1] = state[hd + 1] * alpha[i * group + h] + sum;
+          state[hd] = m_new;
+        }
+      }
+      accumulate_v(states + r_first * sf_row, sf_row, alpha, s, nbs, nr, vb, group, hd);
     }
   }
 }
@@ -58,7 +72,7 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
 [[maybe_unused]] void attend_chunk_scalar(const float* q, size_t q_stride, int rows, int first_n_pos, int group,
                                           int hd, const uint16_t* k, const uint16_t* v, int chunk, float* states,
                                           float* scratch) {
-  auto scores = [](const float* q_row, int group, int hd, const uint16_t* kt, float* s) {
+  auto scores = [](const float* q_row, size_t, int, int group, int hd, const uint16_t* kt, float* s) {
     std::fill(s, s + group * kBlock, 0.0f);
     for (int d = 0; d < hd; ++d) {
       float kd[kBlock];
@@ -76,13 +90,13 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
     for (int j = 0; j < kBlock; ++j) s[j] = j < nb ? exp_canonical(s[j] - m_new) : 0.0f;
     return block_sum_canonical(s);
   };
-  auto accumulate_v = [](float* states, const float* alpha, const float* p, int nb, const uint16_t* v, int group,
-                         int hd) {
+  auto accumulate_v = [](float* states, int, const float* alpha, const float* p, const int* nbs, int,
+                         const uint16_t* v, int group, int hd) {
     for (int h = 0; h < group; ++h) {
       float* acc = states + h * state_floats(hd);
       for (int d = 0; d < hd; ++d) acc[d] = acc[d] * alpha[h];
     }
-    for (int j = 0; j < nb; ++j)
+    for (int j = 0; j < nbs[0]; ++j)
       for (int d = 0; d < hd; ++d) {
         const float vd = half_to_float(v[j * hd + d]);
         for (int h = 0; h < group; ++h) {
@@ -91,8 +105,8 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
         }
       }
   };
-  attend_chunk_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,
-                      exp_sum, accumulate_v);
+  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,
+                         exp_sum, accumulate_v);
 }
 
 #ifdef CPU_SIMD
@@ -159,10 +173,150 @@ inline __m256 valid_lanes(int i, int nb) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), index));
 }
 
+#ifdef CPU_ISA_AVX512
+// GCC 12's AVX-512 intrinsics fill an unused operand with _mm512_undefined_*(), which its own
+// -Wmaybe-uninitialized then reports at every use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// AVX-512: two rows of a tile per block, 16 positions or dims per register. A block's K^T row
+// and V row are converted from fp16 once for both rows and every head, and the two rows' chains
+// run side by side; each score and each acc element is still its own fma chain, in the order
+// the scalar path takes.
+constexpr int kHeads = 4;  // 2 rows x 4 heads x 2 registers: 16 accumulators of 32
+
+inline __m512 load_half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// s [NR][group][32], heads [h0, h0 + H): one chain per (row, head, position) over hd.
+template <int NR, int H>
+void scores_rows(const float* q, size_t q_stride, int group, int hd, int h0, const uint16_t* kt, float* s) {
+  __m512 acc[NR][H][2];
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h][0] = acc[r][h][1] = _mm512_setzero_ps();
+  for (int d = 0; d < hd; ++d) {
+    const __m512 k0 = load_half16(kt + d * kBlock), k1 = load_half16(kt + d * kBlock + 16);
+    for (int r = 0; r < NR; ++r)
+      for (int h = 0; h < H; ++h) {
+        const __m512 b = _mm512_set1_ps(q[r * q_stride + (h0 + h) * hd + d]);
+        acc[r][h][0] = _mm512_fmadd_ps(b, k0, acc[r][h][0]);
+        acc[r][h][1] = _mm512_fmadd_ps(b, k1, acc[r][h][1]);
+      }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < H; ++h) {
+      float* out = s + (r * group + h0 + h) * kBlock;
+      _mm512_storeu_ps(out, acc[r][h][0]);
+      _mm512_storeu_ps(out + 16, acc[r][h][1]);
+    }
+}
+
+// acc of NR rows x heads [h0, h0 + H), dims [d0, d0 + 16 NV): rescaled by alpha, then the
+// weighted V rows added in order, row i taking nbs[i] of them (a row never adds a V row past
+// its own positions: those may be unwritten memory).
+template <int NR, int H, int NV>
+void accumulate_v_rows(float* states, int sf_row, const float* alpha, const float* p, const int* nbs,
+                       const uint16_t* v, int group, int hd, int h0, int d0) {
+  const int sf = state_floats(hd);
+  __m512 x[NR][H][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < H; ++h) {
+      const __m512 a = _mm512_set1_ps(alpha[r * group + h0 + h]);
+      const float* acc = states + r * sf_row + (h0 + h) * sf + d0;
+      for (int i = 0; i < NV; ++i) x[r][h][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), a);
+    }
+  auto add = [&](int j, int r_begin) {
+    __m512 vj[NV];
+    for (int i = 0; i < NV; ++i) vj[i] = load_half16(v + j * hd + d0 + 16 * i);
+    for (int r = r_begin; r < NR; ++r)
+      for (int h = 0; h < H; ++h) {
+        const __m512 pj = _mm512_set1_ps(p[(r * group + h0 + h) * kBlock + j]);
+        for (int i = 0; i < NV; ++i) x[r][h][i] = _mm512_fmadd_ps(pj, vj[i], x[r][h][i]);
+      }
+  };
+  int j = 0;
+  for (; j < nbs[0]; ++j) add(j, 0);
+  if constexpr (NR == 2) {  // the later row reaches one position further
+    for (; j < nbs[1]; ++j) add(j, 1);
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < H; ++h) {
+      float* acc = states + r * sf_row + (h0 + h) * sf + d0;
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, x[r][h][i]);
+    }
+}
+
+// f(std::integral_constant<int, NR>{}, std::integral_constant<int, H>{}) for nr in [1, 2], h in [1, 4].
+template <typename F>
+void with_rows_heads(int nr, int h, F f) {
+  auto heads = [&](auto rows) {
+    switch (h) {
+      case 4: return f(rows, std::integral_constant<int, 4>{});
+      case 3: return f(rows, std::integral_constant<int, 3>{});
+      case 2: return f(rows, std::integral_constant<int, 2>{});
+      default: return f(rows, std::integral_constant<int, 1>{});
+    }
+  };
+  if (nr == 2) return heads(std::integral_constant<int, 2>{});
+  heads(std::integral_constant<int, 1>{});
+}
+#pragma GCC diagnostic pop
+#endif  // CPU_ISA_AVX512
+
+// The softmax steps every SIMD path shares.
+float block_max_simd(const float* s, int nb) {  // max is exact in any order
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 m = neg_inf;
+  for (int i = 0; i < 4; ++i) {
+    __m256 x = _mm256_loadu_ps(s + kLanes * i);
+    if (nb < kBlock) x = _mm256_blendv_ps(neg_inf, x, valid_lanes(i, nb));  // only a last block
+    m = _mm256_max_ps(m, x);
+  }
+  return hmax8(m);
+}
+
+float exp_sum_simd(float* s, int nb, float m_new) {
+  const __m256 m8 = _mm256_set1_ps(m_new);
+  __m256 p[4];
+  for (int i = 0; i < 4; ++i) {
+    p[i] = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + kLanes * i), m8));
+    if (nb < kBlock) p[i] = _mm256_and_ps(p[i], valid_lanes(i, nb));
+    _mm256_storeu_ps(s + kLanes * i, p[i]);
+  }
+  return hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2]), p[3]));
+}
+
 void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
                        const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch) {
+#ifdef CPU_ISA_AVX512
+  auto scores = [](const float* q_row, size_t q_stride, int nr, int group, int hd, const uint16_t* kt, float* s) {
+    for (int h0 = 0; h0 < group; h0 += kHeads)
+      with_rows_heads(nr, std::min(kHeads, group - h0), [&](auto r, auto h) {
+        scores_rows<decltype(r)::value, decltype(h)::value>(q_row, q_stride, group, hd, h0, kt, s);
+      });
+  };
+  // 32 dims at a time, then 16; a head_dim's last 8 take the AVX2 kernel, row by row.
+  auto accumulate_v = [](float* states, int sf_row, const float* alpha, const float* p, const int* nbs, int nr,
+                         const uint16_t* v, int group, int hd) {
+    for (int h0 = 0; h0 < group; h0 += kHeads) {
+      int d0 = 0;
+      with_rows_heads(nr, std::min(kHeads, group - h0), [&](auto r, auto h) {
+        constexpr int NR = decltype(r)::value, H = decltype(h)::value;
+        for (; d0 + 32 <= hd; d0 += 32) accumulate_v_rows<NR, H, 2>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
+        for (; d0 + 16 <= hd; d0 += 16) accumulate_v_rows<NR, H, 1>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
+      });
+      for (; d0 < hd; d0 += kLanes)
+        for (int i = 0; i < nr; ++i)
+          for (int h = h0; h < std::min(group, h0 + kHeads); ++h)
+            accumulate_v_simd<1, 1>(states + i * sf_row + h * state_floats(hd), alpha + i * group + h,
+                                    p + (i * group + h) * kBlock, nbs[i], v, hd, d0);
+    }
+  };
+  attend_chunk_blocks<2>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores,
+                         block_max_simd, exp_sum_simd, accumulate_v);
+#else
   // Heads go 3 at a time: 12 accumulators, which with their operands fit AVX2's 16 registers.
-  auto scores = [](const float* q_row, int group, int hd, const uint16_t* kt, float* s) {
+  auto scores = [](const float* q_row, size_t, int, int group, int hd, const uint16_t* kt, float* s) {
     for (int h = 0; h < group; h += 3) {
       const float* qh = q_row + h * hd;
       switch (std::min(3, group - h)) {
@@ -172,41 +326,22 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
       }
     }
   };
-  auto block_max = [](const float* s, int nb) {  // max is exact in any order
-    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-    __m256 m = neg_inf;
-    for (int i = 0; i < 4; ++i) {
-      __m256 x = _mm256_loadu_ps(s + kLanes * i);
-      if (nb < kBlock) x = _mm256_blendv_ps(neg_inf, x, valid_lanes(i, nb));  // only a last block
-      m = _mm256_max_ps(m, x);
-    }
-    return hmax8(m);
-  };
-  auto exp_sum = [](float* s, int nb, float m_new) {
-    const __m256 m8 = _mm256_set1_ps(m_new);
-    __m256 p[4];
-    for (int i = 0; i < 4; ++i) {
-      p[i] = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + kLanes * i), m8));
-      if (nb < kBlock) p[i] = _mm256_and_ps(p[i], valid_lanes(i, nb));
-      _mm256_storeu_ps(s + kLanes * i, p[i]);
-    }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2]), p[3]));
-  };
   // 32 dims of 3 heads at a time (12 accumulators); 8 at a time for a head_dim's tail.
-  auto accumulate_v = [](float* states, const float* alpha, const float* p, int nb, const uint16_t* v, int group,
-                         int hd) {
+  auto accumulate_v = [](float* states, int, const float* alpha, const float* p, const int* nbs, int,
+                         const uint16_t* v, int group, int hd) {
     for (int h = 0; h < group; h += 3) {
       float* sh = states + h * state_floats(hd);
       const float* ah = alpha + h;
       const float* ph = p + h * kBlock;
       const int heads = std::min(3, group - h);
       int d0 = 0;
-      for (; d0 + 4 * kLanes <= hd; d0 += 4 * kLanes) accumulate_v_heads<4>(heads, sh, ah, ph, nb, v, hd, d0);
-      for (; d0 < hd; d0 += kLanes) accumulate_v_heads<1>(heads, sh, ah, ph, nb, v, hd, d0);
+      for (; d0 + 4 * kLanes <= hd; d0 += 4 * kLanes) accumulate_v_heads<4>(heads, sh, ah, ph, nbs[0], v, hd, d0);
+      for (; d0 < hd; d0 += kLanes) accumulate_v_heads<1>(heads, sh, ah, ph, nbs[0], v, hd, d0);
     }
   };
-  attend_chunk_blocks(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,
-                      exp_sum, accumulate_v);
+  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores,
+                         block_max_simd, exp_sum_simd, accumulate_v);
+#endif
 }
 #endif  // CPU_SIMD
 
