@@ -219,6 +219,9 @@ struct PairChunks {
   }
 };
 
+// Rows per pair_rows call: R accumulators and the 8 unpacked chunks fit the 32 zmm registers.
+constexpr int kPairTileRows = 8;
+
 template <WeightType T, int R>
 void pair_rows(const uint8_t* pair, int nb, const QuantRows& a, int m0, float* out, size_t ldo) {
   constexpr size_t gbb = group_block_bytes(T);
@@ -244,16 +247,26 @@ void pair_rows(const uint8_t* pair, int nb, const QuantRows& a, int m0, float* o
 #pragma GCC diagnostic pop
 #endif
 
-// f(std::integral_constant<int, R>{}, m0) over rows in tiles of R = 4, then the 3, 2 or 1 left.
-template <typename F>
+// f(std::integral_constant<int, R>{}) for a run-time R in [1, MaxR].
+template <int MaxR, typename F>
+void with_tile_rows(int r, F f) {
+  if constexpr (MaxR > 1) {
+    if (r < MaxR) return with_tile_rows<MaxR - 1>(r, f);
+  }
+  f(std::integral_constant<int, MaxR>{});
+}
+
+// f(std::integral_constant<int, R>{}, m0) over rows in as few tiles of at most MaxR rows as
+// there can be, their sizes within one of each other (9 rows in tiles of 8 go 5 + 4, not 8 + 1:
+// a tile unpacks the weights again, and a 1-row tile's few dpbusd chains wait on each other).
+template <int MaxR, typename F>
 void row_tiles(int rows, F f) {
-  int m = 0;
-  for (; m + 4 <= rows; m += 4) f(std::integral_constant<int, 4>{}, m);
-  switch (rows - m) {
-    case 3: f(std::integral_constant<int, 3>{}, m); break;
-    case 2: f(std::integral_constant<int, 2>{}, m); break;
-    case 1: f(std::integral_constant<int, 1>{}, m); break;
-    default: break;
+  if (rows <= 0) return;
+  const int tiles = (rows + MaxR - 1) / MaxR, base = rows / tiles, longer = rows % tiles;
+  for (int t = 0, m = 0; t < tiles; ++t) {
+    const int r = base + (t < longer ? 1 : 0);
+    with_tile_rows<MaxR>(r, [&](auto tile) { f(tile, m); });
+    m += r;
   }
 }
 
@@ -269,8 +282,9 @@ void row_tiles(int rows, F f) {
 // stage's into the fma chains. Measured on a Xeon with AMX (one thread, a 3072 x 576 Q4_1
 // matrix in cache): as fast as pair_rows at 16 rows (unpacking and the trips through memory
 // cost what the tiles save), 1.5x at 32, 1.6x at 64 (the per-block float side, which both do,
-// bounds it). So tiles start at 32 rows; a whole step (attention, norms and weight reads unchanged, 2 threads, 1,000 tokens
-// of context) is 5-7% faster at 32-128 rows and a 1,000-token prefill 740 -> 650 ms.
+// bounds it). So tiles start at 32 rows; a whole step (attention, norms and weight reads
+// unchanged, 2 threads, 1,000 tokens of context) is 5-7% faster at 32-128 rows and a
+// 1,000-token prefill 740 -> 650 ms.
 constexpr int kTileRows = 16;
 constexpr int kAmxMinRows = 32;
 constexpr int kStageBlocks = 8;
@@ -413,7 +427,7 @@ void matmul_typed(const PackedMatrix& w, const QuantRows& a, int rows, int g0, i
     float* o = out + g * kGroupCols;
 #ifdef CPU_ISA_AVX512
     if (g % 2 == 0 && g + 1 < g1) {  // a whole pair (the last group may stand alone)
-      row_tiles(rows - tiled, [&](auto tile, int m) {
+      row_tiles<kPairTileRows>(rows - tiled, [&](auto tile, int m) {
         pair_rows<T, decltype(tile)::value>(group, nb, a, tiled + m, o, ldo);
       });
       g += 2;
@@ -421,7 +435,7 @@ void matmul_typed(const PackedMatrix& w, const QuantRows& a, int rows, int g0, i
     }
 #endif
     const size_t stride = group_stride(w, g);
-    row_tiles(rows, [&](auto tile, int m) { group_rows<T, decltype(tile)::value>(group, stride, nb, a, m, o, ldo); });
+    row_tiles<4>(rows, [&](auto tile, int m) { group_rows<T, decltype(tile)::value>(group, stride, nb, a, m, o, ldo); });
     ++g;
   }
 }
