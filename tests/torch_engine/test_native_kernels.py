@@ -105,8 +105,9 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     rng = np.random.default_rng(4)
     for kind, n in ((Q4_1, 64), (Q8_0, 64), (Q4_1, 56), (Q8_0, 24)):  # column groups in pairs, or one left
         rows, _ = quantized(rng, n, 256, kind)
-        # Row tiles of 4, then 3, 2 or 1 left; amx: tiles of 16 from 32 rows, the rest as avx512.
-        for m in (11, 6, 1, 32, 37):
+        # Balanced row tiles (avx2: up to 4 rows, avx512: up to 8) of every size; amx: tiles of
+        # 16 from 32 rows, the rest as avx512.
+        for m in (11, 8, 7, 6, 3, 2, 1, 32, 37):
             x = rng.standard_normal((m, 256)).astype(np.float32)
             for threads in (1, 2):
                 np.testing.assert_array_equal(native.linear(rows, kind, x, isa, threads),
