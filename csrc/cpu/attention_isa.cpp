@@ -2,7 +2,6 @@
 // tile of rows, online softmax over blocks of 32 positions in order.
 #include <algorithm>
 #include <limits>
-#include <type_traits>
 
 #include "isa.hpp"
 
@@ -246,20 +245,6 @@ void accumulate_v_rows(float* states, int sf_row, const float* alpha, const floa
     }
 }
 
-// f(std::integral_constant<int, NR>{}, std::integral_constant<int, H>{}) for nr in [1, 2], h in [1, 4].
-template <typename F>
-void with_rows_heads(int nr, int h, F f) {
-  auto heads = [&](auto rows) {
-    switch (h) {
-      case 4: return f(rows, std::integral_constant<int, 4>{});
-      case 3: return f(rows, std::integral_constant<int, 3>{});
-      case 2: return f(rows, std::integral_constant<int, 2>{});
-      default: return f(rows, std::integral_constant<int, 1>{});
-    }
-  };
-  if (nr == 2) return heads(std::integral_constant<int, 2>{});
-  heads(std::integral_constant<int, 1>{});
-}
 #pragma GCC diagnostic pop
 #endif  // CPU_ISA_AVX512
 
@@ -291,8 +276,10 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
 #ifdef CPU_ISA_AVX512
   auto scores = [](const float* q_row, size_t q_stride, int nr, int group, int hd, const uint16_t* kt, float* s) {
     for (int h0 = 0; h0 < group; h0 += kHeads)
-      with_rows_heads(nr, std::min(kHeads, group - h0), [&](auto r, auto h) {
-        scores_rows<decltype(r)::value, decltype(h)::value>(q_row, q_stride, group, hd, h0, kt, s);
+      with_constant<2>(nr, [&](auto r) {
+        with_constant<kHeads>(std::min(kHeads, group - h0), [&](auto h) {
+          scores_rows<decltype(r)::value, decltype(h)::value>(q_row, q_stride, group, hd, h0, kt, s);
+        });
       });
   };
   // 32 dims at a time, then 16; a head_dim's last 8 take the AVX2 kernel, row by row.
@@ -300,10 +287,12 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
                          const uint16_t* v, int group, int hd) {
     for (int h0 = 0; h0 < group; h0 += kHeads) {
       int d0 = 0;
-      with_rows_heads(nr, std::min(kHeads, group - h0), [&](auto r, auto h) {
-        constexpr int NR = decltype(r)::value, H = decltype(h)::value;
-        for (; d0 + 32 <= hd; d0 += 32) accumulate_v_rows<NR, H, 2>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
-        for (; d0 + 16 <= hd; d0 += 16) accumulate_v_rows<NR, H, 1>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
+      with_constant<2>(nr, [&](auto r) {
+        with_constant<kHeads>(std::min(kHeads, group - h0), [&](auto h) {
+          constexpr int NR = decltype(r)::value, H = decltype(h)::value;
+          for (; d0 + 32 <= hd; d0 += 32) accumulate_v_rows<NR, H, 2>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
+          for (; d0 + 16 <= hd; d0 += 16) accumulate_v_rows<NR, H, 1>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
+        });
       });
       for (; d0 < hd; d0 += kLanes)
         for (int i = 0; i < nr; ++i)

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.hpp"
 #include "numerics.hpp"
@@ -40,6 +41,20 @@ namespace ISA_NS {
 void matmul(const PackedMatrix& w, const QuantRows& a, int rows, int g0, int g1, float* out, size_t ldo);
 void attend_chunk(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd, const uint16_t* k,
                   const uint16_t* v, int chunk, float* states, float* scratch);
+
+namespace {
+
+// f(std::integral_constant<int, N>{}) for a run-time n in [1, Max] (a kernel's row or head
+// count, which sizes its register arrays).
+template <int Max, typename F>
+void with_constant(int n, F f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_constant<Max - 1>(n, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+}  // namespace
 
 #ifdef CPU_SIMD
 namespace {

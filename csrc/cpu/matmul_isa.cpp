@@ -247,15 +247,6 @@ void pair_rows(const uint8_t* pair, int nb, const QuantRows& a, int m0, float* o
 #pragma GCC diagnostic pop
 #endif
 
-// f(std::integral_constant<int, R>{}) for a run-time R in [1, MaxR].
-template <int MaxR, typename F>
-void with_tile_rows(int r, F f) {
-  if constexpr (MaxR > 1) {
-    if (r < MaxR) return with_tile_rows<MaxR - 1>(r, f);
-  }
-  f(std::integral_constant<int, MaxR>{});
-}
-
 // f(std::integral_constant<int, R>{}, m0) over rows in as few tiles of at most MaxR rows as
 // there can be, their sizes within one of each other (9 rows in tiles of 8 go 5 + 4, not 8 + 1:
 // a tile unpacks the weights again, and a 1-row tile's few dpbusd chains wait on each other).
@@ -265,7 +256,7 @@ void row_tiles(int rows, F f) {
   const int tiles = (rows + MaxR - 1) / MaxR, base = rows / tiles, longer = rows % tiles;
   for (int t = 0, m = 0; t < tiles; ++t) {
     const int r = base + (t < longer ? 1 : 0);
-    with_tile_rows<MaxR>(r, [&](auto tile) { f(tile, m); });
+    with_constant<MaxR>(r, [&](auto tile) { f(tile, m); });
     m += r;
   }
 }
