@@ -25,6 +25,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# Set before torch loads OpenMP. By default (300,000 spins) its threads spin on for
+# milliseconds after each torch op, on the cores the other side's step then needs: on a Xeon,
+# 2 threads, a 1-row native step at 1,024 tokens measured 7.5 ms right after an fp32 step
+# and 6.4 ms with 30,000 spins, while the fp32 steps kept their times (sleeping OpenMP threads
+# at once instead slowed them by a third). The engine itself runs torch single-threaded beside
+# the native forward (torch_engine/engine.py), so no spinning team meets its steps.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+
 import torch
 
 from benchmarks.llamacpp_peer import run_peer

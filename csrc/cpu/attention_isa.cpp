@@ -177,11 +177,11 @@ inline __m256 valid_lanes(int i, int nb) {
 // -Wmaybe-uninitialized then reports at every use.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// AVX-512: two rows of a tile per block, 16 positions or dims per register. A block's K^T row
-// and V row are converted from fp16 once for both rows and every head, and the two rows' chains
-// run side by side; each score and each acc element is still its own fma chain, in the order
-// the scalar path takes.
-constexpr int kHeads = 4;  // 2 rows x 4 heads x 2 registers: 16 accumulators of 32
+// AVX-512: up to kRowsPerKvPass rows of a tile per block, 16 positions or dims per register. A
+// block's K^T row and V row are converted from fp16 once for those rows and up to kHeads heads,
+// and their chains run side by side; each score and each acc element is still its own fma
+// chain, in the order the scalar path takes.
+constexpr int kHeads = 3;  // 4 rows x 3 heads x 2 registers: 24 accumulators of 32
 
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -224,20 +224,19 @@ void accumulate_v_rows(float* states, int sf_row, const float* alpha, const floa
       const float* acc = states + r * sf_row + (h0 + h) * sf + d0;
       for (int i = 0; i < NV; ++i) x[r][h][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), a);
     }
-  auto add = [&](int j, int r_begin) {
+  auto add = [&](int j, auto r_begin) {  // position j for rows [r_begin, NR)
     __m512 vj[NV];
     for (int i = 0; i < NV; ++i) vj[i] = load_half16(v + j * hd + d0 + 16 * i);
-    for (int r = r_begin; r < NR; ++r)
+    for (int r = decltype(r_begin)::value; r < NR; ++r)
       for (int h = 0; h < H; ++h) {
         const __m512 pj = _mm512_set1_ps(p[(r * group + h0 + h) * kBlock + j]);
         for (int i = 0; i < NV; ++i) x[r][h][i] = _mm512_fmadd_ps(pj, vj[i], x[r][h][i]);
       }
   };
   int j = 0;
-  for (; j < nbs[0]; ++j) add(j, 0);
-  if constexpr (NR == 2) {  // the later row reaches one position further
-    for (; j < nbs[1]; ++j) add(j, 1);
-  }
+  static_for<NR>([&](auto r) {  // each later row reaches one position further
+    for (; j < nbs[decltype(r)::value]; ++j) add(j, r);
+  });
   for (int r = 0; r < NR; ++r)
     for (int h = 0; h < H; ++h) {
       float* acc = states + r * sf_row + (h0 + h) * sf + d0;
@@ -276,7 +275,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
 #ifdef CPU_ISA_AVX512
   auto scores = [](const float* q_row, size_t q_stride, int nr, int group, int hd, const uint16_t* kt, float* s) {
     for (int h0 = 0; h0 < group; h0 += kHeads)
-      with_constant<2>(nr, [&](auto r) {
+      with_constant<kRowsPerKvPass>(nr, [&](auto r) {
         with_constant<kHeads>(std::min(kHeads, group - h0), [&](auto h) {
           scores_rows<decltype(r)::value, decltype(h)::value>(q_row, q_stride, group, hd, h0, kt, s);
         });
@@ -287,7 +286,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
                          const uint16_t* v, int group, int hd) {
     for (int h0 = 0; h0 < group; h0 += kHeads) {
       int d0 = 0;
-      with_constant<2>(nr, [&](auto r) {
+      with_constant<kRowsPerKvPass>(nr, [&](auto r) {
         with_constant<kHeads>(std::min(kHeads, group - h0), [&](auto h) {
           constexpr int NR = decltype(r)::value, H = decltype(h)::value;
           for (; d0 + 32 <= hd; d0 += 32) accumulate_v_rows<NR, H, 2>(states, sf_row, alpha, p, nbs, v, group, hd, h0, d0);
@@ -301,7 +300,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
                                     p + (i * group + h) * kBlock, nbs[i], v, hd, d0);
     }
   };
-  attend_chunk_blocks<2>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores,
+  attend_chunk_blocks<kRowsPerKvPass>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores,
                          block_max_simd, exp_sum_simd, accumulate_v);
 #else
   // Heads go 3 at a time: 12 accumulators, which with their operands fit AVX2's 16 registers.

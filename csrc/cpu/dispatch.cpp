@@ -81,9 +81,9 @@ std::string best_isa() {
   return "scalar";
 }
 
-// The scores of the group's heads and their rescale factors, for the 2 rows a path may take at once.
+// The scores of the group's heads and their rescale factors, for the rows a path takes at once.
 size_t attend_chunk_scratch_floats(int group) {
-  return 2 * static_cast<size_t>(group) * (kBlock + 1);
+  return kRowsPerKvPass * static_cast<size_t>(group) * (kBlock + 1);
 }
 
 size_t attend_scratch_floats(int group, int hd) {

@@ -54,6 +54,15 @@ void with_constant(int n, F f) {
   f(std::integral_constant<int, Max>{});
 }
 
+// f(0), f(1), ..., f(N - 1), each index a compile-time constant.
+template <int N, int I = 0, typename F>
+void static_for(F f) {
+  if constexpr (I < N) {
+    f(std::integral_constant<int, I>{});
+    static_for<N, I + 1>(f);
+  }
+}
+
 }  // namespace
 
 #ifdef CPU_SIMD

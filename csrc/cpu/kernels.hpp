@@ -92,7 +92,8 @@ const Kernels* kernels_by_name(const std::string& name);  // nullptr if unknown
 bool cpu_supports(const std::string& name);
 std::string best_isa();  // SPECSERVE_CPU_ISA overrides (scalar | avx2 | avx512 | amx)
 
-constexpr int kAttendRows = 32;  // most rows per attention call
+constexpr int kAttendRows = 32;     // most rows per attention call
+constexpr int kRowsPerKvPass = 4;   // most rows a path attends at once per K/V block
 size_t attend_chunk_scratch_floats(int group);
 size_t attend_scratch_floats(int group, int hd);  // attend's: the chunk's and two state buffers
 

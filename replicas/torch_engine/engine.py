@@ -115,6 +115,10 @@ class TorchEngine:
             model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads)
             logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
                         model.num_threads, model.weight_bytes / 1e6)
+            # What torch still does between native steps (sampling, masks, KV copies) is small:
+            # run it on this thread. An OpenMP team would spin on after each op, for longer
+            # than a step, on the cores the native pool needs (~10% of a hybrid step).
+            torch.set_num_threads(1)
         else:
             from replicas.torch_engine.cuda_model import CudaLlamaModel
 

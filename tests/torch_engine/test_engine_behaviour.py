@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
@@ -125,6 +126,15 @@ def test_bad_input_names_the_field_before_any_work(engine, make, field):
     with pytest.raises(ValueError, match=field):
         engine.generate(make())
     assert idle(engine)
+
+
+def test_torch_runs_single_threaded_beside_the_native_forward(engine, loop):
+    """On CPU the native pool does the heavy work. Torch's own ops between steps run on the
+    engine's thread alone: an OpenMP team would spin on after them, on the pool's cores."""
+    if engine.config.device == "cuda":
+        pytest.skip("the CUDA forward: torch's CPU threads are not in its way")
+    in_engine_thread = loop.run_until_complete(loop.run_in_executor(engine._executor, torch.get_num_threads))
+    assert in_engine_thread == 1
 
 
 def test_abort_unknown_id_is_a_noop(engine, loop):
