@@ -249,7 +249,7 @@ def table_rows(result: dict, batch: str = "batch1") -> list[tuple[str, dict[str,
 
 def markdown_table(result: dict) -> str:
     cpu = result["machine"]
-    lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['torch_threads']} threads, "
+    lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['threads']} threads, "
              f"kernels {result['kernel_path']}, greedy, {result['settings']['max_tokens']} tokens per request", ""]
     for batch in ("batch1", "batch8"):
         lines += [f"| {batch}, tokens/s | edit decode | edit end-to-end | chat decode | chat end-to-end |",
@@ -280,7 +280,7 @@ def plot(result: dict, path: Path) -> None:
             ax.set_xticks(list(x), [name.replace(", ", "\n") for name, _ in rows], fontsize=7)
             ax.set_ylabel("tokens/s")
             ax.set_title(f"{workload}, {batch} (solid: decode, pale: end-to-end)")
-    fig.suptitle(f"{result['machine']['model']}, {result['torch_threads']} threads, kernels {result['kernel_path']}")
+    fig.suptitle(f"{result['machine']['model']}, {result['threads']} threads, kernels {result['kernel_path']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -329,9 +329,9 @@ def main() -> None:
     loop.run_until_complete(engine.start())
     prompts = workloads(engine.tokenizer, args.prompts)
     result = {"settings": vars(args) | {"out": str(args.out)}, "machine": cpu_description(),
-              "kernel_path": getattr(engine.core.model, "isa", "torch"), "torch_threads": torch.get_num_threads(),
+              "kernel_path": getattr(engine.core.model, "isa", "torch"), "threads": engine.core.model.num_threads,
               "speculation": dataclasses.asdict(engine.config.speculation)}
-    print(f"our engine ({result['kernel_path']} kernels, {result['torch_threads']} threads):")
+    print(f"our engine ({result['kernel_path']} kernels, {result['threads']} threads):")
     result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
     result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
     result["batch8_gate_open"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True)
@@ -340,7 +340,7 @@ def main() -> None:
     print("transformers:")
     result["transformers"] = bench_transformers(prompts, args.max_tokens)
     print("llama.cpp:")
-    result["llamacpp"] = None if args.no_llamacpp else bench_llamacpp(prompts, args.max_tokens, result["torch_threads"])
+    result["llamacpp"] = None if args.no_llamacpp else bench_llamacpp(prompts, args.max_tokens, result["threads"])
 
     result["ratios"] = compute_ratios(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -255,7 +255,7 @@ def table_rows(result: dict) -> dict[str, dict[str, tuple[float, float]]]:
 
 def markdown_table(result: dict) -> str:
     cpu, s = result["machine"], result["settings"]
-    lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['torch_threads']} threads, "
+    lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['threads']} threads, "
              f"kernels {result['kernel_path']}, batch 1, greedy, {s['prompts']} prompts per workload, up to "
              f"{s['max_tokens']} tokens (EOS ends a complete output)", "",
              "| tokens/s (median) | records decode | records end-to-end | tool call decode | tool call end-to-end |",
@@ -290,7 +290,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(list(x), [name.replace(", ", "\n") for name in rows], fontsize=8)
         ax.set_ylabel("tokens/s (median over requests)")
         ax.set_title(f"{workload} (solid: decode, pale: end-to-end)")
-    fig.suptitle(f"{result['machine']['model']}, {result['torch_threads']} threads, kernels {result['kernel_path']}, "
+    fig.suptitle(f"{result['machine']['model']}, {result['threads']} threads, kernels {result['kernel_path']}, "
                  "batch 1, greedy")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -325,12 +325,12 @@ def main() -> None:
     for entry in prompts.values():  # warm-up: first-request allocations stay out of the figures
         loop.run_until_complete(run_one(engine, entry["prompts"][0], entry["grammar"], 4, [0]))
     result = {"settings": vars(args) | {"out": str(args.out)}, "machine": cpu_description(),
-              "kernel_path": getattr(engine.core.model, "isa", "torch"), "torch_threads": torch.get_num_threads(),
+              "kernel_path": getattr(engine.core.model, "isa", "torch"), "threads": engine.core.model.num_threads,
               "speculation": dataclasses.asdict(engine.config.speculation), "modes": MODES,
               "record_schema": RECORD_SCHEMA, "tools": TOOLS, "llamacpp_constraint": {
                   "json_records": "json_schema: our schema with our fixed JSON layout (x-guidance, ', ' and ': ')",
                   "tool_calls": "grammar: our llguidance Lark grammar for the call, tags included"}}
-    print(f"our engine ({result['kernel_path']} kernels, {result['torch_threads']} threads):")
+    print(f"our engine ({result['kernel_path']} kernels, {result['threads']} threads):")
     result["ours"] = ours = bench_ours(engine, loop, prompts, args.max_tokens)
     loop.run_until_complete(engine.shutdown())
     print("llama.cpp:")

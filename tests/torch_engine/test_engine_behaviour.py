@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
-from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+from replicas.torch_engine.engine import DEFAULT_THREADS, TorchEngine, TorchEngineConfig
 from tests.polling import async_wait_until
 from tests.torch_engine.engine_util import chat_prompt, collect, request
 
@@ -130,11 +130,19 @@ def test_bad_input_names_the_field_before_any_work(engine, make, field):
 
 def test_torch_runs_single_threaded_beside_the_native_forward(engine, loop):
     """On CPU the native pool does the heavy work. Torch's own ops between steps run on the
-    engine's thread alone: an OpenMP team would spin on after them, on the pool's cores."""
+    engine's thread alone: an OpenMP team would spin on after them, on the pool's cores. The
+    pool still gets the process's threads, also in an engine built after another one set 1."""
     if engine.config.device == "cuda":
         pytest.skip("the CUDA forward: torch's CPU threads are not in its way")
     in_engine_thread = loop.run_until_complete(loop.run_in_executor(engine._executor, torch.get_num_threads))
     assert in_engine_thread == 1
+    later = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=256, mtp_weights=None, sa_global_pool_tokens=0,
+                                          prefix_cache_bytes=0))
+    loop.run_until_complete(later.start())
+    try:
+        assert later.core.model.num_threads == engine.core.model.num_threads == DEFAULT_THREADS
+    finally:
+        loop.run_until_complete(later.shutdown())
 
 
 def test_abort_unknown_id_is_a_noop(engine, loop):
