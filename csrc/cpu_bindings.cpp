@@ -239,6 +239,16 @@ py::array_t<float> silu_mul(py::array g, py::array u, const std::string& isa) {
   return out;
 }
 
+py::array_t<uint16_t> to_half(py::array x, const std::string& isa) {
+  auto* xp = checked<float>(x, "x", 'f', {-1});
+  const int n = static_cast<int>(x.shape(0));
+  const cpu::Kernels* kernels = cpu::kernels_by_name(isa);
+  require(kernels != nullptr && cpu::cpu_supports(isa), "isa: '" + isa + "' is unknown or not supported here");
+  py::array_t<uint16_t> out(n);
+  kernels->to_half(xp, n, out.mutable_data(), 1);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_forward, m) {
@@ -283,4 +293,5 @@ PYBIND11_MODULE(_cpu_forward, m) {
   m.def("linear", &linear, py::arg("weights"), py::arg("type"), py::arg("x"), py::arg("isa"), py::arg("num_threads") = 1);
   m.def("attend", &attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("first_n_pos"), py::arg("isa"));
   m.def("silu_mul", &silu_mul, py::arg("g"), py::arg("u"), py::arg("isa"));
+  m.def("to_half", &to_half, py::arg("x"), py::arg("isa"), "fp16 bits of x, as the KV cache stores them");
 }

@@ -84,6 +84,8 @@ struct Kernels {
   void (*rms_norm)(const float* x, const float* w, int n, float eps, float* out);
   // Per-row quantisation of x [k] (k % 32 == 0) into q [k] and per block d, s = d * sum, sum.
   void (*quantize_row)(const float* x, int k, int8_t* q, float* d, float* s, int32_t* sum);
+  // out[i * stride] = fp16(x[i]) for i < n, rounded to nearest even (numerics.hpp's float_to_half).
+  void (*to_half)(const float* x, int n, uint16_t* out, size_t stride);
 };
 
 // "scalar", "avx2", "avx512", "amx": the paths compiled in, and which this CPU can run ("amx"

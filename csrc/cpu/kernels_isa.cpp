@@ -12,6 +12,10 @@ namespace {
   for (int i = 0; i < n; ++i) out[i] = silu_mul(g[i], u[i]);
 }
 
+[[maybe_unused]] void to_half_scalar(const float* x, int n, uint16_t* out, size_t stride) {
+  for (int i = 0; i < n; ++i) out[i * stride] = float_to_half(x[i]);
+}
+
 [[maybe_unused]] void rms_norm_scalar(const float* x, const float* w, int n, float eps, float* out) {
   const float inverse = rms_inverse(dot_canonical(x, x, n), n, eps);
   for (int i = 0; i < n; ++i) out[i] = x[i] * inverse * w[i];
@@ -75,6 +79,23 @@ void quantize_row_simd(const float* x, int k, int8_t* q, float* d, float* s, int
   }
 }
 
+// F16C's conversion rounds to nearest even, as float_to_half does (NaNs keep their top payload
+// bits and become quiet; the kernel tests compare every path over all classes of values).
+void to_half_simd(const float* x, int n, uint16_t* out, size_t stride) {
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (stride == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+      continue;
+    }
+    alignas(16) uint16_t lanes[kLanes];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), h);
+    for (int j = 0; j < kLanes; ++j) out[(i + j) * stride] = lanes[j];
+  }
+  for (; i < n; ++i) out[i * stride] = float_to_half(x[i]);
+}
+
 void silu_mul_simd(const float* g, const float* u, float* out, int n) {
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   int i = 0;
@@ -90,10 +111,11 @@ void silu_mul_simd(const float* g, const float* u, float* out, int n) {
 }  // namespace
 
 #ifdef CPU_SIMD
-extern const Kernels kernels{ISA_NAME, matmul, attend_chunk, merge_state, silu_mul_simd, rms_norm_simd, quantize_row_simd};
+extern const Kernels kernels{ISA_NAME,     matmul,        attend_chunk,      merge_state,
+                             silu_mul_simd, rms_norm_simd, quantize_row_simd, to_half_simd};
 #else
 extern const Kernels kernels{ISA_NAME,        matmul,          attend_chunk,       merge_state,
-                             silu_mul_scalar, rms_norm_scalar, quantize_row_scalar};
+                             silu_mul_scalar, rms_norm_scalar, quantize_row_scalar, to_half_scalar};
 #endif
 
 }  // namespace ISA_NS

@@ -100,6 +100,27 @@ def test_silu_mul_against_float64(isa):
     assert np.all(np.abs(native.silu_mul(g, u, isa) - expected) <= 8 * F32_EPS * np.abs(expected) + 1e-30)
 
 
+def fp16_edge_cases(rng) -> np.ndarray:
+    """float32 values around every fp16 boundary: ties, subnormals, overflow, infinities, NaNs."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    finite = halves[np.isfinite(halves) & (np.abs(halves) < 65504)]
+    ulp = np.abs(np.nextafter(finite.astype(np.float16), np.float16(np.inf)).astype(np.float32) - finite)
+    ties = finite + ulp / 2  # exactly halfway: rounds to the even neighbour
+    raw = rng.integers(0, 1 << 32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)  # NaNs too
+    special = np.array([65504, 65519.99, 65520, 1e30, np.inf, -np.inf, 2.0 ** -25, 2.0 ** -26, 1e-40],
+                       dtype=np.float32)
+    return np.concatenate([finite, ties, np.nextafter(ties, np.float32(0)), raw, special, -special])
+
+
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+def test_to_half_rounds_to_nearest_even(isa):
+    x = fp16_edge_cases(np.random.default_rng(5))
+    x = x[~np.isnan(x)]  # numpy does not quieten NaNs; the paths' NaNs are compared bitwise below
+    with np.errstate(over="ignore"):  # past 65504: inf, as the cache stores it
+        expected = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(native.to_half(x, isa), expected)
+
+
 @pytest.mark.parametrize("isa", [runnable(i) for i in ISAS[1:]])
 def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     rng = np.random.default_rng(4)
@@ -123,6 +144,8 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
                                           native.attend(q[:1] if first == 1 else q, k, v, first, "scalar"))
     g, u = (rng.standard_normal((2, 77)) * 30).astype(np.float32)
     np.testing.assert_array_equal(native.silu_mul(g, u, isa), native.silu_mul(g, u, "scalar"))
+    x = fp16_edge_cases(rng)
+    np.testing.assert_array_equal(native.to_half(x, isa), native.to_half(x, "scalar"))
 
 
 def test_linear_rows_are_independent_of_the_batch_and_threads():
