@@ -7,6 +7,16 @@
 
 namespace py = pybind11;
 
+namespace {
+
+cuda_forward::CacheRows cache_rows(uintptr_t k_cache, uintptr_t v_cache, uintptr_t row_slot, uintptr_t row_pos,
+                                   int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t slots,
+                                   int64_t max_seq_len, uintptr_t stream) {
+  return {k_cache, v_cache, row_slot, row_pos, rows, kv_heads, head_dim, slots, max_seq_len, stream};
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_cuda_forward, m) {
   m.doc() = "Row-invariant CUDA kernels for the torch forward on a GPU.";
   m.def(
@@ -14,23 +24,9 @@ PYBIND11_MODULE(_cuda_forward, m) {
       [](uintptr_t q, int64_t q_row_stride, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out,
          uintptr_t row_slot, uintptr_t row_pos, int64_t rows, int64_t heads, int64_t kv_heads,
          int64_t head_dim, int64_t slots, int64_t max_seq_len, float scale, uintptr_t stream) {
-        cuda_forward::AttentionArgs a;
-        a.q = q;
-        a.q_row_stride = q_row_stride;
-        a.k_cache = k_cache;
-        a.v_cache = v_cache;
-        a.out = out;
-        a.row_slot = row_slot;
-        a.row_pos = row_pos;
-        a.rows = rows;
-        a.heads = heads;
-        a.kv_heads = kv_heads;
-        a.head_dim = head_dim;
-        a.slots = slots;
-        a.max_seq_len = max_seq_len;
-        a.scale = scale;
-        a.stream = stream;
-        cuda_forward::attention_rows(a);
+        cuda_forward::attention_rows(
+            {cache_rows(k_cache, v_cache, row_slot, row_pos, rows, kv_heads, head_dim, slots, max_seq_len, stream), q,
+             q_row_stride, out, heads, scale});
       },
       py::arg("q"), py::arg("q_row_stride"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"),
       py::arg("row_slot"), py::arg("row_pos"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"),
@@ -47,22 +43,9 @@ float32 [slots, kv_heads, max_seq_len, head_dim] contiguous (one layer); out: fl
       [](uintptr_t k, int64_t k_row_stride, uintptr_t v, int64_t v_row_stride, uintptr_t k_cache, uintptr_t v_cache,
          uintptr_t row_slot, uintptr_t row_pos, int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t slots,
          int64_t max_seq_len, uintptr_t stream) {
-        cuda_forward::KvWriteArgs a;
-        a.k = k;
-        a.k_row_stride = k_row_stride;
-        a.v = v;
-        a.v_row_stride = v_row_stride;
-        a.k_cache = k_cache;
-        a.v_cache = v_cache;
-        a.row_slot = row_slot;
-        a.row_pos = row_pos;
-        a.rows = rows;
-        a.kv_heads = kv_heads;
-        a.head_dim = head_dim;
-        a.slots = slots;
-        a.max_seq_len = max_seq_len;
-        a.stream = stream;
-        cuda_forward::write_kv(a);
+        cuda_forward::write_kv(
+            {cache_rows(k_cache, v_cache, row_slot, row_pos, rows, kv_heads, head_dim, slots, max_seq_len, stream), k,
+             v, k_row_stride, v_row_stride});
       },
       py::arg("k"), py::arg("k_row_stride"), py::arg("v"), py::arg("v_row_stride"), py::arg("k_cache"),
       py::arg("v_cache"), py::arg("row_slot"), py::arg("row_pos"), py::arg("rows"), py::arg("kv_heads"),

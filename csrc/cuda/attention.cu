@@ -107,25 +107,27 @@ void require(bool ok, const std::string& message) {
 
 template <int kDims>
 void launch(const AttentionArgs& a) {
-  const dim3 grid(static_cast<unsigned>(a.rows), static_cast<unsigned>(a.heads));
-  attention_kernel<kDims><<<grid, kWarp, 0, reinterpret_cast<cudaStream_t>(a.stream)>>>(
-      reinterpret_cast<const float*>(a.q), a.q_row_stride, reinterpret_cast<const float*>(a.k_cache),
-      reinterpret_cast<const float*>(a.v_cache), reinterpret_cast<float*>(a.out),
-      reinterpret_cast<const int32_t*>(a.row_slot), reinterpret_cast<const int32_t*>(a.row_pos),
-      static_cast<int32_t>(a.heads), static_cast<int32_t>(a.heads / a.kv_heads),
-      static_cast<int32_t>(a.kv_heads), static_cast<int32_t>(a.slots), static_cast<int32_t>(a.max_seq_len),
+  const CacheRows& c = a.cache;
+  const dim3 grid(static_cast<unsigned>(c.rows), static_cast<unsigned>(a.heads));
+  attention_kernel<kDims><<<grid, kWarp, 0, reinterpret_cast<cudaStream_t>(c.stream)>>>(
+      reinterpret_cast<const float*>(a.q), a.q_row_stride, reinterpret_cast<const float*>(c.k_cache),
+      reinterpret_cast<const float*>(c.v_cache), reinterpret_cast<float*>(a.out),
+      reinterpret_cast<const int32_t*>(c.row_slot), reinterpret_cast<const int32_t*>(c.row_pos),
+      static_cast<int32_t>(a.heads), static_cast<int32_t>(a.heads / c.kv_heads),
+      static_cast<int32_t>(c.kv_heads), static_cast<int32_t>(c.slots), static_cast<int32_t>(c.max_seq_len),
       a.scale);
 }
 
 // What both kernels need of a step and one layer's cache.
-void require_geometry(int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t slots, int64_t max_seq_len) {
-  require(rows >= 0 && rows < (int64_t{1} << 31), "rows must be in [0, 2^31)");
-  require(kv_heads >= 1, "kv_heads must be >= 1");
-  require(head_dim % kWarp == 0 && head_dim >= kWarp && head_dim <= 8 * kWarp,
-          "head_dim must be a multiple of 32 in [32, 256], got " + std::to_string(head_dim));
-  require(slots >= 1 && max_seq_len >= 1 && max_seq_len < (int64_t{1} << 31) &&
-              slots * kv_heads * max_seq_len < (int64_t{1} << 40),
+void require_geometry(const CacheRows& c) {
+  require(c.rows >= 0 && c.rows < (int64_t{1} << 31), "rows must be in [0, 2^31)");
+  require(c.kv_heads >= 1, "kv_heads must be >= 1");
+  require(c.head_dim % kWarp == 0 && c.head_dim >= kWarp && c.head_dim <= 8 * kWarp,
+          "head_dim must be a multiple of 32 in [32, 256], got " + std::to_string(c.head_dim));
+  require(c.slots >= 1 && c.max_seq_len >= 1 && c.max_seq_len < (int64_t{1} << 31) &&
+              c.slots * c.kv_heads * c.max_seq_len < (int64_t{1} << 40),
           "slots and max_seq_len must be >= 1 (and the cache under 2^40 rows)");
+  if (c.rows > 0) require(c.k_cache && c.v_cache && c.row_slot && c.row_pos, "null device pointer");
 }
 
 void check_launch(const char* kernel) {
@@ -136,13 +138,13 @@ void check_launch(const char* kernel) {
 }  // namespace
 
 void attention_rows(const AttentionArgs& a) {
-  require_geometry(a.rows, a.kv_heads, a.head_dim, a.slots, a.max_seq_len);
-  require(a.heads >= 1 && a.heads <= 65535 && a.heads % a.kv_heads == 0,
+  require_geometry(a.cache);
+  require(a.heads >= 1 && a.heads <= 65535 && a.heads % a.cache.kv_heads == 0,
           "heads must be a multiple of kv_heads in [1, 65535]");
-  require(a.q_row_stride >= a.heads * a.head_dim, "q_row_stride must be >= heads * head_dim");
-  if (a.rows == 0) return;
-  require(a.q && a.k_cache && a.v_cache && a.out && a.row_slot && a.row_pos, "null device pointer");
-  switch (a.head_dim / kWarp) {
+  require(a.q_row_stride >= a.heads * a.cache.head_dim, "q_row_stride must be >= heads * head_dim");
+  if (a.cache.rows == 0) return;
+  require(a.q && a.out, "null device pointer");
+  switch (a.cache.head_dim / kWarp) {
     case 1: launch<1>(a); break;
     case 2: launch<2>(a); break;
     case 3: launch<3>(a); break;
@@ -156,17 +158,18 @@ void attention_rows(const AttentionArgs& a) {
 }
 
 void write_kv(const KvWriteArgs& a) {
-  require_geometry(a.rows, a.kv_heads, a.head_dim, a.slots, a.max_seq_len);
-  require(a.k_row_stride >= a.kv_heads * a.head_dim && a.v_row_stride >= a.kv_heads * a.head_dim,
+  const CacheRows& c = a.cache;
+  require_geometry(c);
+  require(a.k_row_stride >= c.kv_heads * c.head_dim && a.v_row_stride >= c.kv_heads * c.head_dim,
           "k_row_stride and v_row_stride must be >= kv_heads * head_dim");
-  if (a.rows == 0) return;
-  require(a.k && a.v && a.k_cache && a.v_cache && a.row_slot && a.row_pos, "null device pointer");
-  write_kv_kernel<<<static_cast<unsigned>(a.rows), 128, 0, reinterpret_cast<cudaStream_t>(a.stream)>>>(
+  if (c.rows == 0) return;
+  require(a.k && a.v, "null device pointer");
+  write_kv_kernel<<<static_cast<unsigned>(c.rows), 128, 0, reinterpret_cast<cudaStream_t>(c.stream)>>>(
       reinterpret_cast<const float*>(a.k), a.k_row_stride, reinterpret_cast<const float*>(a.v), a.v_row_stride,
-      reinterpret_cast<float*>(a.k_cache), reinterpret_cast<float*>(a.v_cache),
-      reinterpret_cast<const int32_t*>(a.row_slot), reinterpret_cast<const int32_t*>(a.row_pos),
-      static_cast<int32_t>(a.kv_heads), static_cast<int32_t>(a.head_dim), static_cast<int32_t>(a.slots),
-      static_cast<int32_t>(a.max_seq_len));
+      reinterpret_cast<float*>(c.k_cache), reinterpret_cast<float*>(c.v_cache),
+      reinterpret_cast<const int32_t*>(c.row_slot), reinterpret_cast<const int32_t*>(c.row_pos),
+      static_cast<int32_t>(c.kv_heads), static_cast<int32_t>(c.head_dim), static_cast<int32_t>(c.slots),
+      static_cast<int32_t>(c.max_seq_len));
   check_launch("write_kv");
 }
 

@@ -15,20 +15,26 @@
 
 namespace cuda_forward {
 
-struct AttentionArgs {
-  uintptr_t q = 0;            // float32 [rows, heads, head_dim] with row stride q_row_stride
-  int64_t q_row_stride = 0;   // elements between rows (>= heads * head_dim)
+// A step's rows and one layer's cache, as both kernels take them.
+struct CacheRows {
   uintptr_t k_cache = 0;      // float32 [slots, kv_heads, max_seq_len, head_dim], contiguous
   uintptr_t v_cache = 0;      // same shape as k_cache
-  uintptr_t out = 0;          // float32 [rows, heads * head_dim], contiguous
   uintptr_t row_slot = 0;     // int32 [rows]: the row's cache slot
   uintptr_t row_pos = 0;      // int32 [rows]: the row's position; < 0 marks a padding row
-  int64_t rows = 0, heads = 0, kv_heads = 0, head_dim = 0, slots = 0, max_seq_len = 0;
-  float scale = 1.0f;         // multiplies q.k (1/sqrt(head_dim) for Llama)
+  int64_t rows = 0, kv_heads = 0, head_dim = 0, slots = 0, max_seq_len = 0;
   uintptr_t stream = 0;       // cudaStream_t
 };
 
-// Launches one kernel on `a.stream`, never synchronises; std::invalid_argument on a bad
+struct AttentionArgs {
+  CacheRows cache;
+  uintptr_t q = 0;            // float32 [rows, heads, head_dim] with row stride q_row_stride
+  int64_t q_row_stride = 0;   // elements between rows (>= heads * head_dim)
+  uintptr_t out = 0;          // float32 [rows, heads * head_dim], contiguous
+  int64_t heads = 0;
+  float scale = 1.0f;         // multiplies q.k (1/sqrt(head_dim) for Llama)
+};
+
+// Launches one kernel on `a.cache.stream`, never synchronises; std::invalid_argument on a bad
 // shape or a null pointer. Rows whose slot or position is out of range (or negative) get
 // zeros: the device cannot throw, and the caller validates spans before the step.
 void attention_rows(const AttentionArgs& a);
@@ -37,12 +43,9 @@ void attention_rows(const AttentionArgs& a);
 // k[r, kv_heads, head_dim] and v[r, ...] go to (row_slot[r], :, row_pos[r], :) of one layer.
 // One kernel instead of two indexed assignments; rows out of range (padding) are skipped.
 struct KvWriteArgs {
+  CacheRows cache;
   uintptr_t k = 0, v = 0;                    // float32 [rows, kv_heads * head_dim], row strides below
   int64_t k_row_stride = 0, v_row_stride = 0;
-  uintptr_t k_cache = 0, v_cache = 0;        // float32 [slots, kv_heads, max_seq_len, head_dim]
-  uintptr_t row_slot = 0, row_pos = 0;       // int32 [rows]
-  int64_t rows = 0, kv_heads = 0, head_dim = 0, slots = 0, max_seq_len = 0;
-  uintptr_t stream = 0;
 };
 
 void write_kv(const KvWriteArgs& a);
