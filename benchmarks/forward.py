@@ -33,13 +33,13 @@ from pathlib import Path
 # the native forward (torch_engine/engine.py), so no spinning team meets its steps.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
-import torch
+import torch  # noqa: E402
 
-from benchmarks.llamacpp_peer import run_peer
-from benchmarks.machine import cpu_description, read_bandwidth_gbs
-from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
-from replicas.torch_engine.model import LlamaModel, SeqSpan
-from replicas.torch_engine.native_model import NativeLlamaModel
+from benchmarks.llamacpp_peer import run_peer  # noqa: E402
+from benchmarks.machine import cpu_description, read_bandwidth_gbs  # noqa: E402
+from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
+from replicas.torch_engine.model import LlamaModel, SeqSpan  # noqa: E402
+from replicas.torch_engine.native_model import NativeLlamaModel  # noqa: E402
 
 CASES = ((1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (1, 9), (1, 13), (1, 17), (8, 1), (8, 9))  # (batch, new tokens)
 PREFILL_TOKENS = 1000

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import jsonschema
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -160,9 +160,14 @@ class PyForward {
 };
 
 // Kernel-level entry points, for tests and the forward benchmark.
-py::tuple quantize_rows(py::array x, const std::string& isa) {
+const cpu::Kernels* runnable_kernels(const std::string& isa) {
   const cpu::Kernels* kernels = cpu::kernels_by_name(isa);
   require(kernels != nullptr && cpu::cpu_supports(isa), "isa: '" + isa + "' is unknown or not supported here");
+  return kernels;
+}
+
+py::tuple quantize_rows(py::array x, const std::string& isa) {
+  const cpu::Kernels* kernels = runnable_kernels(isa);
   auto* p = checked<float>(x, "x", 'f', {-1, -1});
   const int rows = static_cast<int>(x.shape(0)), k = static_cast<int>(x.shape(1));
   require(k % cpu::kBlock == 0, "x: row length must be a multiple of 32");
@@ -180,8 +185,7 @@ py::array_t<float> linear(py::array rows, int type, py::array x, const std::stri
   auto* xp = checked<float>(x, "x", 'f', {-1, -1});
   const int m = static_cast<int>(x.shape(0)), k = static_cast<int>(x.shape(1));
   const cpu::GgufMatrix g = gguf_matrix(rows, type, k, "weights");
-  const cpu::Kernels* kernels = cpu::kernels_by_name(isa);
-  require(kernels != nullptr && cpu::cpu_supports(isa), "isa: '" + isa + "' is unknown or not supported here");
+  const cpu::Kernels* kernels = runnable_kernels(isa);
   const cpu::OwnedMatrix w(g);
   std::vector<int8_t> q(static_cast<size_t>(m) * k);
   const size_t nb = k / cpu::kBlock;
@@ -212,8 +216,7 @@ py::array_t<float> attend(py::array q, py::array k, py::array v, int first_n_pos
   const int n_pos = static_cast<int>(k.shape(0));
   require(first_n_pos >= 1 && first_n_pos + rows - 1 <= n_pos, "first_n_pos: rows must attend within the given positions");
   auto* vp = checked<uint16_t>(v, "v", 'e', {n_pos, hd});
-  const cpu::Kernels* kernels = cpu::kernels_by_name(isa);
-  require(kernels != nullptr && cpu::cpu_supports(isa), "isa: '" + isa + "' is unknown or not supported here");
+  const cpu::Kernels* kernels = runnable_kernels(isa);
   const int padded = (n_pos + cpu::kBlock - 1) / cpu::kBlock * cpu::kBlock;
   std::vector<uint16_t> k_blocked(static_cast<size_t>(padded) * hd), v_padded(k_blocked.size());
   for (int p = 0; p < n_pos; ++p)
@@ -232,8 +235,7 @@ py::array_t<float> silu_mul(py::array g, py::array u, const std::string& isa) {
   auto* gp = checked<float>(g, "g", 'f', {-1});
   const int n = static_cast<int>(g.shape(0));
   auto* up = checked<float>(u, "u", 'f', {n});
-  const cpu::Kernels* kernels = cpu::kernels_by_name(isa);
-  require(kernels != nullptr && cpu::cpu_supports(isa), "isa: '" + isa + "' is unknown or not supported here");
+  const cpu::Kernels* kernels = runnable_kernels(isa);
   py::array_t<float> out(n);
   kernels->silu_mul(gp, up, out.mutable_data(), n);
   return out;
@@ -242,8 +244,7 @@ py::array_t<float> silu_mul(py::array g, py::array u, const std::string& isa) {
 py::array_t<uint16_t> to_half(py::array x, const std::string& isa) {
   auto* xp = checked<float>(x, "x", 'f', {-1});
   const int n = static_cast<int>(x.shape(0));
-  const cpu::Kernels* kernels = cpu::kernels_by_name(isa);
-  require(kernels != nullptr && cpu::cpu_supports(isa), "isa: '" + isa + "' is unknown or not supported here");
+  const cpu::Kernels* kernels = runnable_kernels(isa);
   py::array_t<uint16_t> out(n);
   kernels->to_half(xp, n, out.mutable_data(), 1);
   return out;
