@@ -28,8 +28,9 @@ class EngineArgs(_Strict):
     max_batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(4096, ge=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int = Field(0, ge=0, description="native forward and torch threads; 0 = torch's default "
-                             "(under Serve: the replica's num_cpus)")
+    num_threads: int = Field(0, ge=0, description="native forward threads (on CUDA: torch's); 0 = torch's "
+                             "default (under Serve: the replica's num_cpus). On CPU, torch's own ops between "
+                             "steps run on the engine's thread alone")
     mtp_weights: Optional[str] = "default"  # None disables MTP drafting
     sa_global_pool_tokens: int = Field(1 << 20, ge=0)
     prefix_cache_bytes: int = Field(256 << 20, ge=0, description=(

@@ -40,7 +40,7 @@ class TorchEngineConfig:
     max_batch_size: int = 8  # KV cache slots: requests decoding at once
     max_seq_len: int = 4096  # context window per request (prompt + output + drafts)
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int = 0  # native forward and torch threads; 0 = torch's default (DEFAULT_THREADS)
+    num_threads: int = 0  # native forward threads (on CUDA: torch's); 0 = torch's default (DEFAULT_THREADS)
     mtp_weights: str | None = DEFAULT_MTP_WEIGHTS  # None disables MTP drafting
     # MTP drafts stop at the first token the head is less sure of than this. Its confidence
     # is calibrated (acceptance ~ confidence, mtp.json). On the native forward an extra verify
