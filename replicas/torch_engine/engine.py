@@ -28,10 +28,6 @@ from replicas.torch_engine.sequence import Detokenizer, Sequence
 logger = logging.getLogger(__name__)
 
 DEFAULT_MTP_WEIGHTS = "default"
-# torch's intra-op thread count as this process began (OMP_NUM_THREADS; under Ray the
-# replica's num_cpus). Read once: torch.set_num_threads also sets what a thread that first
-# uses torch later starts with, and a CPU engine sets 1 for its own thread (_build_core).
-DEFAULT_THREADS = torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class TorchEngineConfig:
     max_batch_size: int = 8  # KV cache slots: requests decoding at once
     max_seq_len: int = 4096  # context window per request (prompt + output + drafts)
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int = 0  # native forward threads (on CUDA: torch's); 0 = torch's default (DEFAULT_THREADS)
+    num_threads: int = 0  # native forward threads (on CUDA: torch's); 0 = native_model.DEFAULT_THREADS
     mtp_weights: str | None = DEFAULT_MTP_WEIGHTS  # None disables MTP drafting
     # MTP drafts stop at the first token the head is less sure of than this. Its confidence
     # is calibrated (acceptance ~ confidence, mtp.json). On the native forward an extra verify
@@ -116,7 +112,7 @@ class TorchEngine:
             # The default's weights come straight from its GGUF blocks; a checkpoint directory
             # is quantised to Q8_0 at load.
             weights = packaged_gguf_path() if cfg.model == DEFAULT_MODEL else model_dir
-            model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads or DEFAULT_THREADS)
+            model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads)
             logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
                         model.num_threads, model.weight_bytes / 1e6)
             # What torch still does between native steps (sampling, masks, KV copies) is small:

@@ -25,6 +25,11 @@ from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model import SeqSpan, validate_step
 from replicas.torch_engine.model_config import ModelConfig
 
+# torch's intra-op thread count as this process began (OMP_NUM_THREADS; under Ray the
+# replica's num_cpus): the pool's default. Read once: torch.set_num_threads also sets what a
+# thread that first uses torch later starts with, and a CPU engine sets 1 for its own thread.
+DEFAULT_THREADS = torch.get_num_threads()
+
 Q4_1, Q8_0 = 3, 8  # GGML type numbers the kernels read
 MAX_CHUNK_TOKENS = 256  # rows per native call: bounds the step's scratch memory on long prompts
 
@@ -68,8 +73,8 @@ class NativeLlamaModel:
     def load(cls, path: str | Path, num_threads: int = 0, isa: str = "") -> "NativeLlamaModel":
         """A `.gguf` file, or an HF Llama checkpoint directory (quantised to Q8_0 at load).
 
-        num_threads 0: torch's intra-op thread count (under Ray, the replica's num_cpus; else
-        the cores this process may use). isa "": the best path this CPU runs
+        num_threads 0: DEFAULT_THREADS, torch's intra-op thread count as the process began
+        (under Ray, the replica's num_cpus; else the cores this process may use). isa "": the best path this CPU runs
         (the environment variable SPECSERVE_CPU_ISA forces one: scalar, avx2, avx512, amx).
         """
         path = Path(path)
@@ -86,7 +91,7 @@ class NativeLlamaModel:
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
-        forward = _cpu_forward.LlamaForward(dims, num_threads or torch.get_num_threads(), isa)
+        forward = _cpu_forward.LlamaForward(dims, num_threads or DEFAULT_THREADS, isa)
         for i, layer in enumerate(source.layers()):
             forward.set_layer(i, layer.attn_norm, layer.ffn_norm, *layer.qkv, *layer.o, *layer.gate_up, *layer.down)
         cos, sin = rope_tables(cfg)

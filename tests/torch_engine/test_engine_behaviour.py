@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
-from replicas.torch_engine.engine import DEFAULT_THREADS, TorchEngine, TorchEngineConfig
+from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+from replicas.torch_engine.native_model import DEFAULT_THREADS
 from tests.polling import async_wait_until
 from tests.torch_engine.engine_util import chat_prompt, collect, request
 
