@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from benchmarks.llamacpp_peer import run_peer  # noqa: E402
 from benchmarks.machine import cpu_description, read_bandwidth_gbs  # noqa: E402
+from replicas.torch_engine.kv_cache import PagedKVCache  # noqa: E402
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
 from replicas.torch_engine.model import LlamaModel, SeqSpan  # noqa: E402
 from replicas.torch_engine.native_model import NativeLlamaModel  # noqa: E402
@@ -68,6 +69,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def copy_slot(cache, src: int, dst: int, length: int) -> None:
+    """`dst` holds a copy of `src`'s first `length` positions, in memory of its own."""
+    if isinstance(cache, PagedKVCache):
+        cache.reserve(dst, 0, length)
+        for page, into in zip(cache.pages_of(src), cache.pages_of(dst)):
+            cache.copy_page(page, into)
+    else:
+        cache.k[:, dst] = cache.k[:, src]
+        cache.v[:, dst] = cache.v[:, src]
+    cache.lengths[dst] = length
+
+
 class Side:
     """One model over `batch` slots, each holding the same `context` tokens; truncates back."""
 
@@ -78,10 +91,8 @@ class Side:
         self.slots = [self.cache.allocate() for _ in range(batch)]
         with torch.inference_mode():
             model(prompt_ids, [SeqSpan(self.slots[0], 0, self.context)], self.cache)
-        for slot in self.slots[1:]:  # same prefix in every slot: copy instead of re-prefilling
-            self.cache.k[:, slot] = self.cache.k[:, self.slots[0]]
-            self.cache.v[:, slot] = self.cache.v[:, self.slots[0]]
-            self.cache.lengths[slot] = self.context
+        for slot in self.slots[1:]:  # same prefix in every slot: copied (not shared) instead of re-prefilled
+            copy_slot(self.cache, self.slots[0], slot, self.context)
 
     def step(self, new_ids: torch.Tensor) -> None:  # new_ids [B, T]
         spans = [SeqSpan(slot, self.context, new_ids.shape[1]) for slot in self.slots]

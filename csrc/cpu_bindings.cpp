@@ -96,21 +96,22 @@ class PyForward {
                      gguf_matrix(proj, proj_type, 2 * d.hidden_size, "proj"));
   }
 
-  void forward(py::array tokens, py::array spans, py::array k_cache, py::array v_cache, py::array hidden) {
+  void forward(py::array tokens, py::array spans, py::array k_cache, py::array v_cache, py::array block_table,
+               py::array hidden) {
     auto* tok = checked<int32_t>(tokens, "tokens", 'i', {-1});
     const int n = static_cast<int>(tokens.shape(0));
-    const Step step = checked_step(n, spans, k_cache, v_cache, hidden);
+    const Step step = checked_step(n, spans, k_cache, v_cache, block_table, hidden);
     py::gil_scoped_release release;
     impl_.forward(tok, n, step.spans, step.num_spans, step.cache, step.out);
   }
 
   void forward_fused(py::array hidden_in, py::array embeds, py::array spans, py::array k_cache, py::array v_cache,
-                     py::array hidden) {
+                     py::array block_table, py::array hidden) {
     const int d = impl_.dims().hidden_size;
     auto* h = checked<float>(hidden_in, "hidden_in", 'f', {-1, d});
     const int n = static_cast<int>(hidden_in.shape(0));
     auto* e = checked<float>(embeds, "embeds", 'f', {n, d});
-    const Step step = checked_step(n, spans, k_cache, v_cache, hidden);
+    const Step step = checked_step(n, spans, k_cache, v_cache, block_table, hidden);
     py::gil_scoped_release release;
     impl_.forward_fused(h, e, n, step.spans, step.num_spans, step.cache, step.out);
   }
@@ -146,16 +147,22 @@ class PyForward {
     float* out;
   };
 
-  Step checked_step(int n, py::array& spans, py::array& k_cache, py::array& v_cache, py::array& hidden) {
+  Step checked_step(int n, py::array& spans, py::array& k_cache, py::array& v_cache, py::array& block_table,
+                    py::array& hidden) {
     const auto& d = impl_.dims();
     auto* sp = checked<int32_t>(spans, "spans", 'i', {-1, 3});
-    auto* k = checked<uint16_t>(k_cache, "k_cache", 'e', {d.num_layers, -1, d.num_kv_heads, -1, d.head_dim}, true);
-    require(k_cache.shape(1) > 0 && k_cache.shape(3) > 0, "k_cache: slots and positions must be > 0");
+    auto* k = checked<uint16_t>(k_cache, "k_cache", 'e', {d.num_layers, d.num_kv_heads, -1, cpu::kBlock, d.head_dim},
+                                true);
+    require(k_cache.shape(2) > 0, "k_cache: pages must be > 0");
     auto* v = checked<uint16_t>(v_cache, "v_cache", 'e',
-                                {d.num_layers, k_cache.shape(1), d.num_kv_heads, k_cache.shape(3), d.head_dim}, true);
+                                {d.num_layers, d.num_kv_heads, k_cache.shape(2), cpu::kBlock, d.head_dim}, true);
+    auto* table = checked<int32_t>(block_table, "block_table", 'i', {-1, -1});
+    require(block_table.shape(0) > 0 && block_table.shape(1) > 0, "block_table: slots and blocks must be > 0");
     auto* out = checked<float>(hidden, "hidden", 'f', {n, d.hidden_size}, true);
     return Step{reinterpret_cast<const cpu::Span*>(sp), static_cast<int>(spans.shape(0)),
-                cpu::KvCache{k, v, static_cast<int>(k_cache.shape(1)), static_cast<int>(k_cache.shape(3))}, out};
+                cpu::KvCache{k, v, static_cast<int>(k_cache.shape(2)), table, static_cast<int>(block_table.shape(0)),
+                             static_cast<int>(block_table.shape(1))},
+                out};
   }
 };
 
@@ -206,7 +213,9 @@ py::array_t<float> linear(py::array rows, int type, py::array x, const std::stri
 }
 
 // q [rows, group, hd] float32 (already scaled); k, v [n_pos, hd] float16 in position order;
-// row r attends positions [0, first_n_pos + r). -> [rows, group, hd].
+// row r attends positions [0, first_n_pos + r). -> [rows, group, hd]. The positions go into
+// pages as the forward's cache holds them, the blocks in reverse page order, so that every
+// kernel test also reads through the page table.
 py::array_t<float> attend(py::array q, py::array k, py::array v, int first_n_pos, const std::string& isa) {
   auto* qp = checked<float>(q, "q", 'f', {-1, -1, -1});
   const int rows = static_cast<int>(q.shape(0)), group = static_cast<int>(q.shape(1)), hd = static_cast<int>(q.shape(2));
@@ -217,17 +226,22 @@ py::array_t<float> attend(py::array q, py::array k, py::array v, int first_n_pos
   require(first_n_pos >= 1 && first_n_pos + rows - 1 <= n_pos, "first_n_pos: rows must attend within the given positions");
   auto* vp = checked<uint16_t>(v, "v", 'e', {n_pos, hd});
   const cpu::Kernels* kernels = runnable_kernels(isa);
-  const int padded = (n_pos + cpu::kBlock - 1) / cpu::kBlock * cpu::kBlock;
-  std::vector<uint16_t> k_blocked(static_cast<size_t>(padded) * hd), v_padded(k_blocked.size());
+  const int blocks = (n_pos + cpu::kBlock - 1) / cpu::kBlock;
+  const size_t page = static_cast<size_t>(cpu::kBlock) * hd;
+  std::vector<uint16_t> k_pages(blocks * page), v_pages(k_pages.size());
+  std::vector<int32_t> pages(blocks);
+  for (int b = 0; b < blocks; ++b) pages[b] = blocks - 1 - b;
   for (int p = 0; p < n_pos; ++p)
     for (int d = 0; d < hd; ++d) {
-      k_blocked[(static_cast<size_t>(p / cpu::kBlock) * hd + d) * cpu::kBlock + p % cpu::kBlock] = kp[static_cast<size_t>(p) * hd + d];
-      v_padded[static_cast<size_t>(p) * hd + d] = vp[static_cast<size_t>(p) * hd + d];
+      const size_t base = pages[p / cpu::kBlock] * page, at = static_cast<size_t>(p) * hd + d;
+      k_pages[base + static_cast<size_t>(d) * cpu::kBlock + p % cpu::kBlock] = kp[at];
+      v_pages[base + static_cast<size_t>(p % cpu::kBlock) * hd + d] = vp[at];
     }
   std::vector<float> scratch(cpu::attend_scratch_floats(group, hd));
   py::array_t<float> out({rows, group, hd});
-  cpu::attend(*kernels, qp, static_cast<size_t>(group) * hd, rows, first_n_pos, group, hd, k_blocked.data(),
-              v_padded.data(), out.mutable_data(), static_cast<size_t>(group) * hd, scratch.data());
+  cpu::attend(*kernels, qp, static_cast<size_t>(group) * hd, rows, first_n_pos, group, hd,
+              cpu::KvPages{k_pages.data(), v_pages.data(), pages.data(), page}, out.mutable_data(),
+              static_cast<size_t>(group) * hd, scratch.data());
   return out;
 }
 
@@ -277,10 +291,10 @@ PYBIND11_MODULE(_cpu_forward, m) {
       .def("set_globals", &PyForward::set_globals)
       .def("set_fusion", &PyForward::set_fusion)
       .def("forward_fused", &PyForward::forward_fused, py::arg("hidden_in"), py::arg("embeds"), py::arg("spans"),
-           py::arg("k_cache"), py::arg("v_cache"), py::arg("hidden"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("hidden"),
            "an MTP head's step: hidden_in, embeds [N, d] float32 -> hidden [N, d] after its output norm")
       .def("forward", &PyForward::forward, py::arg("tokens"), py::arg("spans"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("hidden"),
+           py::arg("v_cache"), py::arg("block_table"), py::arg("hidden"),
            "tokens [N] int32, spans [S, 3] int32 (slot, start, length); writes hidden [N, d] float32")
       .def("logits", &PyForward::logits, py::arg("hidden"), py::arg("out"))
       .def("embed", &PyForward::embed, py::arg("tokens"), py::arg("out"))

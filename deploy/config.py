@@ -35,6 +35,9 @@ class EngineArgs(_Strict):
     sa_global_pool_tokens: int = Field(1 << 20, ge=0)
     prefix_cache_bytes: int = Field(256 << 20, ge=0, description=(
         "kind=torch: KV blocks kept for prompts that start alike; 0 = off; at least one context window"))
+    kv_cache_bytes: int = Field(0, ge=0, description=(
+        "kind=torch on CPU: KV pages the running requests and the prefix cache share; 0 = every slot's whole "
+        "window; at least one context window. Short of pages, the newest requests wait and resume exactly"))
     max_prefill_tokens: int = Field(2048, ge=1, description=(
         "kind=torch: prompt tokens one engine step prefills; the step's first request goes whatever its length"))
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,

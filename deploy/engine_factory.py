@@ -20,6 +20,7 @@ def build_engine(args: EngineArgs, speculation: SpeculationConfig) -> Engine:
             model=args.model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             device=args.device, num_threads=args.num_threads, mtp_weights=args.mtp_weights,
             sa_global_pool_tokens=args.sa_global_pool_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
+            kv_cache_bytes=args.kv_cache_bytes,
             max_prefill_tokens=args.max_prefill_tokens, speculation=speculation,
         ))
     from replicas.trtllm_engine import TrtllmEngine

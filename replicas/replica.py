@@ -29,7 +29,7 @@ from replicas.engine import (
 from replicas.speculation.gate import gate_open
 from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS,
-    METRIC_GATE_OPEN, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS,
+    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS,
     METRIC_PREFIX_PROMPT_TOKENS, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
 )
 
@@ -65,13 +65,14 @@ class _Metrics:
         self.tpot = metrics.Histogram(METRIC_TPOT, "time per output token after the first",
                                       boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2])
         self._last = {source: (0, 0) for source in SOURCES}
-        # the prefix cache: engine totals -> counters (hit rate = hit / prompt tokens), blocks held
-        self.prefix_totals = {
+        # engine totals -> counters (the prefix cache's hit rate = hit / prompt tokens); blocks held
+        self.totals = {
             "prefix_hit_tokens": metrics.Counter(METRIC_PREFIX_HIT_TOKENS, "prompt tokens served from the prefix cache"),
             "prefix_prompt_tokens": metrics.Counter(METRIC_PREFIX_PROMPT_TOKENS, "prompt tokens admitted"),
             "prefix_evicted_blocks": metrics.Counter(METRIC_PREFIX_EVICTIONS, "prefix cache blocks evicted"),
+            "kv_preemptions": metrics.Counter(METRIC_KV_PREEMPTIONS, "requests sent back to the queue for KV pages"),
         }
-        self._last_prefix = dict.fromkeys(self.prefix_totals, 0)
+        self._last_totals = dict.fromkeys(self.totals, 0)
         self.prefix_blocks = metrics.Gauge(METRIC_PREFIX_BLOCKS, "blocks held by the prefix cache")
 
     def refresh(self, stats: EngineStats) -> None:
@@ -80,8 +81,8 @@ class _Metrics:
             last_draft, last_accepted = self._last[source]
             self._last[source] = (_follow(self.draft, stats.draft_tokens.get(source, 0), last_draft, tags),
                                   _follow(self.accepted, stats.accepted_tokens.get(source, 0), last_accepted, tags))
-        for name, counter in self.prefix_totals.items():
-            self._last_prefix[name] = _follow(counter, getattr(stats, name), self._last_prefix[name])
+        for name, counter in self.totals.items():
+            self._last_totals[name] = _follow(counter, getattr(stats, name), self._last_totals[name])
         self.prefix_blocks.set(stats.prefix_cached_blocks)
         self.batch.set(stats.batch_size)
         # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch

@@ -47,6 +47,7 @@ METRIC_PREFIX_HIT_TOKENS = "prefix_cache_hit_tokens_total"
 METRIC_PREFIX_PROMPT_TOKENS = "prefix_cache_prompt_tokens_total"
 METRIC_PREFIX_BLOCKS = "prefix_cache_blocks"  # gauge: blocks held
 METRIC_PREFIX_EVICTIONS = "prefix_cache_evicted_blocks_total"
+METRIC_KV_PREEMPTIONS = "engine_kv_preemptions_total"
 
 
 def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:
@@ -124,6 +125,8 @@ class EngineStats:
     prefix_prompt_tokens: int = 0
     prefix_cached_blocks: int = 0
     prefix_evicted_blocks: int = 0
+    # Running requests sent back to the queue for want of KV pages (the paged cache; a total).
+    kv_preemptions: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

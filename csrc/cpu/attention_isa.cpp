@@ -22,8 +22,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // their scores are computed and then never used.
 template <int RowsAtOnce, typename Scores, typename BlockMax, typename ExpSum, typename AccumulateV>
 void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                         const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch,
-                         Scores scores, BlockMax block_max, ExpSum exp_sum, AccumulateV accumulate_v) {
+                         const KvPages& kv, int chunk, float* states, float* scratch, Scores scores, BlockMax block_max, ExpSum exp_sum, AccumulateV accumulate_v) {
   float* s = scratch;                                 // [RowsAtOnce][group][kBlock]: scores, then p
   float* alpha = s + RowsAtOnce * group * kBlock;     // [RowsAtOnce][group]: each state's rescale
   const int sf = state_floats(hd), sf_row = group * sf;
@@ -35,12 +34,14 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
   }
   const int end = std::min((chunk + 1) * kChunk, first_n_pos + rows - 1);
   for (int j0 = chunk * kChunk; j0 < end; j0 += kBlock) {
-    const uint16_t* kt = k + static_cast<size_t>(j0) * hd;
-    const uint16_t* vb = v + static_cast<size_t>(j0) * hd;
+    const uint16_t* kt = kv.k_block(j0 / kBlock);
+    const uint16_t* vb = kv.v_block(j0 / kBlock);
     if (j0 + kBlock < end) {  // the next block's K^T and V, while this one is computed
+      const uint16_t* next_k = kv.k_block(j0 / kBlock + 1);
+      const uint16_t* next_v = kv.v_block(j0 / kBlock + 1);
       for (size_t at = 0; at < static_cast<size_t>(kBlock) * hd; at += 32) {
-        __builtin_prefetch(kt + kBlock * hd + at);
-        __builtin_prefetch(vb + kBlock * hd + at);
+        __builtin_prefetch(next_k + at);
+        __builtin_prefetch(next_v + at);
       }
     }
     for (int r0 = 0; r0 < rows; r0 += RowsAtOnce) {
@@ -69,8 +70,7 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
 }
 
 [[maybe_unused]] void attend_chunk_scalar(const float* q, size_t q_stride, int rows, int first_n_pos, int group,
-                                          int hd, const uint16_t* k, const uint16_t* v, int chunk, float* states,
-                                          float* scratch) {
+                                          int hd, const KvPages& kv, int chunk, float* states, float* scratch) {
   auto scores = [](const float* q_row, size_t, int, int group, int hd, const uint16_t* kt, float* s) {
     std::fill(s, s + group * kBlock, 0.0f);
     for (int d = 0; d < hd; ++d) {
@@ -104,7 +104,7 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
         }
       }
   };
-  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores, block_max,
+  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores, block_max,
                          exp_sum, accumulate_v);
 }
 
@@ -271,7 +271,7 @@ float exp_sum_simd(float* s, int nb, float m_new) {
 }
 
 void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                       const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch) {
+                       const KvPages& kv, int chunk, float* states, float* scratch) {
 #ifdef CPU_ISA_AVX512
   auto scores = [](const float* q_row, size_t q_stride, int nr, int group, int hd, const uint16_t* kt, float* s) {
     for (int h0 = 0; h0 < group; h0 += kHeads)
@@ -300,7 +300,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
                                     p + (i * group + h) * kBlock, nbs[i], v, hd, d0);
     }
   };
-  attend_chunk_blocks<kRowsPerKvPass>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores,
+  attend_chunk_blocks<kRowsPerKvPass>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores,
                          block_max_simd, exp_sum_simd, accumulate_v);
 #else
   // Heads go 3 at a time: 12 accumulators, which with their operands fit AVX2's 16 registers.
@@ -327,7 +327,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
       for (; d0 < hd; d0 += kLanes) accumulate_v_heads<1>(heads, sh, ah, ph, nbs[0], v, hd, d0);
     }
   };
-  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch, scores,
+  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores,
                          block_max_simd, exp_sum_simd, accumulate_v);
 #endif
 }
@@ -335,12 +335,12 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
 
 }  // namespace
 
-void attend_chunk(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd, const uint16_t* k,
-                  const uint16_t* v, int chunk, float* states, float* scratch) {
+void attend_chunk(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd, const KvPages& kv,
+                  int chunk, float* states, float* scratch) {
 #ifdef CPU_SIMD
-  attend_chunk_simd(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch);
+  attend_chunk_simd(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch);
 #else
-  attend_chunk_scalar(q, q_stride, rows, first_n_pos, group, hd, k, v, chunk, states, scratch);
+  attend_chunk_scalar(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch);
 #endif
 }
 

@@ -91,15 +91,15 @@ size_t attend_scratch_floats(int group, int hd) {
 }
 
 void attend(const Kernels& kernels, const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-            const uint16_t* k, const uint16_t* v, float* out, size_t out_stride, float* scratch) {
+            const KvPages& kv, float* out, size_t out_stride, float* scratch) {
   const int sf = state_floats(hd), states = rows * group;
   float* total = scratch;
   float* part = total + static_cast<size_t>(kAttendRows) * group * sf;
   float* chunk_scratch = part + static_cast<size_t>(kAttendRows) * group * sf;
   const int chunks = (first_n_pos + rows - 1 + kChunk - 1) / kChunk;
-  kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, k, v, 0, total, chunk_scratch);
+  kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, kv, 0, total, chunk_scratch);
   for (int c = 1; c < chunks; ++c) {
-    kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, k, v, c, part, chunk_scratch);
+    kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, kv, c, part, chunk_scratch);
     for (int i = 0; i < states; ++i) kernels.merge_state(total + i * sf, part + i * sf, hd);
   }
   for (int r = 0; r < rows; ++r)

@@ -39,8 +39,8 @@ namespace ISA_NS {
 
 // The table's matmul (matmul_isa.cpp) and attend_chunk (attention_isa.cpp).
 void matmul(const PackedMatrix& w, const QuantRows& a, int rows, int g0, int g1, float* out, size_t ldo);
-void attend_chunk(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd, const uint16_t* k,
-                  const uint16_t* v, int chunk, float* states, float* scratch);
+void attend_chunk(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd, const KvPages& kv,
+                  int chunk, float* states, float* scratch);
 
 namespace {
 

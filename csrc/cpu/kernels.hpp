@@ -61,20 +61,31 @@ inline size_t group_stride(WeightType t, int n, int g) {
 inline const uint8_t* group_start(const PackedMatrix& w, int g) { return w.data + group_offset(w.type, w.k, g); }
 inline size_t group_stride(const PackedMatrix& w, int g) { return group_stride(w.type, w.n, g); }
 
+// One KV head of one sequence in the paged fp16 cache: its positions [32b, 32b + 32) are in
+// page pages[b], whose K^T ([hd][32]) starts at k + pages[b] * page_stride and whose V
+// ([32][hd]) at v + pages[b] * page_stride.
+struct KvPages {
+  const uint16_t* k;
+  const uint16_t* v;
+  const int32_t* pages;
+  size_t page_stride;
+  const uint16_t* k_block(int b) const { return k + static_cast<size_t>(pages[b]) * page_stride; }
+  const uint16_t* v_block(int b) const { return v + static_cast<size_t>(pages[b]) * page_stride; }
+};
+
 struct Kernels {
   const char* name;
   // out[m][c] for rows [0, rows) and column groups [g0, g1); ldo = row stride of out.
   void (*matmul)(const PackedMatrix& w, const QuantRows& a, int rows, int g0, int g1, float* out,
                  size_t ldo);
   // Attention of `rows` consecutive rows of one span against one KV head, over chunk `chunk`
-  // (positions [chunk * kChunk, (chunk + 1) * kChunk)) of that head's fp16 cache: v
-  // [positions][hd]; k in blocks of 32 positions, each transposed ([blocks][hd][32]). Row r's
+  // (positions [chunk * kChunk, (chunk + 1) * kChunk)) of that head's pages (KvPages). Row r's
   // `group` query heads (already scaled) are at q + r * q_stride; it attends positions below
   // first_n_pos + r. Writes each (row, head)'s online-softmax state (numerics.hpp) to
   // states + (r * group + h) * state_floats(hd): per block of 32 in order, each score a chain
   // of fmas over hd; a row with no position in the chunk gets the empty state.
   void (*attend_chunk)(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                       const uint16_t* k, const uint16_t* v, int chunk, float* states, float* scratch);
+                       const KvPages& kv, int chunk, float* states, float* scratch);
   // numerics.hpp's merge_state in this path's instructions (generic code, built without FMA,
   // would make each fma a libm call).
   void (*merge_state)(float* total, const float* part, int hd);
@@ -102,6 +113,6 @@ size_t attend_scratch_floats(int group, int hd);  // attend's: the chunk's and t
 // The whole attention of `rows` rows (arguments as attend_chunk's): every chunk, merged in
 // order, into out + r * out_stride ([group][hd] per row).
 void attend(const Kernels& kernels, const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-            const uint16_t* k, const uint16_t* v, float* out, size_t out_stride, float* scratch);
+            const KvPages& kv, float* out, size_t out_stride, float* scratch);
 
 }  // namespace cpu

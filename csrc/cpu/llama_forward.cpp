@@ -225,22 +225,31 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
   const int inter = dm.intermediate_size, half = hd / 2;
   require(n > 0, "tokens: at least one token");
   require(num_spans > 0, "spans: at least one span");
-  require(cache.max_seq_len % kBlock == 0, "cache: max_seq_len must be a multiple of 32");
+  const int max_seq_len = cache.blocks_per_slot * kBlock;
   // Row r of the step: its slot and position.
-  std::vector<int32_t> row_slot(n), row_pos(n);
+  std::vector<int32_t> row_slot(n), row_pos(n), written;
   int row = 0;
   for (int i = 0; i < num_spans; ++i) {
     const Span& s = spans[i];
     require(0 <= s.slot && s.slot < cache.num_slots, "spans: slot " + std::to_string(s.slot) + " out of range");
     require(s.length > 0 && s.start >= 0, "spans: length must be > 0 and start >= 0");
-    require(s.start + s.length <= cache.max_seq_len && s.start + s.length <= dm.max_positions,
+    require(s.start + s.length <= max_seq_len && s.start + s.length <= dm.max_positions,
             "spans: positions past the cache or the model's max positions");
     require(row + s.length <= n, "spans: cover more tokens than given");
+    const int32_t* table = cache.block_table + static_cast<size_t>(s.slot) * cache.blocks_per_slot;
+    for (int b = 0; b <= (s.start + s.length - 1) / kBlock; ++b) {
+      if (table[b] < 0 || table[b] >= cache.num_pages)  // the message only when it fails: up to 128 blocks a span
+        require(false, "block_table: slot " + std::to_string(s.slot) + " block " + std::to_string(b) + " names no page");
+      if (b >= s.start / kBlock) written.push_back(table[b]);
+    }
     for (int t = 0; t < s.length; ++t, ++row) {
       row_slot[row] = s.slot;
       row_pos[row] = s.start + t;
     }
   }
+  std::sort(written.begin(), written.end());
+  require(std::adjacent_find(written.begin(), written.end()) == written.end(),
+          "block_table: two spans of the step write one page");
   require(row == n, "spans: cover fewer tokens than given");
   // Attention runs on tiles of a span's consecutive rows, sharing each K/V block among them.
   struct RowTile {
@@ -286,10 +295,17 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
   const size_t attend_floats = attend_scratch_floats(group, hd);
   std::vector<float> attend_scratch(attend_floats * pool_.size());
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const size_t slot_stride = static_cast<size_t>(kvh) * cache.max_seq_len * hd;
-  const size_t layer_stride = slot_stride * cache.num_slots;
-  auto head_base = [&](int slot, int head) {  // a (slot, KV head)'s cache inside a layer's
-    return slot * slot_stride + static_cast<size_t>(head) * cache.max_seq_len * hd;
+  // A (KV head, page) holds 32 positions; a head's pages are side by side, so a slot whose
+  // pages run in order reads each head's K and V as one stream, as from a contiguous cache.
+  const size_t page_stride = static_cast<size_t>(kBlock) * hd, head_stride = page_stride * cache.num_pages;
+  const size_t layer_stride = head_stride * kvh;
+  auto pages_of = [&](int slot) { return cache.block_table + static_cast<size_t>(slot) * cache.blocks_per_slot; };
+  // Where a (slot, position, KV head)'s block starts inside a layer's cache.
+  auto block_base = [&](int slot, int pos, int head) {
+    return head * head_stride + static_cast<size_t>(pages_of(slot)[pos / kBlock]) * page_stride;
+  };
+  auto kv_pages = [&](const uint16_t* k_layer, const uint16_t* v_layer, int slot, int head) {
+    return KvPages{k_layer + head * head_stride, v_layer + head * head_stride, pages_of(slot), page_stride};
   };
 
   constexpr int kKDims = 16;
@@ -321,7 +337,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
         for (int i = 0; i < q_size; ++i) qr[i] = qr[i] * scale;
         for (int head = 0; head < kvh; ++head)
           kernels_->to_half(qr + q_size + kv_size + head * hd, hd,
-                            v_layer + head_base(row_slot[r], head) + static_cast<size_t>(row_pos[r]) * hd, 1);
+                            v_layer + block_base(row_slot[r], row_pos[r], head) + (row_pos[r] % kBlock) * hd, 1);
       }
     });
     // K^T by (KV head, 16 dims) rather than by row: the rows of a span share each K^T line (one
@@ -335,8 +351,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
           const int pos = row_pos[r];
           kernels_->to_half(qkv.data() + static_cast<size_t>(r) * qkv_n + q_size + head * hd + d0,
                             std::min(kKDims, hd - d0),
-                            k_layer + head_base(row_slot[r], head) + static_cast<size_t>(pos / kBlock) * kBlock * hd +
-                                static_cast<size_t>(d0) * kBlock + pos % kBlock,
+                            k_layer + block_base(row_slot[r], pos, head) + d0 * kBlock + pos % kBlock,
                             kBlock);
         }
       }
@@ -353,8 +368,8 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
           const ChunkTask& c = chunk_tasks[i];
           const RowTile& t = tiles[c.tile];
           kernels_->attend_chunk(qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + c.head * group * hd, qkv_n,
-                                 t.rows, t.first_pos + 1, group, hd, k_layer + head_base(t.slot, c.head),
-                                 v_layer + head_base(t.slot, c.head), c.chunk, chunk_states.data() + c.states, scratch);
+                                 t.rows, t.first_pos + 1, group, hd, kv_pages(k_layer, v_layer, t.slot, c.head),
+                                 c.chunk, chunk_states.data() + c.states, scratch);
         }
       });
       pool_.parallel_for(n, [&](int r0, int r1, int) {  // each row's chunks merged in position order
@@ -380,7 +395,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
           const RowTile& t = tiles[i / kvh];
           const int head = i % kvh;
           attend(*kernels_, qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + head * group * hd, qkv_n, t.rows,
-                 t.first_pos + 1, group, hd, k_layer + head_base(t.slot, head), v_layer + head_base(t.slot, head),
+                 t.first_pos + 1, group, hd, kv_pages(k_layer, v_layer, t.slot, head),
                  attn.data() + static_cast<size_t>(t.first_row) * q_size + head * group * hd, q_size, scratch);
         }
       });

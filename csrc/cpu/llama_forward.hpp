@@ -34,13 +34,17 @@ struct Span {
   int32_t slot, start, length;
 };
 
-// The fp16 KV cache [layers, slots, kv_heads, max_seq_len, head_dim], owned by the caller;
-// max_seq_len % 32 == 0. V is stored as shaped; K in blocks of 32 positions, each transposed
-// ([max_seq_len / 32][head_dim][32] per slot and head), which the attention kernel reads.
+// The fp16 KV cache in pages of 32 positions, owned by the caller: k and v are
+// [layers][kv_heads][num_pages][32 * head_dim]; a (KV head, page) holds K transposed
+// ([head_dim][32]), which the attention kernel reads, and V as [32][head_dim]. Slot s's
+// positions [32b, 32b + 32) are in page block_table[s * blocks_per_slot + b]; a step's spans
+// may only reach blocks whose entry names a page, and no two spans may write one page.
 struct KvCache {
   uint16_t* k;
   uint16_t* v;
-  int num_slots, max_seq_len;
+  int num_pages;
+  const int32_t* block_table;
+  int num_slots, blocks_per_slot;
 };
 
 // A matrix regrouped into column groups (kernels.hpp), owning its bytes.

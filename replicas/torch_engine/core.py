@@ -20,7 +20,7 @@ from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, effective_settings,
 from replicas.speculation.sampling import penalize_, position_uniforms, sampling_probs, token_logprobs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
-from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.kv_cache import KVCache, KVCacheFull, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
 from replicas.torch_engine.sequence import Detokenizer, Sequence, release_text
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the model, the KV cache, the suffix automata and the MTP drafter; not thread-safe."""
 
-    def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
+    def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache | PagedKVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
                  mtp, detokenizer: Detokenizer, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0,
                  prefix: PrefixCache | None = None, max_prefill_tokens: int = 2048):
         self.model = model
@@ -56,6 +56,7 @@ class EngineCore:
         self.step_ms = Ewma()
         self.tokens_per_s = Ewma()
         self.last_speculated = False
+        self.preemptions = 0  # running requests sent back to the queue for want of KV pages
         self._step_tokens = 0  # tokens emitted in the current step
         self._to_feed: list[tuple[Sequence, list[int]]] = []  # the step's tokens, for the automata
 
@@ -116,7 +117,9 @@ class EngineCore:
         `max_prefill_tokens` (the first whatever its length); each alone, so one bad prompt
         fails only itself. The budget keeps a step short: between two steps requests finish,
         join and leave, and each admitted request's first token goes out (8 long prompts in
-        one step held every token back for a minute, long enough to fail health checks)."""
+        one step held every token back for a minute, long enough to fail health checks).
+        A request the paged KV cache has no pages for waits, first in line, until running
+        requests give some back."""
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and self.cache.num_free > 0:
             cost = len(self.waiting[0].prompt_ids) + len(self.waiting[0].output_ids)  # a resumed one's too
@@ -127,15 +130,34 @@ class EngineCore:
             self.running.append(seq)
             try:
                 self._prefill(seq)
+            except KVCacheFull as exc:
+                if len(self.running) == 1:  # nobody else holds pages: it can never fit
+                    self._fail(seq, exc)
+                else:
+                    self._preempt(seq)
+                    break
             except Exception as exc:  # noqa: BLE001 - finish this request, keep the others
                 self._fail(seq, exc)
             admitted.append(seq)
         return admitted
 
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a running request's KV pages (and every per-request resource) back; it waits
+        first in line and resumes where it was, as a `Resume` does: its output goes back in with
+        the prompt (from the prefix cache where its blocks are still there), and it produces
+        exactly what it would have without the pause."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_cached = seq.prefix_offered = 0
+        self.waiting.insert(0, seq)
+        self.preemptions += 1
+        logger.info("request %s back in the queue until KV pages free up (%d output tokens kept)",
+                    seq.request_id, len(seq.output_ids))
+
     def _prefill(self, seq: Sequence) -> None:
-        """The prompt into the cache, then the first token. A resumed request (`Resume`) already
-        has output: everything but its last token goes in with the prompt, and it goes on
-        from there as if it had produced that output itself."""
+        """The prompt into the cache, then the first token. A resumed request (`Resume`, or
+        preempted) already has output: everything but its last token goes in with the prompt,
+        and it goes on from there as if it had produced that output itself."""
         seq.slot = self.cache.allocate()
         if self.mtp is not None:
             self.mtp.add(seq.slot)  # with the KV slot, so releasing one always releases both
@@ -146,6 +168,11 @@ class EngineCore:
             seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
             reused = self.cache.lengths[seq.slot]
             seq.cached_tokens = min(reused, len(seq.prompt_ids))
+        # Pages for the context and one block more: room to decode before the next page is due.
+        if not self.cache.reserve(seq.slot, reused, min(len(context) + BLOCK_TOKENS, self.cache.max_seq_len)):
+            raise KVCacheFull(f"KV cache: no pages for a {len(context)}-token context")
+        if self.prefix is not None:
+            self.prefix.count(len(context), reused)
         hidden = self.model(torch.tensor(context[reused:], dtype=torch.long),
                             [SeqSpan(seq.slot, reused, len(context) - reused)], self.cache)  # [P - reused, d]
         if reused_hidden is not None:  # the MTP head needs every position's: [P, d]
@@ -166,7 +193,7 @@ class EngineCore:
     def _plan(self, seq: Sequence, speculate: bool) -> tuple[DraftPlan, list[int]]:
         cfg = self.speculation
         mode, max_draft_len = effective_settings(cfg, seq.speculation)
-        room = self.cache.k.shape[3] - seq.num_cached - 1  # KV positions left after the last token
+        room = self.cache.max_seq_len - seq.num_cached - 1  # KV positions left after the last token
         forced = []
         if seq.constraint is not None and cfg.grammar_drafts and mode != "off":
             forced = seq.constraint.forced_tokens()
@@ -210,6 +237,9 @@ class EngineCore:
                     self._mtp_outcome(seq, 0)
                     plans[i] = self._sa_fallback(seq, plans[i][0])
         plans = [self._admitted(seq, *plan) for seq, plan in zip(seqs, plans)]
+        seqs, plans = self._make_room(seqs, plans)
+        if not seqs:
+            return
         self.last_speculated = any(draft for _, draft in plans)
 
         input_ids, spans = [], []
@@ -240,6 +270,24 @@ class EngineCore:
                 self._store_prefix(seq, hidden[rows][:kept])
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
+
+    def _make_room(self, seqs: list[Sequence], plans: list[tuple[DraftPlan, list[int]]]
+                   ) -> tuple[list[Sequence], list[tuple[DraftPlan, list[int]]]]:
+        """KV pages for every request's step, oldest request first. Short of pages, a request
+        drops its draft, then the newest requests of the step are preempted until it fits
+        (itself last)."""
+        seqs, plans = list(seqs), list(plans)
+        i = 0
+        while i < len(seqs):
+            seq, (_, draft) = seqs[i], plans[i]
+            if self.cache.reserve(seq.slot, seq.num_cached, seq.num_cached + 1 + len(draft)):
+                i += 1
+            elif draft:
+                plans[i] = (NO_DRAFT, [])
+            else:
+                plans.pop()
+                self._preempt(seqs.pop())
+        return seqs, plans
 
     def _store_prefix(self, seq: Sequence, hidden: torch.Tensor | None = None, finished: bool = False) -> None:
         """Offer the request's newly committed positions to the prefix cache; `hidden` holds
@@ -336,6 +384,7 @@ class EngineCore:
             accepted_tokens=dict(self.totals.accepted_tokens),
             step_ms=self.step_ms.value,
             tokens_per_s=self.tokens_per_s.value,
+            kv_preemptions=self.preemptions,
             **(self._prefix_stats() if self.prefix is not None else {}),
         )
 

@@ -22,7 +22,9 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
+from replicas.torch_engine.kv_cache import PAGE_TOKENS
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
+from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.sequence import Detokenizer, Sequence
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,11 @@ class TorchEngineConfig:
     # turns the cache off. Must hold one whole context window (the default model needs
     # about 0.8 MB per 32 tokens: 104 MB at max_seq_len 4096); 256 MiB is ~10k tokens.
     prefix_cache_bytes: int = 256 << 20
+    # On CPU, the KV pages every running request and the prefix cache's blocks share (about
+    # 0.7 MB per 32 tokens for the default model); 0 = every slot's whole window. Must hold one
+    # context window. When running requests need more, the prefix cache gives back blocks
+    # nobody uses, then the newest requests wait in the queue and resume, exactly, later.
+    kv_cache_bytes: int = 0
     # Prompt tokens one engine step prefills (a step's first request goes whatever its length):
     # later requests wait for the next step, so running requests keep decoding and first
     # tokens go out between long prompts.
@@ -63,9 +70,23 @@ class TorchEngineConfig:
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if not 0 <= self.mtp_min_confidence <= 1:
             raise ValueError(f"mtp_min_confidence: must be in [0, 1], got {self.mtp_min_confidence}")
-        for name in ("num_threads", "sa_global_pool_tokens", "prefix_cache_bytes"):
+        for name in ("num_threads", "sa_global_pool_tokens", "prefix_cache_bytes", "kv_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+def kv_pages(cfg: TorchEngineConfig, model: ModelConfig) -> int | None:
+    """Pages of the paged KV cache that `kv_cache_bytes` buys (None: every slot's whole window);
+    ValueError naming the key when they would not hold one context window."""
+    if not cfg.kv_cache_bytes:
+        return None
+    page = PAGE_TOKENS * 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2  # fp16 K and V
+    pages, window = cfg.kv_cache_bytes // page, -(-cfg.max_seq_len // PAGE_TOKENS)
+    if pages < window:
+        raise ValueError(f"kv_cache_bytes: {cfg.kv_cache_bytes} bytes hold {pages} pages of {PAGE_TOKENS} tokens "
+                         f"({page} bytes each); one context window (max_seq_len {cfg.max_seq_len}) needs {window}, "
+                         f"so at least {window * page} bytes (or 0 for every slot's whole window)")
+    return pages
 
 
 class TorchEngine:
@@ -127,7 +148,10 @@ class TorchEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
-        cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
+        if device.type == "cpu":
+            cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len, kv_pages(cfg, model.cfg))
+        else:
+            cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
         prefix = None
         if cfg.prefix_cache_bytes:
             from replicas.torch_engine.prefix_cache import PrefixCache

@@ -7,8 +7,8 @@ runs the whole decoder for a packed step, and every row of it computes the same 
 else the step holds: a K-row verify equals K 1-row decodes, a request alone equals the same
 request in a busy batch, and prefill in one chunk equals prefill in several.
 
-The KV cache is fp16 (`KVCache(dtype=torch.float16)`); the native code writes and reads it
-through the tensors' memory.
+The KV cache is paged fp16 (`PagedKVCache`); the native code writes and reads it through the
+tensors' memory, finding each block's page in the cache's block table.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from replicas.torch_engine import _cpu_forward
-from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCacheFull, PagedKVCache
 from replicas.torch_engine.model import SeqSpan, validate_step
 from replicas.torch_engine.model_config import ModelConfig
 
@@ -103,28 +103,28 @@ class NativeLlamaModel:
         return cls(cfg, forward)
 
     # -- the LlamaModel surface ---------------------------------------------------------------
-    def make_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
-        """An fp16 KVCache shaped for this model, its length rounded up to a multiple of 32.
-
-        The native code stores V as shaped and K in blocks of 32 positions, each transposed.
-        """
-        return KVCache(self.cfg.num_layers, max_slots, -(-max_seq_len // 32) * 32, self.cfg.num_kv_heads,
-                       self.cfg.head_dim, dtype=torch.float16, zeroed=False)
+    def make_cache(self, max_slots: int, max_seq_len: int, num_pages: int | None = None) -> PagedKVCache:
+        """A paged fp16 KV cache for this model, its length rounded up to a multiple of 32;
+        `num_pages` (default: every slot's whole window) sizes the pool the slots share."""
+        return PagedKVCache(self.cfg.num_layers, max_slots, -(-max_seq_len // PAGE_TOKENS) * PAGE_TOKENS,
+                            self.cfg.num_kv_heads, self.cfg.head_dim, num_pages)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> Tensor:
+    def __call__(self, input_ids: Tensor, spans: Sequence[SeqSpan], cache: PagedKVCache) -> Tensor:
         """input_ids [N] packed in span order -> hidden [N, d] float32 after the final norm.
 
-        Sets `cache.lengths[slot] = start + length` for every span.
+        Takes the pages the spans reach (KVCacheFull when the pool has too few) and sets
+        `cache.lengths[slot] = start + length` for every span.
         """
-        if cache.k.dtype != torch.float16:
-            raise ValueError("cache: the native forward needs an fp16 KVCache from make_cache()")
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError("cache: the native forward needs a PagedKVCache from make_cache()")
         validate_step(self.cfg, input_ids, spans, cache)
+        reserve(cache, spans)
         ids = input_ids.to(torch.int32).numpy()
         hidden = np.empty((len(ids), self.cfg.hidden_size), dtype=np.float32)
-        k, v = cache.k.numpy(), cache.v.numpy()
+        k, v, table = cache.k.numpy(), cache.v.numpy(), cache.block_table.numpy()
         for rows, chunk in _chunks(spans, MAX_CHUNK_TOKENS):
-            self._forward.forward(np.ascontiguousarray(ids[rows]), chunk, k, v, hidden[rows])
+            self._forward.forward(np.ascontiguousarray(ids[rows]), chunk, k, v, table, hidden[rows])
         for span in spans:
             cache.lengths[span.slot] = span.start + span.length
         return torch.from_numpy(hidden)
@@ -156,6 +156,14 @@ class NativeLlamaModel:
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [N, head_dim] for positions [N] (the MTP head's torch layer uses them)."""
         return self.rope_cos[positions], self.rope_sin[positions]
+
+
+def reserve(cache: PagedKVCache, spans: Sequence[SeqSpan]) -> None:
+    """The pages every span writes; KVCacheFull, naming the shortfall, when the pool runs out."""
+    for span in spans:
+        if not cache.reserve(span.slot, span.start, span.start + span.length):
+            raise KVCacheFull(f"KV cache: no free page for positions [{span.start}, {span.start + span.length}) "
+                              f"of slot {span.slot} ({cache.free_pages} of {cache.num_pages} pages free)")
 
 
 def _chunks(spans: Sequence[SeqSpan], max_tokens: int) -> Iterator[tuple[slice, np.ndarray]]:
@@ -215,17 +223,18 @@ class NativeMtpHead:
         self._forward.set_globals(None, Q8_0, *quantize_q8_0(head), weights["out_norm.weight"],
                                   np.ascontiguousarray(target.rope_cos[:, :half].numpy()),
                                   np.ascontiguousarray(target.rope_sin[:, :half].numpy()))
-        self.cache = KVCache(1, max_slots, -(-max_seq_len // 32) * 32, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=torch.float16, zeroed=False)
+        self.cache = PagedKVCache(1, max_slots, -(-max_seq_len // PAGE_TOKENS) * PAGE_TOKENS, cfg.num_kv_heads,
+                                  cfg.head_dim)  # every slot's whole window: a slot never runs short
 
     def step(self, hidden: Tensor, embeds: Tensor, spans: Sequence[SeqSpan]) -> Tensor:
         """hidden, embeds [N, d] at the spans' positions (scratch past a slot's length is
         allowed: a chained draft) -> h' [N, d]; writes their K/V."""
         out = np.empty(tuple(hidden.shape), dtype=np.float32)
-        table = np.asarray([(s.slot, s.start, s.length) for s in spans], dtype=np.int32)
-        self._forward.forward_fused(np.ascontiguousarray(hidden.float().numpy()),
-                                    np.ascontiguousarray(embeds.float().numpy()), table,
-                                    self.cache.k.numpy(), self.cache.v.numpy(), out)
+        reserve(self.cache, spans)
+        h, e = np.ascontiguousarray(hidden.float().numpy()), np.ascontiguousarray(embeds.float().numpy())
+        k, v, table = self.cache.k.numpy(), self.cache.v.numpy(), self.cache.block_table.numpy()
+        for rows, chunk in _chunks(spans, MAX_CHUNK_TOKENS):  # a long prompt's positions: bounded scratch
+            self._forward.forward_fused(h[rows], e[rows], chunk, k, v, table, out[rows])
         return torch.from_numpy(out)
 
     def logits(self, h: Tensor) -> Tensor:

@@ -12,14 +12,22 @@ step holds, so KV stored from one request's prefill or decode steps is bitwise w
 prefill of the same tokens writes. Only positions whose KV is committed (below the
 request's `num_cached`) are stored, so a verify's rejected draft positions never get in.
 
-The blocks live in a pool of their own and are copied into a request's KV slot on
-admission (about 0.75 MB per block for the default model: milliseconds for a 1k-token
-prefix, against seconds of prefill); the forward keeps reading one contiguous slot per
-request. A block is held (reference-counted) by every running request whose context
-passes through it, from admission until the request ends; the least recently used blocks
-that no request holds and that have no children are evicted when the pool is full. When
-nothing can be evicted, a request simply stores no more blocks: a full cache means cold
-prefill, never an error.
+Where the blocks live depends on the target's cache:
+- the native forward's `PagedKVCache`: a block is a page of the pool the running requests
+  use. Storing one is holding the request's own page (no copy); reusing it is pointing a new
+  request's block table at it (no copy); only the last, partial block a new prompt shares is
+  copied, into a page of its own that the request goes on writing. The cached blocks and the
+  running requests draw on one budget: when a request needs a page and none is free, the
+  least recently used blocks nobody holds are evicted (`PagedKVCache.reclaim`).
+- the torch forward's `KVCache` (CUDA), whose slots are contiguous: the blocks live in a
+  pool of their own and are copied into a request's slot on admission (about 0.75 MB per
+  block for the default model: milliseconds for a 1k-token prefix, against seconds of
+  prefill).
+A block is held (reference-counted) by every running request whose context passes through
+it, from admission until the request ends; the least recently used blocks that no request
+holds and that have no children are evicted when the cache is at its budget. When nothing
+can be evicted, a request simply stores no more blocks: a full cache means cold prefill,
+never an error.
 
 The MTP head's own KV depends on the token after each position, which a block's key does
 not fix, so the head's cache is not stored: the target's hidden states are, and the head
@@ -35,17 +43,18 @@ from typing import Sequence as Seq
 import torch
 from torch import Tensor
 
-from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCache, PagedKVCache
 
-BLOCK_TOKENS = 32  # the native K layout's block: a cached block is one of them, copied whole
+BLOCK_TOKENS = PAGE_TOKENS  # a cached block is one page (one block of the native K layout)
 BUDGET_KEY = "prefix_cache_bytes"
 
 
 @dataclass(eq=False)
 class Block:
-    """One cached block: a row of the pools, its place in the tree, who holds it."""
+    """One cached block: its hidden-state row, where its KV is, its place in the tree, who holds it."""
 
-    row: int  # index into the pools; -1 for the root
+    row: int  # index into the hidden-state rows (and the copied pool's); -1 for the root
+    kv: int  # its KV: a page of the paged cache, or a row of the copied pool
     parent: Block | None
     key: tuple[int, ...]
     children: dict[tuple[int, ...], Block] = field(default_factory=dict)
@@ -61,15 +70,80 @@ class PrefixStats:
     evicted_blocks: int = 0
 
 
+class SharedPages:
+    """Blocks as pages of the paged cache: kept by holding the request's page, lent by sharing it."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+
+    def keep(self, slot: int, index: int, row: int) -> int:
+        """A new cached block from block `index` of `slot`: where its KV is kept."""
+        page = self.cache.pages_of(slot)[index]
+        self.cache.hold(page)
+        return page
+
+    def adopt(self, slot: int, index: int, kv: int) -> None:
+        """Block `index` of `slot` holds what cached `kv` holds: the slot uses the cached page."""
+        self.cache.share(slot, index, kv)
+
+    def lend(self, slot: int, whole: list[int], partial: int | None) -> bool:
+        """Blocks 0.. of a new request's `slot` from cached KV: `whole` shared, `partial` copied
+        into a page of the slot's own (False, copying nothing, when there is none to take)."""
+        for i, page in enumerate(whole):
+            self.cache.share(slot, i, page)
+        if partial is None:
+            return True
+        end = (len(whole) + 1) * BLOCK_TOKENS
+        if not self.cache.reserve(slot, end - BLOCK_TOKENS, end):
+            return False
+        self.cache.copy_page(partial, self.cache.pages_of(slot)[-1])
+        return True
+
+    def drop(self, kv: int) -> None:
+        """An evicted block's KV is no longer the cache's."""
+        self.cache.unref(kv)
+
+
+class CopiedBlocks:
+    """Blocks in a pool of their own, copied out of and into the contiguous slots of a `KVCache`."""
+
+    def __init__(self, cache: KVCache, num_blocks: int) -> None:
+        self.cache = cache
+        layers, _, heads, _, head_dim = cache.k.shape
+        shape = (layers, num_blocks, heads, BLOCK_TOKENS, head_dim)
+        # Untouched pool pages cost no memory: the footprint follows what is cached.
+        self._k = torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device)  # [L, blocks, kvh, 32, hd]
+        self._v = torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device)
+
+    def keep(self, slot: int, index: int, row: int) -> int:
+        for pool, src in ((self._k, self.cache.k), (self._v, self.cache.v)):
+            pool[:, row] = _slot_blocks(src, slot, index, 1)[:, :, 0]
+        return row
+
+    def adopt(self, slot: int, index: int, kv: int) -> None:
+        """The slot's own copy of a cached block stays where it is."""
+
+    def lend(self, slot: int, whole: list[int], partial: int | None) -> bool:
+        if not whole and partial is None:
+            return True
+        rows = torch.tensor(whole + ([partial] if partial is not None else []), device=self._k.device)
+        for pool, dest in ((self._k, self.cache.k), (self._v, self.cache.v)):
+            _slot_blocks(dest, slot, 0, len(rows)).copy_(pool[:, rows].transpose(1, 2))
+        return True
+
+    def drop(self, kv: int) -> None:
+        """Nothing to give back: the row is reused."""
+
+
 class PrefixCache:
     """Blocks of committed KV (and hidden states, for the MTP head) shared across requests by prefix."""
 
-    def __init__(self, cache: KVCache, hidden_size: int, budget_bytes: int) -> None:
-        """`cache`: the target's KV cache (its slots are what blocks are copied into and out
-        of); `hidden_size` 0 keeps no hidden states (no MTP head). `budget_bytes` must hold
-        the blocks of one full context window (`cache.max_seq_len`)."""
-        layers, _, heads, _, head_dim = cache.k.shape
-        self.block_bytes = BLOCK_TOKENS * (2 * layers * heads * head_dim * cache.k.element_size() + hidden_size * 4)
+    def __init__(self, cache: KVCache | PagedKVCache, hidden_size: int, budget_bytes: int) -> None:
+        """`cache`: the target's KV cache (its slots are what blocks come from and go to);
+        `hidden_size` 0 keeps no hidden states (no MTP head). `budget_bytes` must hold the
+        blocks of one full context window (`cache.max_seq_len`)."""
+        kv_bytes = 2 * cache.num_layers * cache.num_kv_heads * cache.head_dim * cache.k.element_size()
+        self.block_bytes = BLOCK_TOKENS * (kv_bytes + hidden_size * 4)
         self.num_blocks = budget_bytes // self.block_bytes
         need = -(-cache.max_seq_len // BLOCK_TOKENS)
         if self.num_blocks < need:
@@ -78,25 +152,27 @@ class PrefixCache:
                              f"window ({cache.max_seq_len} tokens) needs {need}, so at least "
                              f"{need * self.block_bytes} bytes (or 0 to turn the cache off)")
         self.cache = cache
-        shape = (layers, self.num_blocks, heads, BLOCK_TOKENS, head_dim)
-        # Untouched pool pages cost no memory: the footprint follows what is cached.
-        self._k = torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device)  # [L, blocks, kvh, 32, hd]
-        self._v = torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device)
+        if isinstance(cache, PagedKVCache):
+            self.store: SharedPages | CopiedBlocks = SharedPages(cache)
+            cache.reclaim = self.reclaim
+        else:
+            self.store = CopiedBlocks(cache, self.num_blocks)
         self._hidden = torch.empty((self.num_blocks, BLOCK_TOKENS, hidden_size), dtype=torch.float32,
                                    device=cache.k.device) if hidden_size else None
-        self._root = Block(-1, None, ())
+        self._root = Block(-1, -1, None, ())
         self._free_rows = list(range(self.num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, Block] = OrderedDict()  # row -> block, least recently used first
         self.stats = PrefixStats()
 
     # -- admission ------------------------------------------------------------------------
     def admit(self, context: Seq[int], slot: int) -> tuple[list[Block], Tensor | None]:
-        """Copy the longest cached prefix of `context` into `slot` (its length set to it) and
-        hold its whole blocks. At least one token is left to prefill (its logits are needed).
-        Past the whole blocks, the cached block sharing the most leading tokens with the rest
-        lends those positions too (the KV of a position depends on nothing after it); it is
-        copied, not held. Returns the held chain and the prefix's hidden states [n, d] (None
-        without them, or when nothing is reused)."""
+        """Give `slot` the longest cached prefix of `context` (its length set to it) and hold
+        its whole blocks. At least one token is left to prefill (its logits are needed). Past
+        the whole blocks, the cached block sharing the most leading tokens with the rest lends
+        those positions too (the KV of a position depends on nothing after it); it is copied,
+        not held, and skipped when the paged cache has no page to copy it into. Returns the
+        held chain and the prefix's hidden states [n, d] (None without them, or when nothing
+        is reused)."""
         limit = len(context) - 1
         chain, node = [], self._root
         for i in range(limit // BLOCK_TOKENS):
@@ -112,22 +188,22 @@ class PrefixCache:
             common = _common_prefix(child.key, tail)
             if common > shared:
                 partial, shared = child, common
-        for block in chain:
+        for block in chain + ([partial] if partial else []):  # the partial one only while it is copied
             block.refs += 1
+        if not self.store.lend(slot, [b.kv for b in chain], partial.kv if partial else None):
+            partial.refs -= 1
+            partial, shared = None, 0
+        if partial:
+            partial.refs -= 1
         copied = chain + ([partial] if partial else [])
         for block in copied:
             self._lru.move_to_end(block.row)
         n = whole + shared
-        self.stats.prompt_tokens += len(context)
-        self.stats.hit_tokens += n
-        if not n:
-            return chain, None
-        rows = torch.tensor([b.row for b in copied], device=self._k.device)
-        for pool, dest in ((self._k, self.cache.k), (self._v, self.cache.v)):
-            _slot_blocks(dest, slot, 0, len(copied)).copy_(pool[:, rows].transpose(1, 2))
         self.cache.lengths[slot] = n
-        hidden = self._hidden[rows].flatten(0, 1)[:n] if self._hidden is not None else None
-        return chain, hidden
+        if not n or self._hidden is None:
+            return chain, None
+        rows = torch.tensor([b.row for b in copied], device=self._hidden.device)
+        return chain, self._hidden[rows].flatten(0, 1)[:n]
 
     # -- storing --------------------------------------------------------------------------
     def extend(self, chain: list[Block], tokens: Seq[int], num_committed: int, slot: int,
@@ -156,27 +232,41 @@ class PrefixCache:
     def _block(self, parent: Block, key: tuple[int, ...], slot: int, index: int, hidden: Tensor | None,
                first_row: int) -> Block | None:
         """`parent`'s child under `key`, stored from block `index` of `slot` (and `hidden` rows
-        from `first_row`) if new; touched as just used. None when the pool has no room."""
+        from `first_row`) if new, else adopted by the slot in place of its own copy; touched as
+        just used. None when the cache has no room."""
         block = parent.children.get(key)
         if block is None:
             row = self._take_row()
             if row is None:
                 return None
-            block = Block(row, parent, key)
+            block = Block(row, self.store.keep(slot, index, row), parent, key)
             parent.children[key] = block
-            for pool, src in ((self._k, self.cache.k), (self._v, self.cache.v)):
-                pool[:, row] = _slot_blocks(src, slot, index, 1)[:, :, 0]
             if self._hidden is not None:
                 self._hidden[row, :len(key)] = hidden[first_row: first_row + len(key)]
+        elif len(key) == BLOCK_TOKENS:
+            self.store.adopt(slot, index, block.kv)
         self._lru[block.row] = block
         self._lru.move_to_end(block.row)
         return block
+
+    def count(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """An admitted request's prompt tokens, and how many of them came from the cache."""
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.hit_tokens += hit_tokens
 
     def release(self, chain: list[Block]) -> None:
         """The request holding `chain` has ended: its blocks may be evicted from now on."""
         for block in chain:
             block.refs -= 1
         chain.clear()
+
+    def reclaim(self, pages: int) -> int:
+        """Evict up to `pages` blocks nobody holds, least recently used first (the paged cache
+        asking for pages); how many were evicted."""
+        evicted = 0
+        while evicted < pages and self._evict():
+            evicted += 1
+        return evicted
 
     @property
     def cached_blocks(self) -> int:
@@ -189,15 +279,21 @@ class PrefixCache:
 
     # -- internals ------------------------------------------------------------------------
     def _take_row(self) -> int | None:
-        if not self._free_rows:
-            victim = next((b for b in self._lru.values() if not b.refs and not b.children), None)
-            if victim is None:
-                return None
-            del victim.parent.children[victim.key]
-            del self._lru[victim.row]
-            self._free_rows.append(victim.row)
-            self.stats.evicted_blocks += 1
+        if not self._free_rows and not self._evict():
+            return None
         return self._free_rows.pop()
+
+    def _evict(self) -> bool:
+        """Drop the least recently used block that no request holds and that has no children."""
+        victim = next((b for b in self._lru.values() if not b.refs and not b.children), None)
+        if victim is None:
+            return False
+        del victim.parent.children[victim.key]
+        del self._lru[victim.row]
+        self._free_rows.append(victim.row)
+        self.store.drop(victim.kv)
+        self.stats.evicted_blocks += 1
+        return True
 
 
 def _key(tokens: Seq[int], i: int) -> tuple[int, ...]:

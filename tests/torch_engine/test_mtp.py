@@ -279,3 +279,21 @@ def test_native_head_matches_the_torch_head(served):
     (h_native, l_native), (h_torch, l_torch) = outs
     assert (h_native - h_torch).abs().max() <= 0.05 * h_torch.abs().max()
     assert (l_native.argmax(-1) == l_torch.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_native_head_in_calls_of_few_rows_gives_the_same_bits(served, monkeypatch):
+    """A long queue (a whole prompt's positions) runs in calls of MAX_CHUNK_TOKENS rows, which
+    bounds the step's scratch memory and changes no bit."""
+    from replicas.torch_engine import native_model
+    from replicas.torch_engine.native_model import NativeMtpHead
+
+    target, drafter = served
+    ids = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(4))
+    hidden, embeds = _target_hidden(target, ids)[:-1], target.embed(ids[1:])
+    outs = []
+    for rows in (256, 9):
+        monkeypatch.setattr(native_model, "MAX_CHUNK_TOKENS", rows)
+        head = NativeMtpHead(drafter.module, target, 1, 64)
+        outs.append(head.step(hidden, embeds, [SeqSpan(head.cache.allocate(), 0, 47)]))
+    assert torch.equal(*outs)

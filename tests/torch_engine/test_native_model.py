@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from replicas.torch_engine import native_model
+from replicas.torch_engine.kv_cache import KVCacheFull
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.native_model import NativeLlamaModel
@@ -189,12 +190,68 @@ def test_hf_checkpoint_loads_quantised_and_stays_row_invariant(tmp_path):
     assert torch.equal(decodes, got[20:])
 
 
+def _forward_through(model: NativeLlamaModel, table: np.ndarray, num_pages: int, ids: torch.Tensor,
+                     steps: list[tuple[int, int]]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Steps (start, length) of one slot run natively through `table` [1, blocks]: each step's
+    hidden rows, and the K and V pools."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, 32, cfg.head_dim)
+    k, v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+    out = []
+    for start, length in steps:
+        hidden = np.empty((length, cfg.hidden_size), np.float32)
+        model._forward.forward(ids[start:start + length].to(torch.int32).numpy(),
+                               np.array([[0, start, length]], np.int32), k, v, table, hidden)
+        out.append(hidden)
+    return out, k, v
+
+
+def test_any_page_table_gives_the_same_bits(model):
+    # One sequence through pages in order, and through a random permutation of a larger pool:
+    # every step's rows and every position's K and V are bitwise the same.
+    blocks, pool = 6, 11
+    ids = random_ids(60, blocks * 32)
+    steps = [(0, 70), (70, 1), (71, 9), (80, 100), (180, 12)]
+    ordered = np.arange(blocks, dtype=np.int32)[None]
+    scattered = np.random.default_rng(0).permutation(pool)[:blocks].astype(np.int32)[None]
+    got, k, v = _forward_through(model, scattered, pool, ids, steps)
+    want, k0, v0 = _forward_through(model, ordered, blocks, ids, steps)
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+    assert np.array_equal(k[:, :, scattered[0]], k0) and np.array_equal(v[:, :, scattered[0]], v0)
+
+
+def test_bad_page_tables_are_value_errors(model):
+    cfg = model.cfg
+    shape = (cfg.num_layers, cfg.num_kv_heads, 4, 32, cfg.head_dim)
+    k, v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+    ids, hidden = np.zeros(40, np.int32), np.empty((40, cfg.hidden_size), np.float32)
+    with pytest.raises(ValueError, match="slot 0 block 1 names no page"):
+        model._forward.forward(ids, np.array([[0, 0, 40]], np.int32), k, v, np.array([[0, -1]], np.int32), hidden)
+    with pytest.raises(ValueError, match="slot 1 block 0 names no page"):
+        model._forward.forward(ids[:1], np.array([[1, 0, 1]], np.int32), k, v, np.array([[0, 1], [4, 2]], np.int32),
+                               hidden[:1])
+    with pytest.raises(ValueError, match="two spans of the step write one page"):
+        model._forward.forward(ids[:2], np.array([[0, 0, 1], [1, 0, 1]], np.int32), k, v,
+                               np.array([[2, 0], [2, 1]], np.int32), hidden[:2])
+
+
+def test_a_pool_too_small_for_a_step_is_kv_cache_full(model):
+    cache = model.make_cache(2, 128, num_pages=3)
+    a, b = cache.allocate(), cache.allocate()
+    model(random_ids(61, 64), [SeqSpan(a, 0, 64)], cache)
+    with pytest.raises(KVCacheFull, match=r"positions \[0, 40\) of slot 1 \(1 of 3 pages free\)"):
+        model(random_ids(62, 40), [SeqSpan(b, 0, 40)], cache)
+    assert cache.pages_of(b) == [] and cache.free_pages == 1  # nothing taken
+    model(random_ids(62, 32), [SeqSpan(b, 0, 32)], cache)
+
+
 def test_bad_steps_are_value_errors(model):
     cache = model.make_cache(1, 32)
     slot = cache.allocate()
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
         model(random_ids(50, 40), [SeqSpan(slot, 0, 40)], cache)
-    with pytest.raises(ValueError, match="fp16 KVCache"):
+    with pytest.raises(ValueError, match="needs a PagedKVCache"):
         from replicas.torch_engine.kv_cache import KVCache
 
         fp32_cache = KVCache(30, 1, 32, 3, 64)

@@ -14,7 +14,7 @@ import torch
 
 from replicas.engine import SpeculationConfig
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
-from replicas.torch_engine.kv_cache import KVCache
+from replicas.torch_engine.kv_cache import KVCache, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from tests.polling import wait_until
@@ -63,7 +63,17 @@ def _idle(engine) -> bool:
     return not core.has_work and core.prefix.held_blocks == 0 and core.cache.num_free == core.cache.max_slots
 
 
-def test_blocks_copied_into_a_slot_are_bitwise_a_cold_prefill(engines):
+def _kv(cache, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a slot's first n positions as [L, kvh, n, hd], whatever the cache's layout."""
+    if not isinstance(cache, PagedKVCache):
+        return cache.k[:, slot, :, :n], cache.v[:, slot, :, :n]
+    pages = cache.pages_of(slot)
+    layers, kvh, _, _, hd = cache.k.shape
+    k = cache.k[:, :, pages].reshape(layers, kvh, len(pages), hd, BLOCK_TOKENS).transpose(3, 4)  # K^T per page
+    return k.reshape(layers, kvh, -1, hd)[:, :, :n], cache.v[:, :, pages].reshape(layers, kvh, -1, hd)[:, :, :n]
+
+
+def test_blocks_lent_to_a_slot_are_bitwise_a_cold_prefill(engines):
     core = engines[0].core
     model, cache, prefix = core.model, core.cache, core.prefix
     first = _ids(1, 150)
@@ -83,7 +93,10 @@ def test_blocks_copied_into_a_slot_are_bitwise_a_cold_prefill(engines):
         assert torch.equal(warm, cold[100:])
         assert torch.equal(model.logits(warm), model.logits(cold[100:]))
         n = len(second)
-        assert torch.equal(cache.k[:, b, :, :n], cache.k[:, c, :, :n]) and torch.equal(cache.v[:, b, :, :n], cache.v[:, c, :, :n])
+        for got, want in zip(_kv(cache, b, n), _kv(cache, c, n)):
+            assert torch.equal(got, want)
+        if isinstance(cache, PagedKVCache):  # the whole blocks are a's pages, not copies
+            assert cache.pages_of(b)[:3] == cache.pages_of(a)[:3] != cache.pages_of(c)[:3]
         prefix.release(chain)
     finally:
         for slot in (a, b, c):
@@ -162,6 +175,37 @@ def test_a_small_budget_evicts_and_a_full_cache_is_a_cold_prefill(engines, loop)
         loop.run_until_complete(small.shutdown())
 
 
+def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, loop):
+    # The paged cache holds one window and 16 pages more, shared with the prefix cache: 8
+    # requests of ~450 tokens need ~120 pages at once, so the newest wait and resume (their
+    # output prefilled again) while the others go on. Each equals the same request alone on
+    # the cold engine, token for token and logprob for logprob, sampled ones included.
+    warm, cold = engines
+    if not isinstance(warm.core.cache, PagedKVCache):
+        pytest.skip("the paged KV cache is the native CPU forward's")
+    page = warm.core.cache.page_bytes
+    tight = _engine("cpu", kv_cache_bytes=(MAX_SEQ_LEN // BLOCK_TOKENS + 16) * page)
+    loop.run_until_complete(tight.start())
+    try:
+        cache = tight.core.cache
+        assert cache.num_pages == MAX_SEQ_LEN // BLOCK_TOKENS + 16
+        prompts = [_ids(300 + i, 350) for i in range(8)]
+        settings = [dict(mode="auto", logprobs=2), dict(mode="off", temperature=0.8, seed=11)] * 4
+
+        async def together():
+            return await asyncio.gather(*(collect_logprobs(tight, request(p, max_tokens=100, **kw))
+                                          for p, kw in zip(prompts, settings)))
+
+        for prompt, kw, (tokens, _, logprobs, last) in zip(prompts, settings, loop.run_until_complete(together())):
+            assert last.finish_reason == "length"
+            assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=100, **kw)[:2]
+        assert tight.core.preemptions > 0
+        assert wait_until(lambda: _idle(tight), timeout_s=10)
+        assert cache.free_pages == cache.num_pages - tight.core.prefix.cached_blocks  # the rest are the cache's
+    finally:
+        loop.run_until_complete(tight.shutdown())
+
+
 def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop):
     warm = engines[0]
     prompt = _ids(300, 1500)  # a prefill of a second or more
@@ -181,7 +225,7 @@ def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop):
 
 
 def test_a_budget_below_one_context_window_is_refused_naming_the_key(loop):
-    cache = KVCache(2, 1, 256, 1, 8, dtype=torch.float16, zeroed=False)
+    cache = KVCache(2, 1, 256, 1, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="prefix_cache_bytes: .* needs 8"):
         PrefixCache(cache, 16, 7 * (2 * 2 * 32 * 8 * 2 + 32 * 16 * 4))
     assert PrefixCache(cache, 16, 8 * (2 * 2 * 32 * 8 * 2 + 32 * 16 * 4)).num_blocks == 8
@@ -189,6 +233,10 @@ def test_a_budget_below_one_context_window_is_refused_naming_the_key(loop):
         TorchEngineConfig(prefix_cache_bytes=-1)
     engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=256, prefix_cache_bytes=1 << 20))
     with pytest.raises(ValueError, match="prefix_cache_bytes: .* needs 8"):
+        loop.run_until_complete(engine.start())
+    loop.run_until_complete(engine.shutdown())
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=256, device="cpu", kv_cache_bytes=1 << 20))
+    with pytest.raises(ValueError, match=r"kv_cache_bytes: 1048576 bytes hold 1 pages .* needs 8"):
         loop.run_until_complete(engine.start())
     loop.run_until_complete(engine.shutdown())
 
