@@ -12,7 +12,8 @@ one engine's) on a local Ray cluster, and samples the Replica process's resident
 Beside it, llama.cpp's server (xllamacpp, the bench venv) on the same GGUF with the same
 slots (8 x max_seq_len, fp16 KV, its default) serves the same full-context prompts and
 reports its own peak. The JSON also gives what the configuration reserves: weights, KV
-capacity (slots x window), the prefix cache's budget.
+capacity (slots x window), the KV pages the slots and the prefix cache share, the prefix
+cache's budget.
 
     make bench-memory        # writes benchmarks/results/memory.{json,png}
 """
@@ -135,6 +136,8 @@ def reserved(doc: dict) -> dict[str, Any]:
             "weights_file_mb": round(packaged_gguf_path().stat().st_size / 2**20, 1),
             "kv_bytes_per_token": per_token,
             "kv_capacity_mb": round(engine["max_batch_size"] * window * per_token / 2**20, 1),
+            "kv_pool_mb": round((engine.get("kv_cache_bytes") or engine["max_batch_size"] * window * per_token)
+                                / 2**20, 1),
             "prefix_cache_budget_mb": round(engine["prefix_cache_bytes"] / 2**20, 1)}
 
 
@@ -220,7 +223,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("resident MB")
     ax.set_ylim(bottom=0)
     ax.set_title(f"default deploy.yaml: {cfg['max_batch_size']} slots x {cfg['max_seq_len']} tokens "
-                 f"(KV {cfg['kv_capacity_mb']:.0f} MB), prefix cache {cfg['prefix_cache_budget_mb']:.0f} MB; "
+                 f"(KV pages {cfg['kv_pool_mb']:.0f} of {cfg['kv_capacity_mb']:.0f} MB), prefix cache {cfg['prefix_cache_budget_mb']:.0f} MB; "
                  f"{result['cpu']['model']}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
