@@ -57,6 +57,9 @@ class EngineCore:
         self.tokens_per_s = Ewma()
         self.last_speculated = False
         self.preemptions = 0  # running requests sent back to the queue for want of KV pages
+        # False from a preemption until a request ends: the queue waits for pages an ending
+        # request gives back (those of the one sent back would only send it back again).
+        self._room_freed = True
         self._step_tokens = 0  # tokens emitted in the current step
         self._to_feed: list[tuple[Sequence, list[int]]] = []  # the step's tokens, for the automata
 
@@ -87,6 +90,7 @@ class EngineCore:
             seq.prefix_hidden = []
         if seq.slot >= 0:
             self.cache.free(seq.slot)
+            self._room_freed = True
             if self.mtp is not None:
                 self.mtp.remove(seq.slot)
             seq.slot = -1
@@ -118,10 +122,10 @@ class EngineCore:
         fails only itself. The budget keeps a step short: between two steps requests finish,
         join and leave, and each admitted request's first token goes out (8 long prompts in
         one step held every token back for a minute, long enough to fail health checks).
-        A request the paged KV cache has no pages for waits, first in line, until running
-        requests give some back."""
+        A request the paged KV cache has no pages for waits, first in line, until a running
+        request ends and gives some back."""
         admitted, budget = [], self.max_prefill_tokens
-        while self.waiting and self.cache.num_free > 0:
+        while self.waiting and self.cache.num_free > 0 and (self._room_freed or not self.running):
             cost = len(self.waiting[0].prompt_ids) + len(self.waiting[0].output_ids)  # a resumed one's too
             if admitted and cost > budget:
                 break
@@ -151,6 +155,7 @@ class EngineCore:
         seq.num_cached = seq.prefix_offered = 0
         self.waiting.insert(0, seq)
         self.preemptions += 1
+        self._room_freed = False
         logger.info("request %s back in the queue until KV pages free up (%d output tokens kept)",
                     seq.request_id, len(seq.output_ids))
 
