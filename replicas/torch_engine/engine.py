@@ -22,7 +22,7 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
-from replicas.torch_engine.kv_cache import PAGE_TOKENS
+from replicas.torch_engine.kv_cache import PAGE_TOKENS, page_bytes
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.sequence import Detokenizer, Sequence
@@ -80,7 +80,7 @@ def kv_pages(cfg: TorchEngineConfig, model: ModelConfig) -> int | None:
     ValueError naming the key when they would not hold one context window."""
     if not cfg.kv_cache_bytes:
         return None
-    page = PAGE_TOKENS * 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2  # fp16 K and V
+    page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim)
     pages, window = cfg.kv_cache_bytes // page, -(-cfg.max_seq_len // PAGE_TOKENS)
     if pages < window:
         raise ValueError(f"kv_cache_bytes: {cfg.kv_cache_bytes} bytes hold {pages} pages of {PAGE_TOKENS} tokens "

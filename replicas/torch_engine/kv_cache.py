@@ -24,6 +24,11 @@ import torch
 PAGE_TOKENS = 32  # positions per page: the native K layout's block
 
 
+def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one page of the paged cache: 32 positions' fp16 K and V in every layer."""
+    return PAGE_TOKENS * 2 * num_layers * num_kv_heads * head_dim * 2
+
+
 class KVCacheFull(RuntimeError):
     """The paged cache has no free page left for a step, even after `reclaim`."""
 
@@ -136,7 +141,7 @@ class PagedKVCache(SlotTable):
 
     @property
     def page_bytes(self) -> int:
-        return 2 * self.k[:, :, 0].numel() * self.k.element_size()
+        return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def free_pages(self) -> int:
