@@ -1,7 +1,9 @@
 """The prefix cache: a prompt served partly from cached blocks is bitwise a cold prefill.
 
 Every warm run is compared with an engine that has no prefix cache (the oracle), token for
-token and logprob for logprob; the block copy itself with `torch.equal` on logits and KV.
+token and logprob for logprob; the blocks lent to a slot (shared pages on CPU, copies on
+CUDA) with `torch.equal` on logits and KV. On CPU the blocks share one page pool with the
+running requests: a tight pool sends requests back to the queue, and they resume exactly.
 """
 
 from __future__ import annotations
