@@ -23,7 +23,7 @@ from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, R
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
 from replicas.torch_engine.kv_cache import PAGE_TOKENS, page_bytes
-from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
+from replicas.torch_engine.loader import load_tokenizer, packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.sequence import Detokenizer, Sequence
 
@@ -117,8 +117,6 @@ class TorchEngine:
         self._loop_task = asyncio.create_task(self._run(), name="torch-engine-loop")
 
     def _build_core(self) -> EngineCore:
-        from transformers import AutoTokenizer
-
         from replicas.speculation.grammar import GrammarCompiler
         from replicas.torch_engine.suffix_drafts import suffix_drafts
 
@@ -145,7 +143,7 @@ class TorchEngine:
 
             model = CudaLlamaModel.from_pretrained(model_dir, device=device)
             logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         if device.type == "cpu":

@@ -35,11 +35,9 @@ TOOLS_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chatml():
-    from transformers import AutoTokenizer
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
 
-    from replicas.torch_engine.loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir())
+    return load_tokenizer(resolve_model_dir())
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,9 @@ import copy
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from replicas.engine import DEFAULT_MODEL, RequestSpeculation, SamplingParams
-from replicas.torch_engine.loader import resolve_model_dir
+from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
 from replicas.torch_engine.sequence import SETTLE_TOKENS, Detokenizer, Sequence, release_text
 
 TEXT = ("Grüße aus Köln! 東京の天気は晴れです。 Emoji: 👩‍💻🚀🎉, math: ∀x∈ℝ, x²≥0. "
@@ -20,7 +19,7 @@ TEXT = ("Grüße aus Köln! 東京の天気は晴れです。 Emoji: 👩‍💻
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+    return load_tokenizer(resolve_model_dir(DEFAULT_MODEL))
 
 
 def decode(tokenizer, ids: list[int]) -> str:

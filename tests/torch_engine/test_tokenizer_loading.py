@@ -1,0 +1,67 @@
+"""load_tokenizer: the default checkpoint's tokenizer loads through its own fast class, the
+same tokenizer AutoTokenizer gives, without the model config's ~700 imports; a checkpoint that
+names another class still goes through AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+CHAT = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "Grüße! What is 2 + 2? 東京"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model_dir()
+
+
+def test_the_default_loads_the_tokenizer_autotokenizer_gives(model_dir):
+    ours, auto = load_tokenizer(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab()
+    assert ours.special_tokens_map == auto.special_tokens_map and ours.eos_token_id == auto.eos_token_id
+    text = "def f(x):\n    return {'ключ': x}  # 👩‍💻 <|im_end|>"
+    assert ours.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False)
+    assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    for prompt in (True, False):
+        assert (ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=prompt)
+                == auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=prompt))
+
+
+def test_loading_the_default_imports_no_model_config(model_dir):
+    """In a fresh interpreter, as a Replica starts: what AutoTokenizer would import is absent."""
+    code = ("import sys, transformers\n"
+            "from replicas.torch_engine.loader import load_tokenizer\n"
+            f"load_tokenizer({str(model_dir)!r})\n"
+            "print(sorted(m for m in ('accelerate', 'sympy', 'transformers.models.llama.configuration_llama')"
+            " if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_checkpoint_naming_another_class_goes_through_autotokenizer(model_dir, tmp_path, monkeypatch):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: calls.append(path) or real(path, **kw))
+    load_tokenizer(tmp_path)
+    assert calls == []
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizerFast"}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert calls == [tmp_path]
+    assert tokenizer.encode("hello world") == load_tokenizer(model_dir).encode("hello world")
