@@ -59,7 +59,7 @@ def load_tokenizer(model_dir: Path):
     """The checkpoint's HF tokenizer. Where its tokenizer_config.json names the plain fast class
     (the default's does), that class loads it: AutoTokenizer would first read the model's
     config, whose class imports some 700 modules (torch.distributed, sympy, accelerate) and
-    keeps about 50 MiB more resident in every Replica, for the same tokenizer."""
+    keeps about 55 MiB more resident in every Replica, for the same tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     model_dir = Path(model_dir)

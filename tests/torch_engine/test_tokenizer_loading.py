@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import transformers
@@ -47,7 +48,8 @@ def test_loading_the_default_imports_no_model_config(model_dir):
             f"load_tokenizer({str(model_dir)!r})\n"
             "print(sorted(m for m in ('accelerate', 'sympy', 'transformers.models.llama.configuration_llama')"
             " if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]", out.stderr
 
 
