@@ -80,6 +80,11 @@ def effective_settings(server: SpeculationConfig, request: RequestSpeculation) -
     return mode, max_draft_len
 
 
+def drafts_with_mtp(mode: str) -> bool:
+    """Does a request in this effective mode (`effective_settings`) ever draft with the MTP head?"""
+    return "mtp" in _SERVER_SOURCES[mode]
+
+
 def plan_draft(
     mode: str,
     max_draft_len: int,
@@ -126,6 +131,6 @@ def _plan_sa_mtp(mode: str, num_draft: int, sa_threshold: int, sa_match_len: int
     if mode == "hybrid" and sa_match_len >= sa_threshold or mode == "sa" and sa_match_len >= SA_MIN_MATCH:
         return DraftPlan(source="sa", num_draft=sa_draft)
     fallback = sa_draft if mode == "hybrid" and sa_match_len >= SA_MIN_MATCH else 0
-    if mode in ("hybrid", "mtp") and mtp_available:
+    if drafts_with_mtp(mode) and mtp_available:
         return DraftPlan(source="mtp", num_draft=num_draft, sa_fallback=fallback)
     return DraftPlan(source="sa", num_draft=fallback) if fallback else NO_DRAFT

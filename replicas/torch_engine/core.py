@@ -16,7 +16,8 @@ import torch
 
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
-from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, effective_settings, next_mtp_backoff, plan_draft
+from replicas.speculation.hybrid import (NO_DRAFT, DraftPlan, drafts_with_mtp, effective_settings, next_mtp_backoff,
+                                         plan_draft)
 from replicas.speculation.sampling import penalize_, position_uniforms, sampling_probs, token_logprobs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
@@ -166,6 +167,10 @@ class EngineCore:
         seq.slot = self.cache.allocate()
         if self.mtp is not None:
             self.mtp.add(seq.slot)  # with the KV slot, so releasing one always releases both
+        # Only a request that may draft with the head feeds it (a queue of every position's hidden
+        # state otherwise grows for nothing, 2.3 KB a position). One admitted without stays so,
+        # should the server's mode change under it; a resumed one is admitted afresh.
+        seq.mtp_fed = self.mtp is not None and drafts_with_mtp(effective_settings(self.speculation, seq.speculation)[0])
         resumed = list(seq.output_ids)
         context = seq.prompt_ids + resumed[:-1]
         reused, reused_hidden = 0, None
@@ -188,7 +193,7 @@ class EngineCore:
         logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
         new = resumed or [self._verify(seq, [], logits).tokens[0]]
         self.suffix.add(seq.sa_id, seq.prompt_ids)
-        if self.mtp is not None:
+        if seq.mtp_fed:
             self.mtp.observe(seq.slot, hidden, torch.tensor(context[1:] + new[-1:], dtype=torch.long))
         if resumed:
             self._to_feed.append((seq, resumed))
@@ -202,7 +207,7 @@ class EngineCore:
         forced = []
         if seq.constraint is not None and cfg.grammar_drafts and mode != "off":
             forced = seq.constraint.forced_tokens()
-        plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, self.mtp is not None,
+        plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, seq.mtp_fed,
                           speculate, min(seq.tokens_left, room + 1), len(forced),
                           bool(forced) and seq.sa_draft[: len(forced)] == forced)
         if plan.source == "grammar":
@@ -269,7 +274,7 @@ class EngineCore:
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     self.acceptance_ewma.update(kept)
-                if self.mtp is not None:
+                if seq.mtp_fed:
                     self.mtp.observe(seq.slot, hidden[rows][:kept], torch.tensor(verdict.tokens, dtype=torch.long))
                 self._emit(seq, verdict.tokens, logits[rows])
                 self._store_prefix(seq, hidden[rows][:kept])

@@ -41,6 +41,7 @@ class Sequence:
     prefix_offered: int = 0  # whole blocks of the context offered to the cache so far
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
+    mtp_fed: bool = False  # the MTP head sees its positions (its mode could draft with MTP when admitted)
     mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
     mtp_skip: int = 0  # of those, steps still to go without MTP
     counters: SpecCounters = field(default_factory=SpecCounters)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.native_model import DEFAULT_THREADS
 from tests.polling import async_wait_until
@@ -75,6 +75,40 @@ def test_consumer_going_away_frees_resources(engine, loop):
         return await async_wait_until(lambda: idle(engine), timeout_s=10)
 
     assert loop.run_until_complete(run())
+
+
+def test_only_a_request_that_may_draft_with_mtp_feeds_the_head(engine, loop, monkeypatch):
+    """The MTP head queues the hidden state of every position it is shown until a draft asks
+    for them (2.3 KB a position): a request that never drafts with it shows it none, nor does
+    one admitted while the server ran without it, once the server turns it on."""
+    fed = []
+    mtp = engine.core.mtp
+    real = mtp.observe
+    monkeypatch.setattr(mtp, "observe", lambda slot, hidden, next_tokens: fed.append(len(hidden))
+                        or real(slot, hidden, next_tokens))
+    prompt = chat_prompt(engine, POEM)
+    plain, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=24, mode="off")))
+    assert fed == []
+    for mode, feeds in (("sa", False), ("mtp", True), ("auto", True)):
+        fed.clear()
+        tokens, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=24, mode=mode)))
+        assert bool(fed) == feeds and tokens == plain, mode
+
+    async def turned_on_midway():
+        tokens = []
+        async for delta in engine.generate(request(prompt, max_tokens=24)):
+            tokens += delta.token_ids
+            if len(tokens) == 1:
+                engine.configure(SpeculationConfig(batch_gate=8))  # the fixture's: hybrid
+        return tokens
+
+    fed.clear()
+    engine.configure(SpeculationConfig(mode="sa", batch_gate=8))
+    try:
+        assert loop.run_until_complete(turned_on_midway()) == plain
+    finally:
+        engine.configure(SpeculationConfig(batch_gate=8))
+    assert fed == [] and engine.speculation.mode == "hybrid"
 
 
 def test_seeded_sampling_is_the_same_with_and_without_speculation(engine, loop):
