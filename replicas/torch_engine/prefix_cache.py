@@ -43,7 +43,7 @@ from typing import Sequence as Seq
 import torch
 from torch import Tensor
 
-from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCache, PagedKVCache
+from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCache, PagedKVCache, page_bytes
 
 BLOCK_TOKENS = PAGE_TOKENS  # a cached block is one page (one block of the native K layout)
 BUDGET_KEY = "prefix_cache_bytes"
@@ -142,8 +142,8 @@ class PrefixCache:
         """`cache`: the target's KV cache (its slots are what blocks come from and go to);
         `hidden_size` 0 keeps no hidden states (no MTP head). `budget_bytes` must hold the
         blocks of one full context window (`cache.max_seq_len`)."""
-        kv_bytes = 2 * cache.num_layers * cache.num_kv_heads * cache.head_dim * cache.k.element_size()
-        self.block_bytes = BLOCK_TOKENS * (kv_bytes + hidden_size * 4)
+        self.block_bytes = (page_bytes(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.k.element_size())
+                            + BLOCK_TOKENS * hidden_size * 4)
         self.num_blocks = budget_bytes // self.block_bytes
         need = -(-cache.max_seq_len // BLOCK_TOKENS)
         if self.num_blocks < need:
