@@ -5,7 +5,9 @@ accepted tokens per verify step (MAT) on code edits (answer start prefilled, see
 and open chat, at batch 1 and 8; MTP acceptance by draft position; the cost of a gated-off
 step against speculation disabled; llama.cpp's server on the same GGUF through `xllamacpp`
 (plain, `ngram_mod`, `ngram_map_k`; run in the bench venv by benchmarks/llamacpp_peer.py);
-and transformers' `generate`, plain and with prompt lookup (10 tokens). Every request
+and transformers' `generate`, plain and with prompt lookup (10 tokens). Hybrid with the
+measured draft rule (`adaptive_drafts`, the default) also runs against hybrid drafting all its
+rules allow (`hybrid_fixed`), at batch 1 and at batch 8 with the gate open. Every request
 decodes exactly `--max-tokens` (EOS ignored, as for llama.cpp). Writes
 benchmarks/results/engine.json, engine.png and engine.md (the side-by-side tables).
 
@@ -36,7 +38,13 @@ from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  
 from training.corpora import EDIT_PREFILL, SPEC_BENCH, code_edits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# The server settings each of our rows runs with. "hybrid_fixed" is hybrid drafting all the
+# rules allow (`adaptive_drafts` off, as before the measured draft rule); it runs beside
+# hybrid in a comparison of its own (ADAPTIVE_MODES), each of the two first on half the prompts.
+MODE_SETTINGS = {"off": {"mode": "off"}, "sa": {"mode": "sa"}, "mtp": {"mode": "mtp"}, "hybrid": {"mode": "hybrid"},
+                 "hybrid_fixed": {"mode": "hybrid", "adaptive_drafts": False}}
 MODES = ("off", "sa", "mtp", "hybrid")
+ADAPTIVE_MODES = ("hybrid", "hybrid_fixed")
 WORKLOADS = ("code_edit", "chat")
 
 
@@ -121,13 +129,14 @@ def summarize(results: list[dict], wall_s: float, e2e_wall_s: float) -> dict:
 
 
 def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_tokens: int, batch: int,
-                 open_gate: bool = False) -> dict:
+                 open_gate: bool = False, modes: tuple[str, ...] = MODES) -> dict:
     """Every mode on every workload; `open_gate` lifts the batch gate to `batch` (speculation
     in every step, to see what it would cost), else the shipped gate decides per step.
 
     Modes alternate per prompt group (off, sa, mtp, hybrid; then sa, mtp, hybrid, off ...),
-    so a slow spell of this shared machine, or whatever running after another mode costs,
-    falls on every mode alike rather than on whichever ran then.
+    so a slow spell of this shared machine, whatever running after another mode costs, and
+    the prefill a later run of a prompt finds in the prefix cache fall on every mode alike
+    rather than on whichever ran then. Greedy outputs are checked against the first mode's.
     """
     out, outputs = {}, {}
     base = engine.config.speculation
@@ -136,31 +145,31 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
     for workload, texts in prompts.items():
         # Batch 1 alternates over the prompts; a batch of 8 holds them all, so it runs twice.
         groups = [texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1 else [(texts * batch)[:batch]] * 2
-        walls, e2e_walls = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)
-        results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        mtp_counts = {mode: ([], []) for mode in MODES}  # (drafted, accepted) by draft position
+        walls, e2e_walls = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0)
+        results: dict[str, list[dict]] = {mode: [] for mode in modes}
+        mtp_counts = {mode: ([], []) for mode in modes}  # (drafted, accepted) by draft position
         for k, group in enumerate(groups):
-            for mode in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:  # each mode first in turn
-                engine.configure(dataclasses.replace(base, mode=mode, batch_gate=gate))
+            for mode in modes[k % len(modes):] + modes[:k % len(modes)]:  # each mode first in turn
+                engine.configure(dataclasses.replace(base, batch_gate=gate, **MODE_SETTINGS[mode]))
                 with mtp_by_position(core, *mtp_counts[mode]):
                     res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
                 # decode time of the group: first token of any request to the last token of all
                 walls[mode] += max(r["end_s"] for r in res) - min(r["first_s"] for r in res)
                 e2e_walls[mode] += max(r["end_s"] for r in res) - min(r["submit_s"] for r in res)
                 results[mode] += res
-        for mode in MODES:
+        for mode in modes:
             summary = summarize(results[mode], walls[mode], e2e_walls[mode])
             drafted, accepted = mtp_counts[mode]
             summary["mtp_accept_by_position"] = [round(a / d, 4) for a, d in zip(accepted, drafted) if d][:8]
             out[f"{workload}/{mode}"] = summary
             outputs[f"{workload}/{mode}"] = [r["tokens"] for r in results[mode]]
-            print(f"  batch {batch}{' gate open' if open_gate else ''} {workload:9s} {mode:6s} "
+            print(f"  batch {batch}{' gate open' if open_gate else ''} {workload:9s} {mode:12s} "
                   f"{summary['tokens_per_s']:7.2f} tok/s decode, {summary['e2e_tokens_per_s']:7.2f} end-to-end  "
                   f"MAT {summary['mat']:.2f}", flush=True)
     engine.configure(base)
     for workload in prompts:  # speculation must never change greedy output
-        ref = outputs[f"{workload}/off"]
-        out[f"{workload}/identical_to_off"] = all(outputs[f"{workload}/{m}"] == ref for m in MODES)
+        ref = outputs[f"{workload}/{modes[0]}"]
+        out[f"{workload}/identical_to_{modes[0]}"] = all(outputs[f"{workload}/{m}"] == ref for m in modes)
     return out
 
 
@@ -258,6 +267,13 @@ def markdown_table(result: dict) -> str:
             cells = [f"{v:.1f}" if v is not None else "-" for w in WORKLOADS for v in figures[w]]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += ["| hybrid, tokens/s (decode / end-to-end) | edits | chat |", "|---|---:|---:|"]
+    for batch, runs in result["adaptive"].items():
+        for mode, name in (("hybrid", "measured draft rule"), ("hybrid_fixed", "every draft its rules allow")):
+            cells = [f"{runs[f'{w}/{mode}']['tokens_per_s']:.1f} / {runs[f'{w}/{mode}']['e2e_tokens_per_s']:.1f}"
+                     for w in WORKLOADS]
+            lines.append(f"| {batch}, {name} | " + " | ".join(cells) + " |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -294,6 +310,11 @@ def compute_ratios(result: dict) -> dict[str, float]:
                 ours = result[batch][f"{workload}/{mode}"]
                 ratios[f"{batch}/{workload}/{mode}_vs_off"] = ours["tokens_per_s"] / off["tokens_per_s"]
                 ratios[f"{batch}/{workload}/{mode}_vs_off_e2e"] = ours["e2e_tokens_per_s"] / off["e2e_tokens_per_s"]
+        for batch, runs in result["adaptive"].items():
+            adaptive, fixed = runs[f"{workload}/hybrid"], runs[f"{workload}/hybrid_fixed"]
+            ratios[f"{batch}/{workload}/hybrid_vs_hybrid_fixed"] = adaptive["tokens_per_s"] / fixed["tokens_per_s"]
+            ratios[f"{batch}/{workload}/hybrid_vs_hybrid_fixed_e2e"] = (
+                adaptive["e2e_tokens_per_s"] / fixed["e2e_tokens_per_s"])
         b1 = result["batch1"]
         ratios[f"batch1/{workload}/hybrid_vs_hf_prompt_lookup"] = (
             b1[f"{workload}/hybrid"]["tokens_per_s"] / result["transformers"][f"{workload}/hf_prompt_lookup"]["tokens_per_s"])
@@ -335,6 +356,11 @@ def main() -> None:
     result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
     result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
     result["batch8_gate_open"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True)
+    print("hybrid, measured draft rule against every draft its rules allow:")
+    result["adaptive"] = {
+        "batch1": bench_engine(engine, loop, prompts, args.max_tokens, batch=1, modes=ADAPTIVE_MODES),
+        "batch8_gate_open": bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True,
+                                         modes=ADAPTIVE_MODES)}
     result["gated_step"] = bench_gated_step(engine, loop, prompts["chat"], args.max_tokens, args.repeats)
     loop.run_until_complete(engine.shutdown())
     print("transformers:")

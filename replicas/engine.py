@@ -79,6 +79,9 @@ class SpeculationConfig:
     batch_gate: Annotated[int, Field(ge=0)] = 4
     # draft the tokens a request's grammar forces (free, nearly always accepted; not gated)
     grammar_drafts: bool = True
+    # draft only where the measured acceptance and step times say it pays, and only as long
+    # (speculation.draft_length); False: every draft the rules above allow
+    adaptive_drafts: bool = True
 
     @classmethod
     def from_user_config(cls, user_config: Any) -> "SpeculationConfig":

@@ -8,6 +8,7 @@ Requests join and leave only between steps. Nothing here knows about asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -16,11 +17,11 @@ import torch
 
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
-from replicas.speculation.hybrid import (NO_DRAFT, DraftPlan, drafts_with_mtp, effective_settings, next_mtp_backoff,
-                                         plan_draft)
+from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, drafts_with_mtp, effective_settings, plan_draft
 from replicas.speculation.sampling import penalize_, position_uniforms, sampling_probs, token_logprobs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
+from replicas.torch_engine.draft_policy import DraftPolicy
 from replicas.torch_engine.kv_cache import KVCache, KVCacheFull, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
@@ -53,6 +54,7 @@ class EngineCore:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
+        self.drafts = DraftPolicy(mtp)  # the measured draft rules (`adaptive_drafts`)
         self.acceptance_ewma = Ewma()
         self.step_ms = Ewma()
         self.tokens_per_s = Ewma()
@@ -200,7 +202,7 @@ class EngineCore:
         else:
             self._emit(seq, new, logits)
 
-    def _plan(self, seq: Sequence, speculate: bool) -> tuple[DraftPlan, list[int]]:
+    def _plan(self, seq: Sequence, speculate: bool, batch: int) -> tuple[DraftPlan, list[int]]:
         cfg = self.speculation
         mode, max_draft_len = effective_settings(cfg, seq.speculation)
         room = self.cache.max_seq_len - seq.num_cached - 1  # KV positions left after the last token
@@ -213,7 +215,10 @@ class EngineCore:
         if plan.source == "grammar":
             return plan, forced[: plan.num_draft]
         if plan.source == "sa":
-            return plan, seq.sa_draft[: plan.num_draft]
+            num_draft = self.drafts.sa_draft_len(seq, plan.num_draft, batch) if cfg.adaptive_drafts else plan.num_draft
+            return (DraftPlan("sa", num_draft), seq.sa_draft[:num_draft]) if num_draft else (NO_DRAFT, [])
+        if plan.sa_fallback and cfg.adaptive_drafts:
+            plan = dataclasses.replace(plan, sa_fallback=self.drafts.sa_draft_len(seq, plan.sa_fallback, batch))
         return plan, []
 
     @staticmethod
@@ -227,7 +232,7 @@ class EngineCore:
     def _decode(self, seqs: list[Sequence]) -> None:
         self.suffix.settle()  # the last step's drafts
         speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
-        plans = [self._plan(s, speculate) for s in seqs]
+        plans = [self._plan(s, speculate, len(seqs)) for s in seqs]
         mtp_seqs = []
         for i, seq in enumerate(seqs):
             if plans[i][0].source != "mtp":
@@ -235,17 +240,27 @@ class EngineCore:
             if seq.mtp_skip:  # backing off after unfruitful proposals
                 seq.mtp_skip -= 1
                 plans[i] = self._sa_fallback(seq, plans[i][0])
-            else:
+            elif not self.speculation.adaptive_drafts or self.drafts.ask_mtp(seq, self._mode(seq), len(seqs)):
                 mtp_seqs.append((i, seq))
+            else:
+                plans[i] = self._sa_fallback(seq, plans[i][0])
         if mtp_seqs:
+            queued = sum(self.mtp.queued(s.slot) for _, s in mtp_seqs)
+            asked = time.perf_counter()
             proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs],
                                          self.mtp_min_confidence)
+            self.drafts.costs.observe_ask(len(seqs), len(mtp_seqs), queued, time.perf_counter() - asked)
             for (i, seq), draft in zip(mtp_seqs, proposals):
                 if draft:
                     plans[i] = (plans[i][0], list(draft))
                 else:  # the head is unsure
-                    self._mtp_outcome(seq, 0)
+                    self._mtp_outcome(seq, 0, 0)
                     plans[i] = self._sa_fallback(seq, plans[i][0])
+        if self.mtp is not None and self.speculation.adaptive_drafts:
+            asking = {seq.slot for _, seq in mtp_seqs}
+            for seq in seqs:
+                if seq.mtp_fed and seq.slot not in asking:
+                    self.drafts.bound_mtp_queue(seq, self._mode(seq), len(seqs))
         plans = [self._admitted(seq, *plan) for seq, plan in zip(seqs, plans)]
         seqs, plans = self._make_room(seqs, plans)
         if not seqs:
@@ -256,6 +271,7 @@ class EngineCore:
         for seq, (_, draft) in zip(seqs, plans):
             input_ids += [seq.last_token] + draft
             spans.append(SeqSpan(seq.slot, seq.num_cached, 1 + len(draft)))
+        started = time.perf_counter()
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), spans, self.cache)
         logits = self.model.logits(hidden)  # [N, V]
 
@@ -266,11 +282,12 @@ class EngineCore:
             try:
                 verdict = self._verify(seq, draft, logits[rows])
                 kept = 1 + verdict.num_accepted  # positions whose KV stays valid
+                self.drafts.observe_emitted(seq, verdict.tokens)
                 seq.num_cached += kept
                 self.cache.truncate(seq.slot, seq.num_cached)
                 if draft:
                     if plan.source == "mtp":
-                        self._mtp_outcome(seq, verdict.num_accepted)
+                        self._mtp_outcome(seq, len(draft), verdict.num_accepted)
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     self.acceptance_ewma.update(kept)
@@ -280,6 +297,7 @@ class EngineCore:
                 self._store_prefix(seq, hidden[rows][:kept])
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
+        self.drafts.costs.observe_step(len(seqs), len(input_ids), time.perf_counter() - started)
 
     def _make_room(self, seqs: list[Sequence], plans: list[tuple[DraftPlan, list[int]]]
                    ) -> tuple[list[Sequence], list[tuple[DraftPlan, list[int]]]]:
@@ -324,9 +342,12 @@ class EngineCore:
             return NO_DRAFT, []
         return DraftPlan("sa", plan.sa_fallback), seq.sa_draft[: plan.sa_fallback]
 
-    @staticmethod
-    def _mtp_outcome(seq: Sequence, num_accepted: int) -> None:
-        seq.mtp_backoff = seq.mtp_skip = next_mtp_backoff(seq.mtp_backoff, num_accepted)
+    def _mtp_outcome(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        self.drafts.mtp_outcome(seq, self._mode(seq), num_draft, num_accepted)
+
+    def _mode(self, seq: Sequence) -> str:
+        """The request's mode now: the server's setting as the request narrows it."""
+        return effective_settings(self.speculation, seq.speculation)[0]
 
     def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
         """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts),

@@ -154,7 +154,7 @@ class MTPDrafter:
     """Per-slot MTP state for the engine: observe accepted positions, propose greedy drafts.
 
     Protocol (slots are the engine's own ids in [0, max_slots)):
-      add(slot) when a request starts; remove(slot) when it ends.
+      add(slot) when a request starts; remove(slot) when it ends; forget(slot) drops its queue.
       observe(slot, hidden [n, d], next_tokens [n]) for every newly accepted target position,
         in order from position 0 (prompt included): the target's final-normed hidden state and
         the token that followed it (for the last position: the bonus token). Only queued.
@@ -212,6 +212,25 @@ class MTPDrafter:
         if n:
             self._pending[slot].append((hidden.clone(), next_tokens))
             self._queued[slot] += n
+
+    def queued(self, slot: int) -> int:
+        """Positions observed since the slot's last draft: the next one runs the head over them."""
+        return self._queued[self._require(slot)]
+
+    def forget(self, slot: int, keep: int = 0) -> None:
+        """Drop all but the last `keep` of the slot's queued positions unseen, with its pending
+        first draft: the head goes on as if they followed the last position it ran over. For a
+        request whose asks do not pay, so that its next ask (a probe) does not catch the head up
+        on a whole prompt or hundreds of SA-copied positions, nor the queue hold them (2.3 KB
+        each) meanwhile; its drafts are still only proposals."""
+        drop = self._queued[self._require(slot)] - keep
+        if drop <= 0:
+            return
+        hidden = torch.cat([h for h, _ in self._pending[slot]])[drop:]
+        tokens = torch.cat([t for _, t in self._pending[slot]])[drop:]
+        self._pending[slot] = [(hidden.clone(), tokens)] if keep else []
+        self._queued[slot] = keep
+        self._tail.pop(slot, None)  # its first draft follows a position the head no longer goes on from
 
     def propose(self, slots: Sequence[int], num_draft: Sequence[int], min_confidence: float = 0.0) -> list[list[int]]:
         """Greedy drafts (full-vocab ids) for each slot; a draft stops before any token whose

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob
+from replicas.speculation.draft_length import MtpYield, SaAcceptance
 from replicas.stats import SpecCounters
 
 if TYPE_CHECKING:
@@ -41,9 +42,11 @@ class Sequence:
     prefix_offered: int = 0  # whole blocks of the context offered to the cache so far
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
+    sa_acceptance: SaAcceptance = field(default_factory=SaAcceptance)  # its SA drafts', drafted or not
     mtp_fed: bool = False  # the MTP head sees its positions (its mode could draft with MTP when admitted)
     mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
     mtp_skip: int = 0  # of those, steps still to go without MTP
+    mtp_yield: MtpYield = field(default_factory=MtpYield)  # what its asks of the head drafted and had accepted
     counters: SpecCounters = field(default_factory=SpecCounters)
     finish_reason: FinishReason | None = None
     error: str | None = None

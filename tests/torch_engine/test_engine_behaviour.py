@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+from replicas.speculation.draft_length import StepCosts
+from replicas.speculation.hybrid import MTP_MAX_BACKOFF
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.native_model import DEFAULT_THREADS
 from tests.polling import async_wait_until
@@ -109,6 +111,41 @@ def test_only_a_request_that_may_draft_with_mtp_feeds_the_head(engine, loop, mon
     finally:
         engine.configure(SpeculationConfig(batch_gate=8))
     assert fed == [] and engine.speculation.mode == "hybrid"
+
+
+def test_drafts_that_cannot_pay_are_not_made(engine, loop, monkeypatch):
+    """Where a verify row is measured dearer than a plain step and an ask of the MTP head
+    dearer than the tokens it could save, no SA draft goes and the head is asked only every
+    MTP_MAX_BACKOFF steps (a probe), its queue dropped unseen; the output is unchanged. With
+    adaptive drafts off, the same request drafts as the rules allow."""
+    core = engine.core
+    prompt = chat_prompt(engine, "Repeat after me: the cat sat on the mat. The cat sat on the mat.")
+    plain, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode="off")))
+    asks, forgotten = [], []
+    propose, forget = core.mtp.propose, core.mtp.forget
+    monkeypatch.setattr(core.mtp, "propose", lambda slots, *a: asks.append(len(slots)) or propose(slots, *a))
+    monkeypatch.setattr(core.mtp, "forget", lambda slot, keep=0: forgotten.append(slot) or forget(slot, keep))
+    dear = StepCosts()
+    for _ in range(20):
+        dear.observe_step(1, 1, 0.010)
+        dear.observe_step(1, 9, 0.200)  # a row: 2.4 plain steps
+        dear.observe_ask(1, 1, 1, 0.050)  # an ask: 5 plain steps
+    monkeypatch.setattr(core.drafts, "costs", dear)
+
+    def run() -> tuple[list[int], int]:
+        sa_before = core.totals.draft_tokens["sa"]
+        tokens, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40)))
+        return tokens, core.totals.draft_tokens["sa"] - sa_before
+
+    tokens, sa_drafted = run()
+    assert tokens == plain and sa_drafted == 0
+    assert forgotten and len(asks) <= 40 // MTP_MAX_BACKOFF
+    engine.configure(SpeculationConfig(batch_gate=8, adaptive_drafts=False))
+    try:
+        tokens, sa_drafted = run()
+    finally:
+        engine.configure(SpeculationConfig(batch_gate=8))
+    assert tokens == plain and sa_drafted > 0
 
 
 def test_seeded_sampling_is_the_same_with_and_without_speculation(engine, loop):

@@ -123,6 +123,33 @@ def test_queue_keeps_its_rows_not_the_step(tiny):
     assert queued.propose([0], [4]) == pristine.propose([0], [4])
 
 
+def test_forget_keeps_the_last_positions_as_if_they_followed_the_last_one_seen(tiny):
+    """forget(slot, keep) drops all but the queue's last `keep` positions unseen: the head then
+    runs over those as it would had they been observed right after the positions it had seen,
+    and a queue forgotten whole drafts nothing until it is shown a position again."""
+    target, module, tokens, hidden = tiny
+    cut = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    gapless = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    for d in (cut, gapless):
+        d.add(0)
+        d.observe(0, hidden[:8], tokens[1:9])
+        d.propose([0], [2])  # the head runs over positions 0-7
+    cut.observe(0, hidden[8:20], tokens[9:21])
+    cut.observe(0, hidden[20:30], tokens[21:31])
+    assert cut.queued(0) == 22
+    cut.forget(0, keep=6)
+    assert cut.queued(0) == 6
+    gapless.observe(0, hidden[24:30], tokens[25:31])
+    assert cut.propose([0], [4]) == gapless.propose([0], [4])
+    cut.forget(0)  # nothing queued: the pending draft still follows the last position
+    assert len(cut.propose([0], [3])[0]) == 3
+    cut.observe(0, hidden[30:32], tokens[31:33])
+    cut.forget(0)
+    assert cut.queued(0) == 0 and cut.propose([0], [3]) == [[]]
+    cut.observe(0, hidden[32:34], tokens[33:35])
+    assert len(cut.propose([0], [3])[0]) == 3
+
+
 def test_batched_propose_equals_per_slot(tiny):
     target, module, tokens, hidden = tiny
     lengths, num_draft = {3: 9, 0: 20, 5: 33}, {3: 4, 0: 1, 5: 3}

@@ -1,0 +1,71 @@
+"""The engine's measured draft rules (`speculation.draft_length`): what it has learnt while
+serving, and the per-step decisions the core asks of it.
+
+It keeps every request's SA acceptance and MTP yield beside the engine's own (the prior a
+new request starts from; MTP's per mode, since hybrid asks the head only where the suffix
+automaton cannot draft), and what a verify row and an ask of the head cost on this machine.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+from replicas.speculation.draft_length import MtpYield, SaAcceptance, StepCosts, best_draft_len
+from replicas.speculation.hybrid import MTP_MAX_BACKOFF, next_mtp_backoff
+
+if TYPE_CHECKING:
+    from replicas.torch_engine.mtp import MTPDrafter
+    from replicas.torch_engine.sequence import Sequence
+
+# Positions of context a request whose MTP asks do not pay keeps queued for its next probe.
+MTP_PROBE_CONTEXT = 64
+
+
+class DraftPolicy:
+    """Draft lengths and MTP asks that pay, from the engine's own measurements."""
+
+    def __init__(self, mtp: MTPDrafter | None) -> None:
+        self.mtp = mtp
+        self.sa_acceptance = SaAcceptance()
+        self.mtp_yield: dict[str, MtpYield] = collections.defaultdict(MtpYield)
+        self.costs = StepCosts()
+
+    def sa_draft_len(self, seq: Sequence, limit: int, batch: int) -> int:
+        """How much of an SA draft of up to `limit` tokens pays in a step of `batch` requests."""
+        rate = seq.sa_acceptance.rate(seq.sa_match_len, self.sa_acceptance)
+        return best_draft_len(rate, self.costs.row(batch), limit, batch)
+
+    def ask_mtp(self, seq: Sequence, mode: str, batch: int) -> bool:
+        """Ask the head for the request's draft this step? Once an ask does not pay, the
+        request's queue is cut to its last MTP_PROBE_CONTEXT positions and it asks only every
+        MTP_MAX_BACKOFF steps (a probe), to see whether it pays again."""
+        if seq.mtp_backoff >= MTP_MAX_BACKOFF or self._mtp_pays(seq, mode, batch):
+            return True
+        seq.mtp_backoff = seq.mtp_skip = MTP_MAX_BACKOFF
+        self.mtp.forget(seq.slot, keep=MTP_PROBE_CONTEXT)
+        return False
+
+    def bound_mtp_queue(self, seq: Sequence, mode: str, batch: int) -> None:
+        """For a request that does not ask the head this step (an SA draft, a backoff, the gate
+        closed): keep a queue longer than MTP_PROBE_CONTEXT only while its asks would repay
+        catching up on it. The queue holds 2.3 KB a position, a whole prompt at first."""
+        if self.mtp.queued(seq.slot) > MTP_PROBE_CONTEXT and not self._mtp_pays(seq, mode, batch):
+            self.mtp.forget(seq.slot, keep=MTP_PROBE_CONTEXT)
+
+    def observe_emitted(self, seq: Sequence, emitted: list[int]) -> None:
+        """The tokens a step emitted for `seq`, against the SA draft it held (drafted or not)."""
+        for acceptance in (seq.sa_acceptance, self.sa_acceptance):
+            acceptance.observe(seq.sa_match_len, seq.sa_draft, emitted)
+
+    def mtp_outcome(self, seq: Sequence, mode: str, num_draft: int, num_accepted: int) -> None:
+        """An ask of the head for `seq` drafted `num_draft` tokens (0: it was unsure), of
+        which `num_accepted` were accepted."""
+        seq.mtp_backoff = seq.mtp_skip = next_mtp_backoff(seq.mtp_backoff, num_accepted)
+        for mtp_yield in (seq.mtp_yield, self.mtp_yield[mode]):
+            mtp_yield.add(num_draft, num_accepted)
+
+    def _mtp_pays(self, seq: Sequence, mode: str, batch: int) -> bool:
+        costs = self.costs
+        return seq.mtp_yield.pays(costs.row(batch), costs.ask(batch), costs.catch_up(batch, self.mtp.queued(seq.slot)),
+                                  seq.tokens_left, self.mtp_yield[mode])

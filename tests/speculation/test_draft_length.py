@@ -1,0 +1,120 @@
+"""The measured draft rules: the length that pays, acceptance counted on every step, costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from replicas.speculation.draft_length import (DEFAULT_ASK_COST, DEFAULT_POSITION_COST, DEFAULT_ROW_COST, PRIOR_RATE,
+                                               MtpYield, SaAcceptance, StepCosts, best_draft_len)
+
+
+def tokens_per_step_time(rate: float, row_cost: float, k: int, batch: int) -> float:
+    """The model best_draft_len optimises, written out: the batch's tokens (this request's draft
+    accepted token by token with probability `rate`) over the step's relative time."""
+    return (batch + sum(rate ** i for i in range(1, k + 1))) / (1.0 + row_cost * k)
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.2, 0.5, 0.8, 0.95])
+@pytest.mark.parametrize("row_cost", [0.05, 0.15, 0.4])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_best_draft_len_is_the_most_tokens_per_unit_of_time(rate, row_cost, batch):
+    k = best_draft_len(rate, row_cost, 16, batch)
+    values = [tokens_per_step_time(rate, row_cost, j, batch) for j in range(17)]
+    assert values[k] == pytest.approx(max(values))
+    assert 0 <= k <= 16
+
+
+def test_best_draft_len_drafts_nothing_that_cannot_pay_and_everything_that_is_free():
+    assert best_draft_len(0.0, 0.1, 16) == 0
+    assert best_draft_len(0.2, 0.3, 16) == 0  # a row costs more than the token it may save
+    assert best_draft_len(0.0, 0.0, 16) == 16  # rows are free: the rules' whole draft
+    assert best_draft_len(0.9, 0.1, 0) == 0
+
+
+def test_best_draft_len_grows_with_acceptance_and_shrinks_with_cost_and_batch():
+    by_rate = [best_draft_len(r / 20, 0.15, 16) for r in range(21)]
+    assert by_rate == sorted(by_rate) and by_rate[0] == 0 and by_rate[-1] == 16
+    by_cost = [best_draft_len(0.8, c / 20, 16) for c in range(1, 21)]
+    assert by_cost == sorted(by_cost, reverse=True) and by_cost[0] > by_cost[-1]
+    # the same row buys one request's tokens at batch 1, a quarter of four requests' at batch 4
+    assert best_draft_len(0.3, 0.15, 16, batch=1) > 0 == best_draft_len(0.3, 0.15, 16, batch=4)
+
+
+def test_sa_acceptance_counts_what_the_draft_would_have_had_accepted():
+    acc = SaAcceptance()
+    assert acc.rate(6) == PRIOR_RATE  # nothing seen: the prior
+    for _ in range(30):
+        acc.observe(6, [1, 2, 3, 4], [1, 2, 3, 4, 5][:2])  # a plain step emits 1, a verify more
+    assert acc.rate(6) > 0.9
+    for _ in range(30):
+        acc.observe(6, [1, 2, 3, 4], [1, 7])  # parts at the second token
+    parting = acc.rate(6)
+    assert 0.3 < parting < 0.7
+    for _ in range(60):
+        acc.observe(6, [1, 2, 3, 4], [9])
+    assert acc.rate(6) < min(0.2, parting)  # recent evidence outweighs the old
+
+
+def test_sa_acceptance_keeps_match_lengths_apart_and_ignores_steps_without_a_draft():
+    acc = SaAcceptance()
+    for _ in range(40):
+        acc.observe(2, [5, 6], [8])  # coincidental short matches
+        acc.observe(20, [5, 6, 7], [5, 6, 7])  # a copy
+        acc.observe(0, [5], [8])  # no match: no draft to judge
+        acc.observe(8, [], [8])
+    assert acc.rate(2) < 0.1 < 0.9 < acc.rate(20)
+    assert acc.rate(8) == PRIOR_RATE
+
+
+def test_a_request_leans_on_the_engines_acceptance_until_it_has_its_own():
+    engine, request = SaAcceptance(), SaAcceptance()
+    for _ in range(40):
+        engine.observe(4, [3], [4])
+    assert request.rate(4, engine) == engine.rate(4) < 0.1
+    for _ in range(40):
+        request.observe(4, [3], [3])
+    assert request.rate(4, engine) > 0.85
+
+
+def test_mtp_yield_pays_while_its_tokens_outweigh_its_rows_and_its_run():
+    fresh = MtpYield()
+    assert fresh.pays(DEFAULT_ROW_COST, DEFAULT_ASK_COST, 0.0, 128)  # unmeasured: the head gets its chance
+    good, unsure = MtpYield(), MtpYield()
+    for _ in range(30):
+        good.add(drafted=2, accepted=2)
+        unsure.add(drafted=0, accepted=0)
+    assert good.pays(0.15, 0.4, 0.0, 128) and not good.pays(0.15, 2.5, 0.0, 128)  # a run dearer than it saves
+    assert not unsure.pays(0.15, 0.1, 0.0, 128)
+    assert not MtpYield().pays(0.15, 0.2, 0.0, 128, prior=unsure)  # a new request starts from the engine's yield
+    assert MtpYield().pays(0.15, 0.2, 0.0, 128, prior=good)
+
+
+def test_mtp_catch_up_pays_only_if_the_asks_left_repay_it():
+    good = MtpYield()
+    for _ in range(30):
+        good.add(drafted=3, accepted=3)  # about 1.8 plain steps saved an ask, 3.6 tokens a step
+    assert good.pays(0.15, 0.4, catch_up=5.0, tokens_left=128)  # a prompt behind a long answer
+    assert not good.pays(0.15, 0.4, catch_up=5.0, tokens_left=8)  # ... behind an answer nearly done
+    assert not good.pays(0.15, 0.4, catch_up=100.0, tokens_left=128)
+
+
+def test_step_costs_measure_a_row_and_an_ask_against_a_plain_step():
+    costs = StepCosts()
+    assert costs.row(1) == DEFAULT_ROW_COST and costs.ask(1) == DEFAULT_ASK_COST
+    assert costs.catch_up(1, 100) == 100 * DEFAULT_POSITION_COST
+    costs.observe_step(1, 9, 0.020)  # no plain step yet to compare with
+    costs.observe_ask(1, 1, 2, 0.004)
+    assert costs.row(1) == DEFAULT_ROW_COST and costs.ask(1) == DEFAULT_ASK_COST
+    for _ in range(50):
+        costs.observe_step(1, 1, 0.010)
+        costs.observe_step(1, 9, 0.018)
+        costs.observe_ask(1, 1, 2, 0.004)  # a steady ask
+        costs.observe_ask(1, 1, 300, 0.010)  # a catch-up on 300 positions: 0.6 steps more
+        costs.observe_step(2, 2, 0.012)
+        costs.observe_ask(2, 2, 4, 0.006)
+    assert costs.row(1) == pytest.approx(0.1)
+    assert costs.ask(1) == pytest.approx(0.4) and costs.ask(2) == pytest.approx(0.25)
+    assert costs.catch_up(1, 100) == pytest.approx(100 * 0.002)
+    assert costs.row(2) == DEFAULT_ROW_COST  # batch 2 never drafted
+    costs.observe_step(3, 2, 0.01)  # fewer rows than requests: not a step
+    assert costs.row(3) == DEFAULT_ROW_COST
