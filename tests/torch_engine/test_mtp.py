@@ -104,15 +104,22 @@ def test_lazy_observe_equals_eager(tiny):
     assert de.confidences == pytest.approx(dl.confidences, rel=1e-4, abs=1e-5)
 
 
+def _two_drafters(tiny, seen: int) -> tuple[MTPDrafter, MTPDrafter]:
+    """Two one-slot drafters, each shown the first `seen` positions."""
+    target, module, tokens, hidden = tiny
+    drafters = MTPDrafter(module, target, max_slots=1, max_seq_len=64), MTPDrafter(module, target, max_slots=1,
+                                                                                  max_seq_len=64)
+    for d in drafters:
+        d.add(0)
+        d.observe(0, hidden[:seen], tokens[1:seen + 1])
+    return drafters
+
+
 def test_queue_keeps_its_rows_not_the_step(tiny):
     """A verify step's accepted rows view the whole step's hidden states: the queue copies
     them, so it neither keeps that tensor alive nor sees it change."""
-    target, module, tokens, hidden = tiny
-    pristine = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
-    queued = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
-    for d in (pristine, queued):
-        d.add(0)
-        d.observe(0, hidden[:10], tokens[1:11])
+    _, _, tokens, hidden = tiny
+    pristine, queued = _two_drafters(tiny, 10)
     pristine.observe(0, hidden[10:12].clone(), tokens[11:13])
     step = hidden[10:27].clone()  # a 17-row step, 2 rows accepted
     alive = weakref.ref(step)
@@ -127,12 +134,9 @@ def test_forget_keeps_the_last_positions_as_if_they_followed_the_last_one_seen(t
     """forget(slot, keep) drops all but the queue's last `keep` positions unseen: the head then
     runs over those as it would had they been observed right after the positions it had seen,
     and a queue forgotten whole drafts nothing until it is shown a position again."""
-    target, module, tokens, hidden = tiny
-    cut = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
-    gapless = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    _, _, tokens, hidden = tiny
+    cut, gapless = _two_drafters(tiny, 8)
     for d in (cut, gapless):
-        d.add(0)
-        d.observe(0, hidden[:8], tokens[1:9])
         d.propose([0], [2])  # the head runs over positions 0-7
     cut.observe(0, hidden[8:20], tokens[9:21])
     cut.observe(0, hidden[20:30], tokens[21:31])
