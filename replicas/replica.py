@@ -28,8 +28,8 @@ from replicas.engine import (
 )
 from replicas.speculation.gate import gate_open
 from replicas.stats import (
-    METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS,
-    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS,
+    METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
+    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_MTP_ASK_COST, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS,
     METRIC_PREFIX_PROMPT_TOKENS, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
 )
 
@@ -74,6 +74,10 @@ class _Metrics:
         }
         self._last_totals = dict.fromkeys(self.totals, 0)
         self.prefix_blocks = metrics.Gauge(METRIC_PREFIX_BLOCKS, "blocks held by the prefix cache")
+        self.costs = {
+            "draft_row_cost": metrics.Gauge(METRIC_DRAFT_ROW_COST, "an extra verify row, in plain steps (measured)"),
+            "mtp_ask_cost": metrics.Gauge(METRIC_MTP_ASK_COST, "an ask of the MTP head, in plain steps (measured)"),
+        }
 
     def refresh(self, stats: EngineStats) -> None:
         for source in SOURCES:
@@ -84,6 +88,8 @@ class _Metrics:
         for name, counter in self.totals.items():
             self._last_totals[name] = _follow(counter, getattr(stats, name), self._last_totals[name])
         self.prefix_blocks.set(stats.prefix_cached_blocks)
+        for name, gauge in self.costs.items():
+            gauge.set(getattr(stats, name))
         self.batch.set(stats.batch_size)
         # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch
         self.gate_open.set(1.0 if gate_open(stats.batch_size, stats.batch_gate, stats.speculating) else 0.0)

@@ -48,6 +48,9 @@ METRIC_PREFIX_PROMPT_TOKENS = "prefix_cache_prompt_tokens_total"
 METRIC_PREFIX_BLOCKS = "prefix_cache_blocks"  # gauge: blocks held
 METRIC_PREFIX_EVICTIONS = "prefix_cache_evicted_blocks_total"
 METRIC_KV_PREEMPTIONS = "engine_kv_preemptions_total"
+# gauges: what the measured draft rule (speculation.draft_length) weighs drafts against
+METRIC_DRAFT_ROW_COST = "spec_draft_row_cost"
+METRIC_MTP_ASK_COST = "spec_mtp_ask_cost"
 
 
 def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:
@@ -127,6 +130,10 @@ class EngineStats:
     prefix_evicted_blocks: int = 0
     # Running requests sent back to the queue for want of KV pages (the paged cache; a total).
     kv_preemptions: int = 0
+    # At the current batch size, as fractions of a plain step: an extra verify row, and an ask
+    # of the MTP head (its catching up aside). 0 where the engine does not measure them.
+    draft_row_cost: float = 0.0
+    mtp_ask_cost: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -416,6 +416,8 @@ class EngineCore:
             step_ms=self.step_ms.value,
             tokens_per_s=self.tokens_per_s.value,
             kv_preemptions=self.preemptions,
+            draft_row_cost=self.drafts.costs.row(max(1, len(self.running))),
+            mtp_ask_cost=self.drafts.costs.ask(max(1, len(self.running))) if self.mtp is not None else 0.0,
             **(self._prefix_stats() if self.prefix is not None else {}),
         )
 

@@ -140,6 +140,8 @@ def test_drafts_that_cannot_pay_are_not_made(engine, loop, monkeypatch):
     tokens, sa_drafted = run()
     assert tokens == plain and sa_drafted == 0
     assert forgotten and len(asks) <= 40 // MTP_MAX_BACKOFF
+    stats = core.stats()  # idle: batch 1's costs, what the Replica's gauges show
+    assert (stats.draft_row_cost, stats.mtp_ask_cost) == (dear.row(1), dear.ask(1)) and dear.row(1) > 2
     engine.configure(SpeculationConfig(batch_gate=8, adaptive_drafts=False))
     try:
         tokens, sa_drafted = run()
