@@ -87,11 +87,9 @@ class _Rate:
     rejected: float = 0.0
 
     def add(self, accepted: int, rejected: bool) -> None:
-        for _ in range(accepted + rejected):
-            self.accepted *= _DECAY
-            self.rejected *= _DECAY
-        self.accepted += accepted
-        self.rejected += rejected
+        decay = _DECAY ** (accepted + rejected)  # once per token judged
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + rejected
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
