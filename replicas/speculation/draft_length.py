@@ -124,13 +124,15 @@ class SaAcceptance:
 @dataclass
 class MtpYield:
     """Per ask of the MTP head (decayed): the tokens it drafted and had accepted (an unsure
-    head drafts none)."""
+    head drafts none); `made` counts the asks, undecayed."""
 
     asks: float = 0.0
     drafted: float = 0.0
     accepted: float = 0.0
+    made: int = 0
 
     def add(self, drafted: int, accepted: int) -> None:
+        self.made += 1
         self.asks = self.asks * _DECAY + 1.0
         self.drafted = self.drafted * _DECAY + drafted
         self.accepted = self.accepted * _DECAY + accepted

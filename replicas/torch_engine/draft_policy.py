@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 
 # Positions of context a request whose MTP asks do not pay keeps queued for its next probe.
 MTP_PROBE_CONTEXT = 64
+# A request's first asks of the head go whatever the engine has seen: how much of the head's
+# draft is accepted is the request's own (most of it on a copy-like edit, almost none on an
+# open question), and its first ask after the prompt is often unsure (seen on every edit and
+# chat prompt of the benchmark).
+MTP_OWN_ASKS = 2
 
 
 class DraftPolicy:
@@ -39,11 +44,14 @@ class DraftPolicy:
     def ask_mtp(self, seq: Sequence, mode: str, batch: int) -> bool:
         """Ask the head for the request's draft this step? Once an ask does not pay, the
         request's queue is cut to its last MTP_PROBE_CONTEXT positions and it asks only every
-        MTP_MAX_BACKOFF steps (a probe), to see whether it pays again."""
+        MTP_MAX_BACKOFF steps (a probe), to see whether it pays again. Its first MTP_OWN_ASKS
+        asks go all the same, on a queue cut as for a probe."""
         if seq.mtp_backoff >= MTP_MAX_BACKOFF or self._mtp_pays(seq, mode, batch):
             return True
-        seq.mtp_backoff = seq.mtp_skip = MTP_MAX_BACKOFF
         self.mtp.forget(seq.slot, keep=MTP_PROBE_CONTEXT)
+        if seq.mtp_yield.made < MTP_OWN_ASKS:
+            return True
+        seq.mtp_backoff = seq.mtp_skip = MTP_MAX_BACKOFF
         return False
 
     def bound_mtp_queue(self, seq: Sequence, mode: str, batch: int) -> None:

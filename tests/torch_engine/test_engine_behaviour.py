@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import pytest
 import torch
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
-from replicas.speculation.draft_length import StepCosts
+from replicas.speculation.draft_length import MtpYield, StepCosts
 from replicas.speculation.hybrid import MTP_MAX_BACKOFF
+from replicas.torch_engine.draft_policy import MTP_OWN_ASKS
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.native_model import DEFAULT_THREADS
 from tests.polling import async_wait_until
@@ -115,9 +117,10 @@ def test_only_a_request_that_may_draft_with_mtp_feeds_the_head(engine, loop, mon
 
 def test_drafts_that_cannot_pay_are_not_made(engine, loop, monkeypatch):
     """Where a verify row is measured dearer than a plain step and an ask of the MTP head
-    dearer than the tokens it could save, no SA draft goes and the head is asked only every
-    MTP_MAX_BACKOFF steps (a probe), its queue dropped unseen; the output is unchanged. With
-    adaptive drafts off, the same request drafts as the rules allow."""
+    dearer than the tokens it could save, no SA draft goes and, after the request's own first
+    asks, the head is asked only every MTP_MAX_BACKOFF steps (a probe), its queue dropped
+    unseen; the output is unchanged. With adaptive drafts off, the same request drafts as the
+    rules allow."""
     core = engine.core
     prompt = chat_prompt(engine, "Repeat after me: the cat sat on the mat. The cat sat on the mat.")
     plain, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode="off")))
@@ -139,7 +142,7 @@ def test_drafts_that_cannot_pay_are_not_made(engine, loop, monkeypatch):
 
     tokens, sa_drafted = run()
     assert tokens == plain and sa_drafted == 0
-    assert forgotten and len(asks) <= 40 // MTP_MAX_BACKOFF
+    assert forgotten and len(asks) <= MTP_OWN_ASKS + 40 // MTP_MAX_BACKOFF
     stats = core.stats()  # idle: batch 1's costs, what the Replica's gauges show
     assert (stats.draft_row_cost, stats.mtp_ask_cost) == (dear.row(1), dear.ask(1)) and dear.row(1) > 2
     engine.configure(SpeculationConfig(batch_gate=8, adaptive_drafts=False))
@@ -148,6 +151,22 @@ def test_drafts_that_cannot_pay_are_not_made(engine, loop, monkeypatch):
     finally:
         engine.configure(SpeculationConfig(batch_gate=8))
     assert tokens == plain and sa_drafted > 0
+
+
+def test_a_request_judges_the_head_by_its_own_first_asks(engine, loop, monkeypatch):
+    """However little the head has yielded for earlier requests, a new request asks it
+    MTP_OWN_ASKS times before the rule judges (a copy-like edit has most of a draft accepted
+    where an open question has none): within fewer steps than a probe's backoff, it is asked."""
+    core = engine.core
+    prompt = chat_prompt(engine, "Repeat after me: the cat sat on the mat. The cat sat on the mat.")
+    plain, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=12, mode="off")))
+    asks = []
+    propose = core.mtp.propose
+    monkeypatch.setattr(core.mtp, "propose", lambda slots, *a: asks.append(len(slots)) or propose(slots, *a))
+    poor = collections.defaultdict(MtpYield, mtp=MtpYield(asks=50.0))  # 50 asks, nothing drafted
+    monkeypatch.setattr(core.drafts, "mtp_yield", poor)
+    tokens, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=12, mode="mtp")))
+    assert tokens == plain and len(asks) >= MTP_OWN_ASKS
 
 
 def test_seeded_sampling_is_the_same_with_and_without_speculation(engine, loop):
