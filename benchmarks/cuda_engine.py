@@ -6,8 +6,10 @@ tokens/s with speculation off / SA / MTP / hybrid (SmolLM2-135M, the row-invaria
    device figure is feed to settle (upload, kernel, download, wait) on an idle stream, the
    most it can cost; in the engine the host detokenises while it runs.
 2. The engine through `benchmarks/engine.py`'s harness (same prompts, modes alternating), at
-   batch 1 and 8, no cross-request pool: decode and end-to-end tokens/s, acceptance, and
-   whether every mode's tokens equal speculation off.
+   batch 1 and 8 (the shipped gate, then held open), no cross-request pool: decode and
+   end-to-end tokens/s, acceptance, and whether every mode's tokens equal speculation off.
+3. Hybrid with the measured draft rule (`adaptive_drafts`, the default) against hybrid drafting
+   everything its rules allow, at batch 1 and at batch 8 with the gate held open.
 
 Writes benchmarks/results/cuda_engine.json, .png and .md. Needs a CUDA GPU and `make native`
 built with nvcc.
@@ -30,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import MODES, WORKLOADS, bench_engine, workloads  # noqa: E402
+from benchmarks.engine import ADAPTIVE_MODES, MODES, WORKLOADS, bench_engine, workloads  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
@@ -38,6 +40,7 @@ from replicas.torch_engine.suffix_drafts import DeviceSuffixDrafts, HostSuffixDr
 
 ROOT = Path(__file__).resolve().parents[1]
 FED_PER_ROW, DRAFT_LEN = 4, 8
+BATCHES = ("batch1", "batch8", "batch8_gate_open")
 
 
 @dataclasses.dataclass
@@ -94,16 +97,22 @@ def markdown(result: dict) -> str:
              "| SA update per step | host pool ms | device ms | device / host |", "|---|---:|---:|---:|"]
     for batch, f in result["sa_update"].items():
         lines.append(f"| {batch} | {f['host']['step_ms']:.3f} | {f['device']['step_ms']:.3f} | {f['device_vs_host']:.2f} |")
-    for batch in ("batch1", "batch8"):
-        lines += ["", f"| {batch}, tokens/s | edit decode | edit e2e | edit MAT | chat decode | chat e2e | chat MAT |",
+    lines += ["", "| measured draft costs, plain steps | a verify row | an ask of the MTP head | a queued position |",
+              "|---|---:|---:|---:|"]
+    lines += [f"| {batch} | {c['row']:.3f} | {c['ask']:.3f} | {c['position']:.4f} |" for batch, c in result["measured_costs"].items()]
+    tables = [(batch, result[batch], MODES) for batch in BATCHES]
+    tables += [(f"{batch}, hybrid", runs, ADAPTIVE_MODES) for batch, runs in result["adaptive"].items()]
+    for title, runs, modes in tables:
+        lines += ["", f"| {title}, tokens/s | edit decode | edit e2e | edit MAT | chat decode | chat e2e | chat MAT |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
-        for mode in MODES:
+        for mode in modes:
             cells = []
             for w in WORKLOADS:
-                f = result[batch][f"{w}/{mode}"]
+                f = runs[f"{w}/{mode}"]
                 cells += [f"{f['tokens_per_s']:.1f}", f"{f['e2e_tokens_per_s']:.1f}", f"{f['mat']:.2f}"]
             lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-        lines.append("identical to off: " + ", ".join(f"{w} {result[batch][f'{w}/identical_to_off']}" for w in WORKLOADS))
+        lines.append(f"identical to {modes[0]}: "
+                     + ", ".join(f"{w} {runs[f'{w}/identical_to_{modes[0]}']}" for w in WORKLOADS))
     return "\n".join(lines)
 
 
@@ -113,8 +122,8 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, batch in zip(axes, ("batch1", "batch8")):
+    fig, axes = plt.subplots(1, len(BATCHES), figsize=(6 * len(BATCHES), 4.5))
+    for ax, batch in zip(axes, BATCHES):
         for j, workload in enumerate(WORKLOADS):
             values = [result[batch][f"{workload}/{mode}"]["tokens_per_s"] for mode in MODES]
             ax.bar([i + 0.4 * j for i in range(len(MODES))], values, width=0.4, label=workload)
@@ -145,12 +154,23 @@ def main() -> None:
               "speculation": dataclasses.asdict(engine.config.speculation)}
     result["sa_update"] = bench_sa_update(engine.tokenizer, prompts["code_edit"])
     bench_engine(engine, loop, {w: p[:1] for w, p in prompts.items()}, 16, batch=1)  # warm-up: allocator, kernels
-    for batch in (1, 8):
-        result[f"batch{batch}"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=batch)
+    result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
+    result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
+    result["batch8_gate_open"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True)
+    print("hybrid, measured draft rule against every draft its rules allow:")
+    result["adaptive"] = {
+        "batch1": bench_engine(engine, loop, prompts, args.max_tokens, batch=1, modes=ADAPTIVE_MODES),
+        "batch8_gate_open": bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True,
+                                         modes=ADAPTIVE_MODES)}
+    costs = engine.core.drafts.costs  # what the measured draft rule weighed drafts against, in plain steps
+    result["measured_costs"] = {f"batch{b}": {"row": costs.row(b), "ask": costs.ask(b), "position": costs.catch_up(b, 1)}
+                                for b in (1, 8)}
     loop.run_until_complete(engine.shutdown())
-    result["ratios"] = {f"batch{b}/{w}/{m}_vs_off": result[f"batch{b}"][f"{w}/{m}"]["tokens_per_s"]
-                        / result[f"batch{b}"][f"{w}/off"]["tokens_per_s"]
-                        for b in (1, 8) for w in WORKLOADS for m in MODES[1:]}
+    result["ratios"] = {f"{b}/{w}/{m}_vs_off": result[b][f"{w}/{m}"]["tokens_per_s"] / result[b][f"{w}/off"]["tokens_per_s"]
+                        for b in BATCHES for w in WORKLOADS for m in MODES[1:]}
+    result["ratios"] |= {f"{b}/{w}/hybrid_vs_hybrid_fixed": runs[f"{w}/hybrid"]["tokens_per_s"]
+                         / runs[f"{w}/hybrid_fixed"]["tokens_per_s"]
+                         for b, runs in result["adaptive"].items() for w in WORKLOADS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
