@@ -29,8 +29,9 @@ from replicas.engine import (
 from replicas.speculation.gate import gate_open
 from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
-    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_MTP_ASK_COST, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS,
-    METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS, METRIC_TPOT, METRIC_TTFT, SOURCES, EngineStats,
+    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST, METRIC_PREFIX_BLOCKS,
+    METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS, METRIC_SA_ACCEPTANCE, METRIC_TPOT,
+    METRIC_TTFT, SOURCES, EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,15 @@ class _Metrics:
         }
         self._last_totals = dict.fromkeys(self.totals, 0)
         self.prefix_blocks = metrics.Gauge(METRIC_PREFIX_BLOCKS, "blocks held by the prefix cache")
-        self.costs = {
+        # what the measured draft rule weighs: the costs, and what drafts have yielded
+        self.draft_rule = {
             "draft_row_cost": metrics.Gauge(METRIC_DRAFT_ROW_COST, "an extra verify row, in plain steps (measured)"),
             "mtp_ask_cost": metrics.Gauge(METRIC_MTP_ASK_COST, "an ask of the MTP head, in plain steps (measured)"),
+            "mtp_accepted_per_ask": metrics.Gauge(METRIC_MTP_ACCEPTED_PER_ASK,
+                                                  "draft tokens accepted per ask of the MTP head (measured)"),
         }
+        self.sa_acceptance = metrics.Gauge(METRIC_SA_ACCEPTANCE, "chance an SA draft token is accepted, by match length "
+                                           "(measured)", tag_keys=("match_len",))
 
     def refresh(self, stats: EngineStats) -> None:
         for source in SOURCES:
@@ -88,8 +94,10 @@ class _Metrics:
         for name, counter in self.totals.items():
             self._last_totals[name] = _follow(counter, getattr(stats, name), self._last_totals[name])
         self.prefix_blocks.set(stats.prefix_cached_blocks)
-        for name, gauge in self.costs.items():
+        for name, gauge in self.draft_rule.items():
             gauge.set(getattr(stats, name))
+        for match_len, rate in stats.sa_acceptance.items():
+            self.sa_acceptance.set(rate, tags={"match_len": match_len})
         self.batch.set(stats.batch_size)
         # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch
         self.gate_open.set(1.0 if gate_open(stats.batch_size, stats.batch_gate, stats.speculating) else 0.0)

@@ -51,6 +51,9 @@ METRIC_KV_PREEMPTIONS = "engine_kv_preemptions_total"
 # gauges: what the measured draft rule (speculation.draft_length) weighs drafts against
 METRIC_DRAFT_ROW_COST = "spec_draft_row_cost"
 METRIC_MTP_ASK_COST = "spec_mtp_ask_cost"
+# gauges: what it has measured drafts to yield
+METRIC_SA_ACCEPTANCE = "spec_sa_acceptance"  # by match_len
+METRIC_MTP_ACCEPTED_PER_ASK = "spec_mtp_accepted_per_ask"
 
 
 def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:
@@ -134,6 +137,11 @@ class EngineStats:
     # of the MTP head (its catching up aside). 0 where the engine does not measure them.
     draft_row_cost: float = 0.0
     mtp_ask_cost: float = 0.0
+    # What drafts have yielded: per SA draft token, the chance it is accepted (the ones before
+    # it having been), by the match length the SA drafted at (draft_length.MATCH_LEN_BUCKETS);
+    # per ask of the MTP head, the tokens accepted. Empty / 0 where the engine does not measure.
+    sa_acceptance: dict[str, float] = field(default_factory=dict)
+    mtp_accepted_per_ask: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -150,4 +158,6 @@ class EngineStats:
         for source in SOURCES:
             flat[f"draft_tokens_{source}"] = float(self.draft_tokens.get(source, 0))
             flat[f"accepted_tokens_{source}"] = float(self.accepted_tokens.get(source, 0))
+        for match_len, rate in self.sa_acceptance.items():
+            flat[f"sa_acceptance_{match_len}"] = rate
         return flat

@@ -34,7 +34,7 @@ def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
 
     `extra_env` reaches the raylet (through this process's environment, restored when the
     cluster is torn down, so one module's settings never leak into the next cluster) and
-    every worker.
+    every worker. Its Prometheus metrics are at `metrics_url()`, reported every second.
     """
     env = {"RAY_AUTH_MODE": "disabled", **(extra_env or {})}
     with mock.patch.dict(os.environ, env):
@@ -42,7 +42,8 @@ def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
         from ray import serve
 
         ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": _worker_env(env)},
-                 log_to_driver=False)
+                 log_to_driver=False, _metrics_export_port=free_port(),
+                 _system_config={"metrics_report_interval_ms": 1000})
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -50,6 +51,14 @@ def local_serve(extra_env: dict[str, str] | None = None) -> Iterator[str]:
         finally:
             serve.shutdown()
             ray.shutdown()
+
+
+def metrics_url() -> str:
+    """The Prometheus endpoint of the running cluster's head node."""
+    import ray
+
+    head = next(node for node in ray.nodes() if node["Alive"] and node.get("MetricsExportPort"))
+    return f"http://127.0.0.1:{head['MetricsExportPort']}/metrics"
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 # Match-length buckets: acceptance climbs steeply with the match (a 2-token match is often
 # coincidence, a 16-token one is a copy), so each bucket keeps its own count.
 _BUCKET_STARTS = (1, 3, 5, 9, 17)
+MATCH_LEN_BUCKETS = tuple(f"{a}-{b - 1}" for a, b in zip(_BUCKET_STARTS, _BUCKET_STARTS[1:])) + (f"{_BUCKET_STARTS[-1]}+",)
 # Counts decay by this much per observation: about the last 30 tokens of evidence decide.
 _DECAY = 0.97
 # A request's own counts are blended with the engine's as if the engine's rate were this
@@ -119,6 +120,10 @@ class SaAcceptance:
         b = _bucket(max(1, match_len))
         base = prior.rate(match_len) if prior is not None else PRIOR_RATE
         return self.buckets[b].rate(base, _PRIOR_WEIGHT)
+
+    def rates(self) -> dict[str, float]:
+        """The rate in each match-length bucket (MATCH_LEN_BUCKETS), as `rate` gives it."""
+        return {label: self.rate(start) for label, start in zip(MATCH_LEN_BUCKETS, _BUCKET_STARTS)}
 
 
 @dataclass

@@ -418,6 +418,8 @@ class EngineCore:
             kv_preemptions=self.preemptions,
             draft_row_cost=self.drafts.costs.row(max(1, len(self.running))),
             mtp_ask_cost=self.drafts.costs.ask(max(1, len(self.running))) if self.mtp is not None else 0.0,
+            sa_acceptance=self.drafts.sa_acceptance.rates(),
+            mtp_accepted_per_ask=self.drafts.mtp_accepted_per_ask(),
             **(self._prefix_stats() if self.prefix is not None else {}),
         )
 

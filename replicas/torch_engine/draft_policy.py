@@ -73,6 +73,11 @@ class DraftPolicy:
         for mtp_yield in (seq.mtp_yield, self.mtp_yield[mode]):
             mtp_yield.add(num_draft, num_accepted)
 
+    def mtp_accepted_per_ask(self) -> float:
+        """Draft tokens accepted per ask of the head, over every mode's asks (decayed)."""
+        asks = sum(y.asks for y in self.mtp_yield.values())
+        return sum(y.accepted for y in self.mtp_yield.values()) / asks if asks else 0.0
+
     def _mtp_pays(self, seq: Sequence, mode: str, batch: int) -> bool:
         costs = self.costs
         return seq.mtp_yield.pays(costs.row(batch), costs.ask(batch), costs.catch_up(batch, self.mtp.queued(seq.slot)),

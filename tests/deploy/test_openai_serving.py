@@ -4,6 +4,7 @@ Serve's config path, driven over HTTP with the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -11,8 +12,9 @@ import openai
 import pytest
 
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+from replicas.speculation.draft_length import MATCH_LEN_BUCKETS
 from tests.polling import wait_until
-from tests.serve_support import APP, deploy_config, embedded_config as serving_config
+from tests.serve_support import APP, deploy_config, embedded_config as serving_config, metrics_url
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
 
@@ -122,6 +124,28 @@ def test_usage_reports_speculation_and_the_request_can_turn_it_off(client):
                                     extra_body={"speculation": {"mode": "off"}})
     assert off.usage.model_extra["speculation"]["steps"] == 0
     assert off.choices[0].text == spec.choices[0].text  # greedy speculation is exact
+
+
+def test_the_replica_exports_what_the_draft_rule_measured(client):
+    """Prometheus has the measured draft rule's view of each Replica: the costs it weighs and
+    what SA drafts (by match length) and MTP asks have yielded (this deployment has no MTP
+    head: its gauges read 0)."""
+    client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=32, temperature=0)
+    gauges = {}
+
+    def scraped() -> bool:
+        text = httpx.get(metrics_url(), timeout=10).text
+        for name, labels, value in re.findall(r"^ray_(spec_\w+?)(\{[^}]*\})? (\S+)$", text, re.M):
+            match_len = re.search(r'match_len="([^"]+)"', labels)
+            gauges[(name, match_len.group(1) if match_len else None)] = float(value)
+        return all((name, None) in gauges for name in ("spec_draft_row_cost", "spec_mtp_ask_cost",
+                                                         "spec_mtp_accepted_per_ask"))
+
+    assert wait_until(scraped, timeout_s=60, interval_s=1), sorted(gauges)
+    sa = {match_len: v for (name, match_len), v in gauges.items() if name == "spec_sa_acceptance"}
+    assert set(sa) == set(MATCH_LEN_BUCKETS) and all(0 < v < 1 for v in sa.values()), sa
+    assert gauges[("spec_draft_row_cost", None)] > 0
+    assert gauges[("spec_mtp_ask_cost", None)] == gauges[("spec_mtp_accepted_per_ask", None)] == 0
 
 
 def test_a_repeated_conversation_reports_its_cached_prompt_tokens(client):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.speculation.draft_length import (DEFAULT_ASK_COST, DEFAULT_POSITION_COST, DEFAULT_ROW_COST, PRIOR_RATE,
-                                               MtpYield, SaAcceptance, StepCosts, best_draft_len)
+from replicas.speculation.draft_length import (DEFAULT_ASK_COST, DEFAULT_POSITION_COST, DEFAULT_ROW_COST,
+                                               MATCH_LEN_BUCKETS, PRIOR_RATE, MtpYield, SaAcceptance, StepCosts,
+                                               best_draft_len)
+from replicas.torch_engine.draft_policy import DraftPolicy
 
 
 def tokens_per_step_time(rate: float, row_cost: float, k: int, batch: int) -> float:
@@ -64,6 +66,24 @@ def test_sa_acceptance_keeps_match_lengths_apart_and_ignores_steps_without_a_dra
         acc.observe(8, [], [8])
     assert acc.rate(2) < 0.1 < 0.9 < acc.rate(20)
     assert acc.rate(8) == PRIOR_RATE
+
+
+def test_the_exported_rates_name_each_match_length_bucket():
+    acceptance = SaAcceptance()
+    for _ in range(20):
+        acceptance.observe(20, [1, 2, 3, 4], [1, 2, 3, 9])  # at a 20-token match: 3 accepted, then parted
+    rates = acceptance.rates()
+    assert tuple(rates) == MATCH_LEN_BUCKETS == ("1-2", "3-4", "5-8", "9-16", "17+")
+    assert rates["17+"] == acceptance.rate(17) == acceptance.rate(40) > PRIOR_RATE
+    assert rates["1-2"] == rates["9-16"] == PRIOR_RATE  # nothing seen there
+
+
+def test_the_exported_mtp_yield_weighs_every_modes_asks():
+    policy = DraftPolicy(mtp=None)
+    assert policy.mtp_accepted_per_ask() == 0.0
+    policy.mtp_yield["mtp"].add(4, 3)
+    policy.mtp_yield["hybrid"].add(2, 0)
+    assert policy.mtp_accepted_per_ask() == 1.5
 
 
 def test_a_request_leans_on_the_engines_acceptance_until_it_has_its_own():
