@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import ADAPTIVE_MODES, MODES, WORKLOADS, bench_engine, workloads  # noqa: E402
+from benchmarks.engine import ADAPTIVE_MODES, MODES, WORKLOADS, bench_engine, bench_modes, workloads  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
@@ -154,17 +154,7 @@ def main() -> None:
               "speculation": dataclasses.asdict(engine.config.speculation)}
     result["sa_update"] = bench_sa_update(engine.tokenizer, prompts["code_edit"])
     bench_engine(engine, loop, {w: p[:1] for w, p in prompts.items()}, 16, batch=1)  # warm-up: allocator, kernels
-    result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
-    result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
-    result["batch8_gate_open"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True)
-    print("hybrid, measured draft rule against every draft its rules allow:")
-    result["adaptive"] = {
-        "batch1": bench_engine(engine, loop, prompts, args.max_tokens, batch=1, modes=ADAPTIVE_MODES),
-        "batch8_gate_open": bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True,
-                                         modes=ADAPTIVE_MODES)}
-    costs = engine.core.drafts.costs  # what the measured draft rule weighed drafts against, in plain steps
-    result["measured_costs"] = {f"batch{b}": {"row": costs.row(b), "ask": costs.ask(b), "position": costs.catch_up(b, 1)}
-                                for b in (1, 8)}
+    result |= bench_modes(engine, loop, prompts, args.max_tokens)
     loop.run_until_complete(engine.shutdown())
     result["ratios"] = {f"{b}/{w}/{m}_vs_off": result[b][f"{w}/{m}"]["tokens_per_s"] / result[b][f"{w}/off"]["tokens_per_s"]
                         for b in BATCHES for w in WORKLOADS for m in MODES[1:]}

@@ -128,6 +128,24 @@ def summarize(results: list[dict], wall_s: float, e2e_wall_s: float) -> dict:
     }
 
 
+def bench_modes(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_tokens: int) -> dict:
+    """Every mode at batch 1 and 8 (the shipped gate, then held open); then hybrid with the
+    measured draft rule against hybrid drafting all its rules allow, at batch 1 and 8 (gate
+    held open); and the costs the rule measured meanwhile, in plain steps."""
+    out = {"batch1": bench_engine(engine, loop, prompts, max_tokens, batch=1),
+           "batch8": bench_engine(engine, loop, prompts, max_tokens, batch=8),
+           "batch8_gate_open": bench_engine(engine, loop, prompts, max_tokens, batch=8, open_gate=True)}
+    print("hybrid, measured draft rule against every draft its rules allow:")
+    out["adaptive"] = {
+        "batch1": bench_engine(engine, loop, prompts, max_tokens, batch=1, modes=ADAPTIVE_MODES),
+        "batch8_gate_open": bench_engine(engine, loop, prompts, max_tokens, batch=8, open_gate=True,
+                                         modes=ADAPTIVE_MODES)}
+    costs = engine.core.drafts.costs
+    out["measured_costs"] = {f"batch{b}": {"row": costs.row(b), "ask": costs.ask(b), "position": costs.catch_up(b, 1)}
+                             for b in (1, 8)}
+    return out
+
+
 def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_tokens: int, batch: int,
                  open_gate: bool = False, modes: tuple[str, ...] = MODES) -> dict:
     """Every mode on every workload; `open_gate` lifts the batch gate to `batch` (speculation
@@ -353,14 +371,7 @@ def main() -> None:
               "kernel_path": getattr(engine.core.model, "isa", "torch"), "threads": engine.core.model.num_threads,
               "speculation": dataclasses.asdict(engine.config.speculation)}
     print(f"our engine ({result['kernel_path']} kernels, {result['threads']} threads):")
-    result["batch1"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=1)
-    result["batch8"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8)
-    result["batch8_gate_open"] = bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True)
-    print("hybrid, measured draft rule against every draft its rules allow:")
-    result["adaptive"] = {
-        "batch1": bench_engine(engine, loop, prompts, args.max_tokens, batch=1, modes=ADAPTIVE_MODES),
-        "batch8_gate_open": bench_engine(engine, loop, prompts, args.max_tokens, batch=8, open_gate=True,
-                                         modes=ADAPTIVE_MODES)}
+    result |= bench_modes(engine, loop, prompts, args.max_tokens)
     result["gated_step"] = bench_gated_step(engine, loop, prompts["chat"], args.max_tokens, args.repeats)
     loop.run_until_complete(engine.shutdown())
     print("transformers:")
