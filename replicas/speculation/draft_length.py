@@ -128,10 +128,11 @@ class SaAcceptance:
 
 @dataclass
 class MtpYield:
-    """Per ask of the MTP head (decayed): the tokens it drafted and had accepted (an unsure
-    head drafts none); `made` counts the asks, undecayed."""
+    """Per ask of the MTP head (decayed): the asks it was sure enough to draft for, the tokens
+    it drafted and had accepted (an unsure head drafts none); `made` counts the asks, undecayed."""
 
     asks: float = 0.0
+    sure: float = 0.0
     drafted: float = 0.0
     accepted: float = 0.0
     made: int = 0
@@ -139,25 +140,41 @@ class MtpYield:
     def add(self, drafted: int, accepted: int) -> None:
         self.made += 1
         self.asks = self.asks * _DECAY + 1.0
+        self.sure = self.sure * _DECAY + (drafted > 0)
         self.drafted = self.drafted * _DECAY + drafted
         self.accepted = self.accepted * _DECAY + accepted
 
     def pays(self, row_cost: float, ask_cost: float, catch_up: float, tokens_left: int,
-             prior: MtpYield | None = None) -> bool:
-        """Does asking the head pay: does an ask save more plain steps (one per accepted token)
-        than its verify rows and its own run cost, and do the asks the request has left (one a
-        step, each step emitting 1 + accepted tokens) repay `catch_up`, the plain steps of
+             prior: MtpYield | None = None, batch: int = 1, alternative: float = 0.0) -> bool:
+        """Does asking the head pay, in tokens of the step's throughput (a plain step of `batch`
+        requests emits `batch` tokens, so time costs `batch` tokens a plain step): do an ask's
+        accepted tokens outweigh its verify rows and its own run, and `alternative` besides,
+        the tokens the step gains without asking (an SA fallback, `draft_gain`), which a sure
+        ask forgoes (an unsure one falls back to it); and do the asks the request has left (one
+        a step, each step emitting 1 + accepted tokens) repay `catch_up`, the plain steps of
         running the head over the positions queued since the last ask? The counts lean on
         `prior`'s (else PRIOR_RATE accepted of one drafted token) while they are few."""
         if prior is not None and prior.asks > 0:
-            drafted_prior, accepted_prior = prior.drafted / prior.asks, prior.accepted / prior.asks
+            sure_prior, drafted_prior, accepted_prior = (prior.sure / prior.asks, prior.drafted / prior.asks,
+                                                         prior.accepted / prior.asks)
         else:
-            drafted_prior, accepted_prior = 1.0, PRIOR_RATE
+            sure_prior, drafted_prior, accepted_prior = 1.0, 1.0, PRIOR_RATE
         asks = self.asks + _MTP_PRIOR_WEIGHT
+        sure = (self.sure + sure_prior * _MTP_PRIOR_WEIGHT) / asks
         drafted = (self.drafted + drafted_prior * _MTP_PRIOR_WEIGHT) / asks
         accepted = (self.accepted + accepted_prior * _MTP_PRIOR_WEIGHT) / asks
-        saved = accepted - row_cost * drafted - ask_cost
-        return saved > 0.0 and saved * tokens_left / (1.0 + accepted) >= catch_up
+        saved = accepted - batch * (row_cost * drafted + ask_cost) - sure * alternative
+        return saved > 0.0 and saved * tokens_left / (1.0 + accepted) >= batch * catch_up
+
+
+def draft_gain(rate: float, row_cost: float, k: int, batch: int = 1) -> float:
+    """Tokens of throughput a k-token draft gains a step of `batch` requests: its expected
+    accepted tokens (rate + rate^2 + ... + rate^k) less its k rows' time."""
+    accepted, term = 0.0, 1.0
+    for _ in range(k):
+        term *= rate
+        accepted += term
+    return accepted - batch * row_cost * k
 
 
 class StepCosts:

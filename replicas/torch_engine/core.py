@@ -240,7 +240,8 @@ class EngineCore:
             if seq.mtp_skip:  # backing off after unfruitful proposals
                 seq.mtp_skip -= 1
                 plans[i] = self._sa_fallback(seq, plans[i][0])
-            elif not self.speculation.adaptive_drafts or self.drafts.ask_mtp(seq, self._mode(seq), len(seqs)):
+            elif not self.speculation.adaptive_drafts or self.drafts.ask_mtp(seq, self._mode(seq), len(seqs),
+                                                                                plans[i][0].sa_fallback):
                 mtp_seqs.append((i, seq))
             else:
                 plans[i] = self._sa_fallback(seq, plans[i][0])

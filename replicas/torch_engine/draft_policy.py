@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from replicas.speculation.draft_length import MtpYield, SaAcceptance, StepCosts, best_draft_len
+from replicas.speculation.draft_length import MtpYield, SaAcceptance, StepCosts, best_draft_len, draft_gain
 from replicas.speculation.hybrid import MTP_MAX_BACKOFF, next_mtp_backoff
 
 if TYPE_CHECKING:
@@ -38,15 +38,15 @@ class DraftPolicy:
 
     def sa_draft_len(self, seq: Sequence, limit: int, batch: int) -> int:
         """How much of an SA draft of up to `limit` tokens pays in a step of `batch` requests."""
-        rate = seq.sa_acceptance.rate(seq.sa_match_len, self.sa_acceptance)
-        return best_draft_len(rate, self.costs.row(batch), limit, batch)
+        return best_draft_len(self._sa_rate(seq), self.costs.row(batch), limit, batch)
 
-    def ask_mtp(self, seq: Sequence, mode: str, batch: int) -> bool:
-        """Ask the head for the request's draft this step? Once an ask does not pay, the
-        request's queue is cut to its last MTP_PROBE_CONTEXT positions and it asks only every
-        MTP_MAX_BACKOFF steps (a probe), to see whether it pays again. Its first MTP_OWN_ASKS
-        asks go all the same, on a queue cut as for a probe."""
-        if seq.mtp_backoff >= MTP_MAX_BACKOFF or self._mtp_pays(seq, mode, batch):
+    def ask_mtp(self, seq: Sequence, mode: str, batch: int, fallback: int = 0) -> bool:
+        """Ask the head for the request's draft this step, rather than draft `fallback` SA
+        tokens (or none)? Once an ask does not pay, the request's queue is cut to its last
+        MTP_PROBE_CONTEXT positions and it asks only every MTP_MAX_BACKOFF steps (a probe), to
+        see whether it pays again. Its first MTP_OWN_ASKS asks go all the same, on a queue cut
+        as for a probe."""
+        if seq.mtp_backoff >= MTP_MAX_BACKOFF or self._mtp_pays(seq, mode, batch, fallback):
             return True
         self.mtp.forget(seq.slot, keep=MTP_PROBE_CONTEXT)
         if seq.mtp_yield.made < MTP_OWN_ASKS:
@@ -78,7 +78,11 @@ class DraftPolicy:
         asks = sum(y.asks for y in self.mtp_yield.values())
         return sum(y.accepted for y in self.mtp_yield.values()) / asks if asks else 0.0
 
-    def _mtp_pays(self, seq: Sequence, mode: str, batch: int) -> bool:
+    def _sa_rate(self, seq: Sequence) -> float:
+        return seq.sa_acceptance.rate(seq.sa_match_len, self.sa_acceptance)
+
+    def _mtp_pays(self, seq: Sequence, mode: str, batch: int, fallback: int = 0) -> bool:
         costs = self.costs
+        alternative = draft_gain(self._sa_rate(seq), costs.row(batch), fallback, batch)
         return seq.mtp_yield.pays(costs.row(batch), costs.ask(batch), costs.catch_up(batch, self.mtp.queued(seq.slot)),
-                                  seq.tokens_left, self.mtp_yield[mode])
+                                  seq.tokens_left, self.mtp_yield[mode], batch, max(0.0, alternative))

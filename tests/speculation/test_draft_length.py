@@ -6,7 +6,7 @@ import pytest
 
 from replicas.speculation.draft_length import (DEFAULT_ASK_COST, DEFAULT_POSITION_COST, DEFAULT_ROW_COST,
                                                MATCH_LEN_BUCKETS, PRIOR_RATE, MtpYield, SaAcceptance, StepCosts,
-                                               best_draft_len)
+                                               best_draft_len, draft_gain)
 from replicas.torch_engine.draft_policy import DraftPolicy
 
 
@@ -107,6 +107,29 @@ def test_mtp_yield_pays_while_its_tokens_outweigh_its_rows_and_its_run():
     assert not unsure.pays(0.15, 0.1, 0.0, 128)
     assert not MtpYield().pays(0.15, 0.2, 0.0, 128, prior=unsure)  # a new request starts from the engine's yield
     assert MtpYield().pays(0.15, 0.2, 0.0, 128, prior=good)
+
+
+def test_mtp_yield_weighs_its_costs_by_the_tokens_a_batch_step_emits():
+    good = MtpYield()
+    for _ in range(30):
+        good.add(drafted=2, accepted=1)
+    # 1 token an ask against 0.5 of a plain step: it pays alone, not where the step is 8 requests'
+    assert good.pays(0.15, 0.2, 0.0, 128, batch=1) and not good.pays(0.15, 0.2, 0.0, 128, batch=8)
+    assert good.pays(0.01, 0.05, 0.0, 128, batch=8)  # where rows and asks are cheap, as on a GPU
+    assert good.pays(0.15, 0.2, catch_up=10.0, tokens_left=128) and not good.pays(
+        0.01, 0.05, catch_up=10.0, tokens_left=128, batch=8)  # catching up stalls the whole batch
+
+
+def test_mtp_must_beat_the_sa_draft_it_would_replace():
+    sure, hesitant = MtpYield(), MtpYield()
+    for i in range(30):
+        sure.add(drafted=2, accepted=1)
+        hesitant.add(drafted=4 * (i % 4 == 0), accepted=2 * (i % 4 == 0))  # drafts on a quarter of asks
+    fallback = draft_gain(0.6, 0.1, 3)  # 0.6 + 0.36 + 0.216 accepted, less 0.3: 0.876 tokens
+    assert abs(fallback - 0.876) < 1e-9 and draft_gain(0.6, 0.1, 0) == 0.0
+    assert sure.pays(0.1, 0.1, 0.0, 128) and not sure.pays(0.1, 0.1, 0.0, 128, alternative=fallback)
+    # an unsure ask falls back to the SA draft: the head forgoes it only when it drafts
+    assert hesitant.pays(0.1, 0.05, 0.0, 128, alternative=fallback)
 
 
 def test_mtp_catch_up_pays_only_if_the_asks_left_repay_it():
