@@ -13,16 +13,17 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The chunk loop shared by every path. Per block, rows go RowsAtOnce at a time (those of them
 // that reach the block): `scores(q_row, q_stride, nr, group, hd, kt, s)` fills s [nr][group][32]
-// from the block's K^T (fp16, straight from the cache); per row and head, `block_max` is the
-// largest of the row's nb scores and `exp_sum` turns s into p = exp(s - m_new) (zero past nb)
-// and returns block_sum_canonical(p); then `accumulate_v(states, sf_row, alpha, s, nbs, nr, v,
-// group, hd)` rescales each (row, head)'s acc by its alpha and adds p's weighted V rows in
-// order, each row its own nb of them. A row's arithmetic is the same whichever rows share its
-// call. A last block's K lanes past nb were never written (the cache is not initialised):
-// their scores are computed and then never used.
-template <int RowsAtOnce, typename Scores, typename BlockMax, typename ExpSum, typename AccumulateV>
+// from the block's K^T (fp16, straight from the cache); `softmax(states, sf_row, s, alpha, nbs,
+// nr, group, hd)` updates each (row, head)'s state as softmax_each does and leaves p in s and
+// its rescale in alpha; then `accumulate_v(states, sf_row, alpha, s, nbs, nr, v, group, hd)`
+// rescales each (row, head)'s acc by its alpha and adds p's weighted V rows in order, each row
+// its own nb of them. A row's arithmetic is the same whichever rows share its call. A last
+// block's K lanes past nb were never written (the cache is not initialised): their scores are
+// computed and then never used.
+template <int RowsAtOnce, typename Scores, typename Softmax, typename AccumulateV>
 void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
-                         const KvPages& kv, int chunk, float* states, float* scratch, Scores scores, BlockMax block_max, ExpSum exp_sum, AccumulateV accumulate_v) {
+                         const KvPages& kv, int chunk, float* states, float* scratch, Scores scores, Softmax softmax,
+                         AccumulateV accumulate_v) {
   float* s = scratch;                                 // [RowsAtOnce][group][kBlock]: scores, then p
   float* alpha = s + RowsAtOnce * group * kBlock;     // [RowsAtOnce][group]: each state's rescale
   const int sf = state_floats(hd), sf_row = group * sf;
@@ -50,23 +51,33 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
       if (nr <= 0) continue;
       int nbs[RowsAtOnce];
       scores(q + r_first * q_stride, q_stride, nr, group, hd, kt, s);
-      for (int i = 0; i < nr; ++i) {
-        nbs[i] = std::min(kBlock, first_n_pos + r_first + i - j0);
-        float* row_states = states + (r_first + i) * sf_row;
-        for (int h = 0; h < group; ++h) {
-          float* state = row_states + h * sf;
-          float* sh = s + (i * group + h) * kBlock;
-          const float m = state[hd];
-          const float m_new = max_canonical(m, block_max(sh, nbs[i]));
-          alpha[i * group + h] = m == kNegInf ? 0.0f : exp_canonical(m - m_new);
-          const float sum = exp_sum(sh, nbs[i], m_new);
-          state[hd + 1] = state[hd + 1] * alpha[i * group + h] + sum;
-          state[hd] = m_new;
-        }
-      }
+      for (int i = 0; i < nr; ++i) nbs[i] = std::min(kBlock, first_n_pos + r_first + i - j0);
+      softmax(states + r_first * sf_row, sf_row, s, alpha, nbs, nr, group, hd);
       accumulate_v(states + r_first * sf_row, sf_row, alpha, s, nbs, nr, vb, group, hd);
     }
   }
+}
+
+// One block's online-softmax step for each (row, head) of a pass: with `block_max` the largest
+// of the row's nb scores and `exp_sum` turning s into p = exp(s - m_new) (zero past nb) and
+// returning block_sum_canonical(p), m_new = max(m, block max), alpha = exp(m - m_new) (0 for a
+// fresh state), l = l * alpha + the block's sum, m = m_new.
+template <typename BlockMax, typename ExpSum>
+auto softmax_each(BlockMax block_max, ExpSum exp_sum) {
+  return [=](float* states, int sf_row, float* s, float* alpha, const int* nbs, int nr, int group, int hd) {
+    const int sf = state_floats(hd);
+    for (int i = 0; i < nr; ++i)
+      for (int h = 0; h < group; ++h) {
+        float* state = states + i * sf_row + h * sf;
+        float* sh = s + (i * group + h) * kBlock;
+        const float m = state[hd];
+        const float m_new = max_canonical(m, block_max(sh, nbs[i]));
+        alpha[i * group + h] = m == kNegInf ? 0.0f : exp_canonical(m - m_new);
+        const float sum = exp_sum(sh, nbs[i], m_new);
+        state[hd + 1] = state[hd + 1] * alpha[i * group + h] + sum;
+        state[hd] = m_new;
+      }
+  };
 }
 
 [[maybe_unused]] void attend_chunk_scalar(const float* q, size_t q_stride, int rows, int first_n_pos, int group,
@@ -104,8 +115,8 @@ void attend_chunk_blocks(const float* q, size_t q_stride, int rows, int first_n_
         }
       }
   };
-  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores, block_max,
-                         exp_sum, accumulate_v);
+  attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores,
+                         softmax_each(block_max, exp_sum), accumulate_v);
 }
 
 #ifdef CPU_SIMD
@@ -244,11 +255,86 @@ void accumulate_v_rows(float* states, int sf_row, const float* alpha, const floa
     }
 }
 
+// The softmax steps in 16 lanes: exp16 is exp8 lane for lane (the same operations in the same
+// order), and a block's sum adds its four 8-position quarters as exp_sum_simd does.
+inline __m512 exp16(__m512 x) {
+  using namespace expc;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kMin)), _mm512_set1_ps(kMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kP0), r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline __m256 high_half(__m512 v) {  // AVX-512F alone (extractf32x8 is AVX-512DQ)
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+// Positions [16 i, 16 i + 16) of a block that lie below nb.
+inline __mmask16 valid_mask(int i, int nb) {
+  const int valid = std::clamp(nb - 16 * i, 0, 16);
+  return static_cast<__mmask16>((1u << valid) - 1u);
+}
+
+float block_max_16(const float* s, int nb) {  // max is exact in any order
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512 m = _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, valid_mask(0, nb), s),
+                                 _mm512_mask_loadu_ps(neg_inf, valid_mask(1, nb), s + 16));
+  return hmax8(_mm256_max_ps(_mm512_castps512_ps256(m), high_half(m)));
+}
+
+float exp_sum_16(float* s, int nb, float m_new) {
+  const __m512 m16 = _mm512_set1_ps(m_new);
+  __m512 p[2];
+  for (int i = 0; i < 2; ++i) {
+    p[i] = _mm512_maskz_mov_ps(valid_mask(i, nb), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * i), m16)));
+    _mm512_storeu_ps(s + 16 * i, p[i]);
+  }
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(p[0]), high_half(p[0])),
+                                                 _mm512_castps512_ps256(p[1])),
+                                   high_half(p[1]));
+  return hsum8(sum);
+}
+
+// softmax_each 16 (row, head) states at a time: their block maxima first, then their alphas in
+// one exp16 (exp_canonical lane for lane), then the sums.
+void softmax_16(float* states, int sf_row, float* s, float* alpha, const int* nbs, int nr, int group, int hd) {
+  const int sf = state_floats(hd), count = nr * group;
+  auto state = [&](int k) { return states + (k / group) * sf_row + (k % group) * sf; };
+  for (int k0 = 0; k0 < count; k0 += 16) {
+    const int n = std::min(16, count - k0);
+    alignas(64) float m_old[16], m_new[16];
+    for (int j = 0; j < n; ++j) {
+      m_old[j] = state(k0 + j)[hd];
+      m_new[j] = max_canonical(m_old[j], block_max_16(s + (k0 + j) * kBlock, nbs[(k0 + j) / group]));
+    }
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 old = _mm512_maskz_loadu_ps(lanes, m_old);
+    const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, old, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+    const __m512 a = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(old, _mm512_maskz_loadu_ps(lanes, m_new))));
+    _mm512_mask_storeu_ps(alpha + k0, lanes, a);
+    for (int j = 0; j < n; ++j) {
+      float* st = state(k0 + j);
+      st[hd + 1] = st[hd + 1] * alpha[k0 + j] + exp_sum_16(s + (k0 + j) * kBlock, nbs[(k0 + j) / group], m_new[j]);
+      st[hd] = m_new[j];
+    }
+  }
+}
+
 #pragma GCC diagnostic pop
 #endif  // CPU_ISA_AVX512
 
 // The softmax steps every SIMD path shares.
-float block_max_simd(const float* s, int nb) {  // max is exact in any order
+[[maybe_unused]] float block_max_simd(const float* s, int nb) {  // max is exact in any order
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   __m256 m = neg_inf;
   for (int i = 0; i < 4; ++i) {
@@ -259,7 +345,7 @@ float block_max_simd(const float* s, int nb) {  // max is exact in any order
   return hmax8(m);
 }
 
-float exp_sum_simd(float* s, int nb, float m_new) {
+[[maybe_unused]] float exp_sum_simd(float* s, int nb, float m_new) {
   const __m256 m8 = _mm256_set1_ps(m_new);
   __m256 p[4];
   for (int i = 0; i < 4; ++i) {
@@ -301,7 +387,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
     }
   };
   attend_chunk_blocks<kRowsPerKvPass>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores,
-                         block_max_simd, exp_sum_simd, accumulate_v);
+                                      softmax_16, accumulate_v);
 #else
   // Heads go 3 at a time: 12 accumulators, which with their operands fit AVX2's 16 registers.
   auto scores = [](const float* q_row, size_t, int, int group, int hd, const uint16_t* kt, float* s) {
@@ -328,7 +414,7 @@ void attend_chunk_simd(const float* q, size_t q_stride, int rows, int first_n_po
     }
   };
   attend_chunk_blocks<1>(q, q_stride, rows, first_n_pos, group, hd, kv, chunk, states, scratch, scores,
-                         block_max_simd, exp_sum_simd, accumulate_v);
+                         softmax_each(block_max_simd, exp_sum_simd), accumulate_v);
 #endif
 }
 #endif  // CPU_SIMD

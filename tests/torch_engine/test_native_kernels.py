@@ -136,7 +136,7 @@ def test_simd_paths_equal_the_scalar_path_bitwise(isa):
     x = (rng.standard_normal((3, 160)) * 5).astype(np.float32)
     for a, b in zip(native.quantize_rows(x, isa), native.quantize_rows(x, "scalar")):
         np.testing.assert_array_equal(a, b)
-    for group, hd in ((3, 64), (4, 72)):
+    for group, hd in ((3, 64), (4, 72), (8, 64)):  # group 8: a pass's 32 (row, head) states in two of 16
         q = (rng.standard_normal((17, group, hd)) * 0.125).astype(np.float32)
         k, v = (rng.standard_normal((2, 300, hd)) * 3).astype(np.float16)
         for first in (1, 284):  # one row alone, and 17 rows across chunk boundaries
