@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 # Match-length buckets: acceptance climbs steeply with the match (a 2-token match is often
 # coincidence, a 16-token one is a copy), so each bucket keeps its own count.
 _BUCKET_STARTS = (1, 3, 5, 9, 17)
-MATCH_LEN_BUCKETS = tuple(f"{a}-{b - 1}" for a, b in zip(_BUCKET_STARTS, _BUCKET_STARTS[1:])) + (f"{_BUCKET_STARTS[-1]}+",)
+# Their names where they are exported: "1-2", "3-4", "5-8", "9-16", "17+".
+MATCH_LEN_BUCKETS = (*(f"{a}-{b - 1}" for a, b in zip(_BUCKET_STARTS, _BUCKET_STARTS[1:])), f"{_BUCKET_STARTS[-1]}+")
 # Counts decay by this much per observation: about the last 30 tokens of evidence decide.
 _DECAY = 0.97
 # A request's own counts are blended with the engine's as if the engine's rate were this
