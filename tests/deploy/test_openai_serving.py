@@ -144,7 +144,7 @@ def test_the_replica_exports_what_the_draft_rule_measured(client):
     assert wait_until(scraped, timeout_s=60, interval_s=1), sorted(gauges)
     sa = {match_len: v for (name, match_len), v in gauges.items() if name == "spec_sa_acceptance"}
     assert set(sa) == set(MATCH_LEN_BUCKETS) and all(0 < v < 1 for v in sa.values()), sa
-    assert gauges[("spec_draft_row_cost", None)] > 0
+    assert gauges[("spec_draft_row_cost", None)] >= 0  # measured: 0 where extra rows timed no dearer
     assert gauges[("spec_mtp_ask_cost", None)] == gauges[("spec_mtp_accepted_per_ask", None)] == 0
 
 
