@@ -7,8 +7,9 @@ emits the most tokens per unit of step time, and 0 where no draft beats a plain 
 open chat, where the suffix automaton's short matches are mostly coincidence, drafts of 4-5
 tokens verified at 1.8x a plain step (a 2-core Xeon) made speculation slower than none.
 An MTP draft costs its head's run besides: `MtpYield.pays` weighs the tokens an ask of the
-head has saved against its verify rows and its own time, and the asks a request has left
-against catching the head up on the positions queued since its last ask.
+head has saved against its verify rows, its own time and the SA draft it would replace
+(`draft_gain`), all in tokens of the whole step, and the asks a request has left against
+catching the head up on the positions queued since its last ask.
 
 All of it is measured while serving, so the rules fit the machine and the workload:
 
