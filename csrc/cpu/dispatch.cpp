@@ -1,6 +1,7 @@
 // Which kernel table runs: the best this CPU supports, or the one SPECSERVE_CPU_ISA names.
 #include <cstdlib>
 #include <stdexcept>
+#include <vector>
 
 #ifdef CPU_HAVE_X86_PATHS
 #include <cpuid.h>
@@ -97,10 +98,16 @@ void attend(const Kernels& kernels, const float* q, size_t q_stride, int rows, i
   float* part = total + static_cast<size_t>(kAttendRows) * group * sf;
   float* chunk_scratch = part + static_cast<size_t>(kAttendRows) * group * sf;
   const int chunks = (first_n_pos + rows - 1 + kChunk - 1) / kChunk;
+  std::vector<float*> totals(states);
+  std::vector<const float*> parts(states);
+  for (int i = 0; i < states; ++i) {
+    totals[i] = total + i * sf;
+    parts[i] = part + i * sf;
+  }
   kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, kv, 0, total, chunk_scratch);
   for (int c = 1; c < chunks; ++c) {
     kernels.attend_chunk(q, q_stride, rows, first_n_pos, group, hd, kv, c, part, chunk_scratch);
-    for (int i = 0; i < states; ++i) kernels.merge_state(total + i * sf, part + i * sf, hd);
+    kernels.merge_states(totals.data(), parts.data(), states, hd);
   }
   for (int r = 0; r < rows; ++r)
     for (int h = 0; h < group; ++h) finish_state(total + (r * group + h) * sf, hd, out + r * out_stride + h * hd);

@@ -86,9 +86,9 @@ struct Kernels {
   // of fmas over hd; a row with no position in the chunk gets the empty state.
   void (*attend_chunk)(const float* q, size_t q_stride, int rows, int first_n_pos, int group, int hd,
                        const KvPages& kv, int chunk, float* states, float* scratch);
-  // numerics.hpp's merge_state in this path's instructions (generic code, built without FMA,
-  // would make each fma a libm call).
-  void (*merge_state)(float* total, const float* part, int hd);
+  // numerics.hpp's merge_state of parts[i] into totals[i] for i < count, in this path's
+  // instructions (generic code, built without FMA, would make each fma a libm call).
+  void (*merge_states)(float* const* totals, const float* const* parts, int count, int hd);
   // out[i] = silu(g[i]) * u[i].
   void (*silu_mul)(const float* g, const float* u, float* out, int n);
   // out = rms_norm(x) * w over n values (n % 8 == 0).

@@ -1,5 +1,6 @@
 // One instruction set's Kernels table (isa.hpp): its matmul and attention, and the
 // elementwise kernels below.
+#include <algorithm>
 #include <cmath>
 
 #include "isa.hpp"
@@ -7,6 +8,10 @@
 namespace cpu {
 namespace ISA_NS {
 namespace {
+
+[[maybe_unused]] void merge_states_scalar(float* const* totals, const float* const* parts, int count, int hd) {
+  for (int i = 0; i < count; ++i) merge_state(totals[i], parts[i], hd);
+}
 
 [[maybe_unused]] void silu_mul_scalar(const float* g, const float* u, float* out, int n) {
   for (int i = 0; i < n; ++i) out[i] = silu_mul(g[i], u[i]);
@@ -96,6 +101,36 @@ void to_half_simd(const float* x, int n, uint16_t* out, size_t stride) {
   for (; i < n; ++i) out[i * stride] = float_to_half(x[i]);
 }
 
+// merge_state for 8 pairs at a time: their rescales in one exp8 (exp_canonical lane for lane),
+// then each pair's acc and l, as merge_state computes them.
+void merge_states_simd(float* const* totals, const float* const* parts, int count, int hd) {
+  for (int i0 = 0; i0 < count; i0 += kLanes) {
+    const int n = std::min(kLanes, count - i0);
+    alignas(32) float m_total[kLanes] = {}, m_part[kLanes] = {}, a[kLanes], b[kLanes], m[kLanes];
+    for (int j = 0; j < n; ++j) {
+      m_total[j] = totals[i0 + j][hd];
+      m_part[j] = parts[i0 + j][hd];
+    }
+    const __m256 mt = _mm256_load_ps(m_total), mp = _mm256_load_ps(m_part), mm = _mm256_max_ps(mt, mp);
+    _mm256_store_ps(m, mm);
+    _mm256_store_ps(a, exp8(_mm256_sub_ps(mt, mm)));
+    _mm256_store_ps(b, exp8(_mm256_sub_ps(mp, mm)));
+    for (int j = 0; j < n; ++j) {
+      if (!(m_part[j] > -INFINITY)) continue;  // an empty part
+      float* total = totals[i0 + j];
+      const float* part = parts[i0 + j];
+      const __m256 av = _mm256_set1_ps(a[j]), bv = _mm256_set1_ps(b[j]);
+      int d = 0;
+      for (; d + kLanes <= hd; d += kLanes)
+        _mm256_storeu_ps(total + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(total + d), av),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(part + d), bv)));
+      for (; d < hd; ++d) total[d] = total[d] * a[j] + part[d] * b[j];
+      total[hd + 1] = total[hd + 1] * a[j] + part[hd + 1] * b[j];
+      total[hd] = m[j];
+    }
+  }
+}
+
 void silu_mul_simd(const float* g, const float* u, float* out, int n) {
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   int i = 0;
@@ -111,10 +146,10 @@ void silu_mul_simd(const float* g, const float* u, float* out, int n) {
 }  // namespace
 
 #ifdef CPU_SIMD
-extern const Kernels kernels{ISA_NAME,     matmul,        attend_chunk,      merge_state,
+extern const Kernels kernels{ISA_NAME,     matmul,        attend_chunk,      merge_states_simd,
                              silu_mul_simd, rms_norm_simd, quantize_row_simd, to_half_simd};
 #else
-extern const Kernels kernels{ISA_NAME,        matmul,          attend_chunk,       merge_state,
+extern const Kernels kernels{ISA_NAME,        matmul,          attend_chunk,       merge_states_scalar,
                              silu_mul_scalar, rms_norm_scalar, quantize_row_scalar, to_half_scalar};
 #endif
 

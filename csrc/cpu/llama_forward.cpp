@@ -208,17 +208,38 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
   struct RowTile {
     int slot, first_row, first_pos, rows;
   };
-  std::vector<RowTile> tiles;
-  for (int i = 0, first = 0; i < num_spans; first += spans[i].length, ++i)
-    for (int t = 0; t < spans[i].length; t += kAttendRows)
-      tiles.push_back({spans[i].slot, first + t, spans[i].start + t, std::min(kAttendRows, spans[i].length - t)});
-
-  // Few tiles (a decode, a verify): each (tile, KV head) is cut further into its chunks of
-  // kChunk positions so that every thread has work, and each row's chunk states are merged
-  // afterwards. Otherwise a (tile, KV head) runs all its chunks and merges them itself. Both
-  // merge the same states in the same order: the choice never changes a bit.
+  // `pieces` tiles per span, of near-equal size (a span's pieces are capped at its rows and
+  // cut at most kAttendRows rows each).
+  auto tile_spans = [&](int pieces) {
+    std::vector<RowTile> out;
+    for (int i = 0, first = 0; i < num_spans; first += spans[i].length, ++i) {
+      const int len = spans[i].length;
+      const int count = std::max({1, std::min(pieces, len), (len + kAttendRows - 1) / kAttendRows});
+      for (int p = 0, t = 0; p < count; ++p) {
+        const int rows = len * (p + 1) / count - len * p / count;
+        out.push_back({spans[i].slot, first + t, spans[i].start + t, rows});
+        t += rows;
+      }
+    }
+    return out;
+  };
+  const int enough_tasks = kSplitBelowTasksPerThread * pool_.size();
+  std::vector<RowTile> tiles = tile_spans(1);
+  // Few (tile, KV head) tasks (a decode, a verify) leave threads idle. A span of at least
+  // kRowsPerKvPass rows a thread is cut into that many tiles, each sharing its K/V blocks among
+  // kRowsPerKvPass rows or more (a verify of 8 rows on 2 threads: 2 tiles). Else each
+  // (tile, KV head) is cut into its chunks of kChunk positions, and each row's chunk states are
+  // merged afterwards (the chunk states of an 8-row verify, passed between threads, cost as much
+  // as a tenth of its attention). Otherwise a (tile, KV head) runs all its chunks and merges
+  // them itself. Both merge the same states in the same order: the choice never changes a bit.
+  if (static_cast<int>(tiles.size()) * kvh < enough_tasks) {
+    int widest = 0;
+    for (int i = 0; i < num_spans; ++i) widest = std::max(widest, spans[i].length);
+    const int pieces = std::min(pool_.size(), widest / kRowsPerKvPass);
+    if (pieces > 1) tiles = tile_spans(pieces);
+  }
   const int sf = state_floats(hd);
-  const bool split_chunks = static_cast<int>(tiles.size()) * kvh < kSplitBelowTasksPerThread * pool_.size();
+  const bool split_chunks = static_cast<int>(tiles.size()) * kvh < enough_tasks;
   struct ChunkTask {
     int tile, head, chunk;
     size_t states;  // offset of its [rows][group] states in chunk_states
@@ -326,23 +347,28 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
         }
       });
       pool_.parallel_for(n, [&](int r0, int r1, int) {  // each row's chunks merged in position order
+        std::vector<float*> totals(heads);
+        std::vector<const float*> parts(heads);
         for (int r = r0; r < r1; ++r) {
           const int tile = row_tile[r], chunks = row_pos[r] / kChunk + 1;
-          for (int head = 0; head < heads; ++head) {
-            // Chunk c of this (row, head) in the task (tile, KV head, c)'s states.
-            auto state = [&](int c) {
-              const ChunkTask& task = chunk_tasks[tile_tasks[tile] + (head / group) * tile_chunks[tile] + c];
-              return chunk_states.data() + task.states +
-                     static_cast<size_t>((r - tiles[tile].first_row) * group + head % group) * sf;
-            };
-            float* total = state(0);
-            for (int c = 1; c < chunks; ++c) kernels_->merge_state(total, state(c), hd);
-            finish_state(total, hd, attn.data() + static_cast<size_t>(r) * q_size + head * hd);
+          // Chunk c of this (row, head) in the task (tile, KV head, c)'s states.
+          auto state = [&](int head, int c) {
+            const ChunkTask& task = chunk_tasks[tile_tasks[tile] + (head / group) * tile_chunks[tile] + c];
+            return chunk_states.data() + task.states +
+                   static_cast<size_t>((r - tiles[tile].first_row) * group + head % group) * sf;
+          };
+          for (int head = 0; head < heads; ++head) totals[head] = state(head, 0);
+          for (int c = 1; c < chunks; ++c) {  // every head's chunk c at once
+            for (int head = 0; head < heads; ++head) parts[head] = state(head, c);
+            kernels_->merge_states(totals.data(), parts.data(), heads, hd);
           }
+          for (int head = 0; head < heads; ++head)
+            finish_state(totals[head], hd, attn.data() + static_cast<size_t>(r) * q_size + head * hd);
         }
       });
     } else {
-      pool_.parallel_for(static_cast<int>(tiles.size()) * kvh, [&](int i0, int i1, int thread) {
+      const int tasks = static_cast<int>(tiles.size()) * kvh;
+      pool_.parallel_for(tasks, [&](int i0, int i1, int thread) {
         float* scratch = attend_scratch.data() + thread * attend_floats;
         for (int i = i0; i < i1; ++i) {
           const RowTile& t = tiles[i / kvh];
@@ -351,7 +377,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
                  t.first_pos + 1, group, hd, kv_pages(k_layer, v_layer, t.slot, head),
                  attn.data() + static_cast<size_t>(t.first_row) * q_size + head * group * hd, q_size, scratch);
         }
-      });
+      }, tasks);  // a task at a time: a verify's 6 tasks go 3 and 3 on 2 threads
     }
     pool_.parallel_for(n, [&](int r0, int r1, int) {
       for (int r = r0; r < r1; ++r) quant.quantize(*kernels_, attn.data() + static_cast<size_t>(r) * q_size, r, q_size);

@@ -62,13 +62,13 @@ void ThreadPool::run_chunks(uint32_t generation, int thread) {
   }
 }
 
-void ThreadPool::parallel_for(int n, const Fn& fn) {
+void ThreadPool::parallel_for(int n, const Fn& fn, int chunks) {
   if (n <= 0) return;
   if (num_threads_ == 1 || n == 1) {
     fn(0, n, 0);
     return;
   }
-  const int chunks = std::min(n, num_threads_ * kChunksPerThread);
+  chunks = std::min(n, chunks > 0 ? std::min(chunks, 0xFFFFF) : num_threads_ * kChunksPerThread);
   park_.store(false, std::memory_order_relaxed);
   job_.store(&fn, std::memory_order_relaxed);
   items_.store(n, std::memory_order_relaxed);

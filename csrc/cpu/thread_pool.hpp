@@ -30,8 +30,10 @@ class ThreadPool {
   int size() const { return num_threads_; }
 
   // fn(begin, end, thread) over chunks of [0, n); returns when all are done. `thread` is the
-  // participant's index in [0, size()) (for per-thread scratch). Not reentrant.
-  void parallel_for(int n, const Fn& fn);
+  // participant's index in [0, size()) (for per-thread scratch). `chunks` (0: two per thread)
+  // is how many pieces [0, n) is cut into: n, for a few large items, keeps any two threads'
+  // shares within one item of each other. Not reentrant.
+  void parallel_for(int n, const Fn& fn, int chunks = 0);
 
   // No loop is coming soon (a step ended): workers sleep now instead of spinning, leaving
   // the cores to whatever runs between steps (the MTP head's torch ops, the event loop).
