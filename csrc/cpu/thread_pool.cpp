@@ -16,11 +16,13 @@ inline void cpu_relax() {
 // About 50-100 us of spinning: longer than the gap between two loops of one forward,
 // shorter than the Python work between two steps.
 constexpr int kSpinIterations = 20000;
-// Two chunks per thread: a late or descheduled thread leaves at most one chunk to the others.
-// Fewer, longer chunks also keep each thread's weight stream in one piece: on a Xeon (2 threads,
-// 1,024-token context, caches flushed) 8 rows took 12.3 ms with 4 per thread, 11.5 with 2 and
-// 11.3 with 1; 1 row 7.1, 6.8 and 6.9; 8 was slower still.
-constexpr int kChunksPerThread = 2;
+// One chunk per thread: a thread that has not claimed its chunk yet (late, descheduled) leaves
+// it to the others. Fewer, longer chunks keep each thread's weight stream in one piece (on a
+// Xeon, 2 threads, 1,024-token context, caches flushed: 8 rows took 12.3 ms with 4 per thread,
+// 11.5 with 2 and 11.3 with 1; 1 row 7.1, 6.8 and 6.9; 8 was slower still) and take fewer
+// claims, each a cache line passed between cores (a loop over 8 rows of trivial work on 2
+// threads: 1.5 us with 2 per thread, 1.1 with 1).
+constexpr int kChunksPerThread = 1;
 
 // state = generation (24 bits) | chunks (20 bits) | next chunk (20 bits).
 inline uint32_t generation_of(uint64_t state) { return static_cast<uint32_t>(state >> 40); }
@@ -73,14 +75,12 @@ void ThreadPool::parallel_for(int n, const Fn& fn, int chunks) {
   job_.store(&fn, std::memory_order_relaxed);
   items_.store(n, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
-  uint32_t generation;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);  // a worker about to sleep sees the new loop
-    generation = (generation_of(state_.load(std::memory_order_relaxed)) + 1) & 0xFFFFFFu;
-    state_.store((static_cast<uint64_t>(generation) << 40) | (static_cast<uint64_t>(chunks) << 20),
-                 std::memory_order_release);
+  const uint32_t generation = (generation_of(state_.load(std::memory_order_relaxed)) + 1) & 0xFFFFFFu;
+  state_.store((static_cast<uint64_t>(generation) << 40) | (static_cast<uint64_t>(chunks) << 20));
+  if (sleepers_.load() > 0) {
+    { std::lock_guard<std::mutex> lock(mutex_); }  // a worker about to sleep sees the new loop
+    wake_.notify_all();
   }
-  wake_.notify_all();
   run_chunks(generation, 0);
   for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
     if (spins < kSpinIterations) {
@@ -102,9 +102,9 @@ void ThreadPool::worker(int index) {
         continue;
       }
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] {
-        return stop_.load() || generation_of(state_.load(std::memory_order_acquire)) != seen;
-      });
+      sleepers_.fetch_add(1);
+      wake_.wait(lock, [&] { return stop_.load() || generation_of(state_.load()) != seen; });
+      sleepers_.fetch_sub(1);
       if (stop_.load()) return;
     }
     seen = generation_of(state_.load(std::memory_order_acquire));
