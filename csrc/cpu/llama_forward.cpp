@@ -121,10 +121,12 @@ struct LlamaForward::Scratch {
         qsum(qd.size()) {}
   // The quantised activations of width k (rows strided by k inside the buffers).
   QuantRows rows(int k) const { return QuantRows{q.data(), qd.data(), qs.data(), qsum.data(), k}; }
-  void quantize(const Kernels& kernels, const float* x, int row, int k) {
-    const size_t blocks = static_cast<size_t>(row) * (k / kBlock);
-    kernels.quantize_row(x, k, q.data() + static_cast<size_t>(row) * k, qd.data() + blocks, qs.data() + blocks,
-                 qsum.data() + blocks);
+  // Values [first, first + count) of row `row` (x: the row's start; first and count whole blocks).
+  void quantize(const Kernels& kernels, const float* x, int row, int k, int first = 0, int count = -1) {
+    if (count < 0) count = k - first;
+    const size_t value = static_cast<size_t>(row) * k + first, block = value / kBlock;
+    kernels.quantize_row(x + first, count, q.data() + value, qd.data() + block, qs.data() + block,
+                         qsum.data() + block);
   }
 };
 
@@ -282,6 +284,9 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
     return KvPages{k_layer + head * head_stride, v_layer + head * head_stride, pages_of(slot), page_stride};
   };
 
+  // Each attention task quantises the output it wrote where a KV head's query heads fill whole
+  // blocks of 32 (every model with head_dim a multiple of 32).
+  const bool quantize_heads = (group * hd) % kBlock == 0;
   constexpr int kKDims = 16;
   const int k_dim_parts = (hd + kKDims - 1) / kKDims;
   auto add_residual = [&](int r) {  // x += y for row r
@@ -296,6 +301,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
     uint16_t* v_layer = cache.v + li * layer_stride;
     pool_.parallel_for(n, [&](int r0, int r1, int) {
       for (int r = r0; r < r1; ++r) {
+        if (li > 0) add_residual(r);  // the layer before's MLP output
         float* hr = h.data() + static_cast<size_t>(r) * d;
         kernels_->rms_norm(x.data() + static_cast<size_t>(r) * d, layer.attn_norm.data(), d, dm.rms_norm_eps, hr);
         quant.quantize(*kernels_, hr, r, d);
@@ -362,8 +368,9 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
             for (int head = 0; head < heads; ++head) parts[head] = state(head, c);
             kernels_->merge_states(totals.data(), parts.data(), heads, hd);
           }
-          for (int head = 0; head < heads; ++head)
-            finish_state(totals[head], hd, attn.data() + static_cast<size_t>(r) * q_size + head * hd);
+          float* ar = attn.data() + static_cast<size_t>(r) * q_size;
+          for (int head = 0; head < heads; ++head) finish_state(totals[head], hd, ar + head * hd);
+          quant.quantize(*kernels_, ar, r, q_size);
         }
       });
     } else {
@@ -376,12 +383,18 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
           attend(*kernels_, qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + head * group * hd, qkv_n, t.rows,
                  t.first_pos + 1, group, hd, kv_pages(k_layer, v_layer, t.slot, head),
                  attn.data() + static_cast<size_t>(t.first_row) * q_size + head * group * hd, q_size, scratch);
+          if (quantize_heads)  // the task's heads of its rows: whole blocks of each row
+            for (int r = t.first_row; r < t.first_row + t.rows; ++r)
+              quant.quantize(*kernels_, attn.data() + static_cast<size_t>(r) * q_size, r, q_size, head * group * hd,
+                             group * hd);
         }
       }, tasks);  // a task at a time: a verify's 6 tasks go 3 and 3 on 2 threads
+      if (!quantize_heads)
+        pool_.parallel_for(n, [&](int r0, int r1, int) {
+          for (int r = r0; r < r1; ++r)
+            quant.quantize(*kernels_, attn.data() + static_cast<size_t>(r) * q_size, r, q_size);
+        });
     }
-    pool_.parallel_for(n, [&](int r0, int r1, int) {
-      for (int r = r0; r < r1; ++r) quant.quantize(*kernels_, attn.data() + static_cast<size_t>(r) * q_size, r, q_size);
-    });
     matmul(layer.o, quant.rows(q_size), n, y.data());
     pool_.parallel_for(n, [&](int r0, int r1, int) {
       for (int r = r0; r < r1; ++r) {
@@ -400,15 +413,14 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
         quant.quantize(*kernels_, ar, r, inter);
       }
     });
-    matmul(layer.down, quant.rows(inter), n, y.data());
-    pool_.parallel_for(n, [&](int r0, int r1, int) {
-      for (int r = r0; r < r1; ++r) add_residual(r);
-    });
+    matmul(layer.down, quant.rows(inter), n, y.data());  // added to x by the next loop over rows
   }
   pool_.parallel_for(n, [&](int r0, int r1, int) {
-    for (int r = r0; r < r1; ++r)
+    for (int r = r0; r < r1; ++r) {
+      add_residual(r);
       kernels_->rms_norm(x.data() + static_cast<size_t>(r) * d, final_norm_.data(), d, dm.rms_norm_eps,
-               hidden + static_cast<size_t>(r) * d);
+                         hidden + static_cast<size_t>(r) * d);
+    }
   });
   pool_.park();
 }
