@@ -1,6 +1,6 @@
 // A fixed pool of worker threads for the forward's parallel loops.
 //
-// A forward runs ~12 parallel loops per layer, so a loop must start in about a microsecond:
+// A forward runs ~10 parallel loops per layer, so a loop must start in about a microsecond:
 // workers spin briefly on the loop counter, then sleep on a condition variable. A loop is cut
 // into chunks and every participant claims chunks until none are left, so a worker the OS has
 // descheduled (a busy machine) before it claimed its chunk delays nothing: another takes it.
