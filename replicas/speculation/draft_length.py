@@ -18,8 +18,9 @@ All of it is measured while serving, so the rules fit the machine and the worklo
   verification), so comparing them with the draft the SA held shows what that draft would
   have had accepted: the rule keeps learning on steps where it chose not to draft.
 - `MtpYield`: per ask of the MTP head, the tokens it drafted and had accepted.
-- `StepCosts`: step time against verify rows per batch size, and an MTP ask's time (its own,
-  and per position it catches up on), each as a fraction of a plain step.
+- `StepCosts`: step time against verify rows per batch size (a line fitted over the recent
+  steps, drafting or not), and an MTP ask's time (its own, and per position it catches up
+  on), each as a fraction of a plain step.
 
 Standard library only, like the other speculation rules.
 """
@@ -53,8 +54,13 @@ DEFAULT_POSITION_COST = 0.01
 # Positions per request an ask may find queued and still time an ask's own cost (a step or
 # two of accepted tokens).
 STEADY_QUEUE = 8
-# Step times are smoothed over about this many steps of each kind.
+# Ask times are smoothed over about this many asks of each kind.
 _TIME_SMOOTHING = 0.1
+# Step times weigh this much less per later step of the same batch size (about the last 20).
+_FIT_DECAY = 0.95
+# A fitted line's slope stands only where the steps' extra rows spread this much (variance,
+# rows squared): steps that all draft alike say what a step costs, not what a row adds.
+_MIN_ROW_SPREAD = 0.25
 
 
 def _bucket(match_len: int) -> int:
@@ -179,18 +185,52 @@ def draft_gain(rate: float, row_cost: float, k: int, batch: int = 1) -> float:
     return accepted - batch * row_cost * k
 
 
+@dataclass
+class _StepLine:
+    """Step time against a step's extra verify rows, by decayed least squares."""
+
+    weight: float = 0.0
+    rows: float = 0.0
+    time: float = 0.0
+    rows_sq: float = 0.0
+    rows_time: float = 0.0
+
+    def add(self, extra_rows: int, seconds: float) -> None:
+        d = _FIT_DECAY
+        self.weight = self.weight * d + 1.0
+        self.rows = self.rows * d + extra_rows
+        self.time = self.time * d + seconds
+        self.rows_sq = self.rows_sq * d + extra_rows * extra_rows
+        self.rows_time = self.rows_time * d + extra_rows * seconds
+
+    def slope(self) -> float | None:
+        """Seconds a row adds, or None where the rows do not spread enough to tell."""
+        spread = self.weight * self.rows_sq - self.rows * self.rows
+        if spread <= _MIN_ROW_SPREAD * self.weight * self.weight:
+            return None
+        return (self.weight * self.rows_time - self.rows * self.time) / spread
+
+    def plain(self, row_cost: float) -> float:
+        """A plain step's seconds, each extra row costing `row_cost` of it."""
+        return self.time / (self.weight + row_cost * self.rows)
+
+
 class StepCosts:
     """What verifying and drafting cost, as fractions of a plain step, from the engine's own times.
 
-    Per batch size, plain steps (one row per request) set the base time; a step with e extra
-    rows then says (time / base - 1) / e for a row. An ask of the MTP head runs it over every
-    position queued since the request's last ask, then drafts: asks that found few positions
-    queued (at most STEADY_QUEUE per request) time an ask's own cost per request, the others
-    what a queued position adds. All are smoothed; until measured, the DEFAULT_ costs stand.
+    Per batch size, a line through the recent steps' times against their extra verify rows (one
+    row per request is a plain step) gives a plain step's time and a row's: drafting steps count
+    too, so the line follows the machine and the context as they change even where nearly every
+    step drafts (a plain step's time kept apart went stale there, and a row then read as free).
+    Where the rows have not spread enough to fit a slope, the last row cost measured (else
+    DEFAULT_ROW_COST) stands. An ask of the MTP head runs it over every position queued since
+    the request's last ask, then drafts: asks that found few positions queued (at most
+    STEADY_QUEUE per request) time an ask's own cost per request, the others what a queued
+    position adds. Until measured, the DEFAULT_ costs stand.
     """
 
     def __init__(self) -> None:
-        self._plain: dict[int, float] = {}
+        self._lines: dict[int, _StepLine] = {}
         self._per_row: dict[int, float] = {}
         self._ask: dict[int, float] = {}
         self._per_position: dict[int, float] = {}
@@ -198,18 +238,21 @@ class StepCosts:
     def observe_step(self, batch: int, rows: int, seconds: float) -> None:
         if batch <= 0 or rows < batch or seconds <= 0.0:
             return
-        if rows == batch:
-            self._plain[batch] = _smooth(self._plain.get(batch), seconds)
-        elif batch in self._plain:
-            sample = max(0.0, (seconds / self._plain[batch] - 1.0) / (rows - batch))
-            self._per_row[batch] = _smooth(self._per_row.get(batch), sample)
+        line = self._lines.setdefault(batch, _StepLine())
+        line.add(rows - batch, seconds)
+        slope = line.slope()
+        if slope is not None:
+            plain = (line.time - slope * line.rows) / line.weight  # the line at no extra row
+            if plain > 0.0:
+                self._per_row[batch] = max(0.0, slope / plain)
 
     def observe_ask(self, batch: int, asked: int, queued: int, seconds: float) -> None:
         """An MTP ask for `asked` of the step's `batch` requests, with `queued` positions
         queued among them, took `seconds`."""
-        if asked <= 0 or batch not in self._plain:
+        plain = self._plain(batch)
+        if asked <= 0 or plain is None:
             return
-        steps = seconds / self._plain[batch]
+        steps = seconds / plain
         if queued <= STEADY_QUEUE * asked:
             self._ask[batch] = _smooth(self._ask.get(batch), steps / asked)
         else:
@@ -226,6 +269,10 @@ class StepCosts:
     def catch_up(self, batch: int, queued: int) -> float:
         """Running the head over `queued` positions, in a step of `batch`."""
         return queued * self._per_position.get(batch, DEFAULT_POSITION_COST)
+
+    def _plain(self, batch: int) -> float | None:
+        line = self._lines.get(batch)
+        return None if line is None else line.plain(self.row(batch))
 
 
 def _smooth(old: float | None, sample: float) -> float:

@@ -145,19 +145,53 @@ def test_step_costs_measure_a_row_and_an_ask_against_a_plain_step():
     costs = StepCosts()
     assert costs.row(1) == DEFAULT_ROW_COST and costs.ask(1) == DEFAULT_ASK_COST
     assert costs.catch_up(1, 100) == 100 * DEFAULT_POSITION_COST
-    costs.observe_step(1, 9, 0.020)  # no plain step yet to compare with
-    costs.observe_ask(1, 1, 2, 0.004)
-    assert costs.row(1) == DEFAULT_ROW_COST and costs.ask(1) == DEFAULT_ASK_COST
-    for _ in range(50):
+    costs.observe_step(1, 9, 0.020)  # one step cannot tell a row from the step ...
+    assert costs.row(1) == DEFAULT_ROW_COST
+    costs.observe_ask(1, 1, 2, 0.004)  # ... so an ask counts against the plain step it implies
+    assert costs.ask(1) == pytest.approx(0.004 / (0.020 / (1 + 8 * DEFAULT_ROW_COST)))
+    for _ in range(100):
         costs.observe_step(1, 1, 0.010)
         costs.observe_step(1, 9, 0.018)
         costs.observe_ask(1, 1, 2, 0.004)  # a steady ask
         costs.observe_ask(1, 1, 300, 0.010)  # a catch-up on 300 positions: 0.6 steps more
         costs.observe_step(2, 2, 0.012)
         costs.observe_ask(2, 2, 4, 0.006)
-    assert costs.row(1) == pytest.approx(0.1)
-    assert costs.ask(1) == pytest.approx(0.4) and costs.ask(2) == pytest.approx(0.25)
-    assert costs.catch_up(1, 100) == pytest.approx(100 * 0.002)
+    assert costs.row(1) == pytest.approx(0.1, rel=1e-3)
+    assert costs.ask(1) == pytest.approx(0.4, rel=1e-3) and costs.ask(2) == pytest.approx(0.25, rel=1e-3)
+    assert costs.catch_up(1, 100) == pytest.approx(100 * 0.002, rel=1e-3)
     assert costs.row(2) == DEFAULT_ROW_COST  # batch 2 never drafted
     costs.observe_step(3, 2, 0.01)  # fewer rows than requests: not a step
     assert costs.row(3) == DEFAULT_ROW_COST
+
+
+@pytest.mark.parametrize("slowdown", [2.0, 0.5])
+def test_step_costs_follow_the_machine_when_every_step_drafts(slowdown):
+    """Plain steps measured once, then only drafting steps of 1-8 extra rows on a machine that
+    became slower (or faster): the row cost is what the drafting steps show, not what they show
+    against the old plain step (against it, a row read 0.33-1.2 of a step, or 0)."""
+    costs = StepCosts()
+    for _ in range(30):
+        costs.observe_step(1, 1, 0.010)
+    plain = 0.010 * slowdown
+    for i in range(200):
+        extra = 1 + i % 8
+        costs.observe_step(1, 1 + extra, plain * (1 + 0.1 * extra))
+    assert costs.row(1) == pytest.approx(0.1, rel=1e-3)
+    costs.observe_ask(1, 1, 1, plain * 0.3)
+    assert costs.ask(1) == pytest.approx(0.3, rel=1e-3)
+
+
+def test_step_costs_keep_the_last_row_cost_while_the_rows_do_not_spread():
+    costs = StepCosts()
+    for i in range(100):
+        costs.observe_step(1, 1 + 2 * (i % 2), 0.010 * (1 + 0.2 * 2 * (i % 2)))
+    assert costs.row(1) == pytest.approx(0.2, rel=1e-3)
+    for _ in range(200):  # every step now drafts 16 tokens, a row a little dearer than before
+        costs.observe_step(1, 17, 0.010 * (1 + 0.25 * 16))
+    measured = costs.row(1)
+    assert 0.2 < measured < 0.3  # fitted while the rows still spread: the old steps and the new
+    for _ in range(100):  # alike steps cannot tell a row from the step: the last row cost stands
+        costs.observe_step(1, 17, 0.010 * (1 + 0.25 * 16))
+    assert costs.row(1) == measured
+    costs.observe_ask(1, 1, 1, 0.010)  # against the plain step that row cost implies
+    assert costs.ask(1) == pytest.approx(0.010 / (0.050 / (1 + 16 * measured)))
