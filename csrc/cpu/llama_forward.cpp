@@ -6,14 +6,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention_plan.hpp"
 #include "numerics.hpp"
 
 namespace cpu {
 namespace {
-
-// Attention is cut into chunk tasks when a step has fewer (tile, KV head) tasks than this many
-// per thread (see run_decoder).
-constexpr int kSplitBelowTasksPerThread = 2;
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
@@ -206,63 +203,10 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
   require(std::adjacent_find(written.begin(), written.end()) == written.end(),
           "block_table: two spans of the step write one page");
   require(row == n, "spans: cover fewer tokens than given");
-  // Attention runs on tiles of a span's consecutive rows, sharing each K/V block among them.
-  struct RowTile {
-    int slot, first_row, first_pos, rows;
-  };
-  // `pieces` tiles per span, of near-equal size (a span's pieces are capped at its rows and
-  // cut at most kAttendRows rows each).
-  auto tile_spans = [&](int pieces) {
-    std::vector<RowTile> out;
-    for (int i = 0, first = 0; i < num_spans; first += spans[i].length, ++i) {
-      const int len = spans[i].length;
-      const int count = std::max({1, std::min(pieces, len), (len + kAttendRows - 1) / kAttendRows});
-      for (int p = 0, t = 0; p < count; ++p) {
-        const int rows = len * (p + 1) / count - len * p / count;
-        out.push_back({spans[i].slot, first + t, spans[i].start + t, rows});
-        t += rows;
-      }
-    }
-    return out;
-  };
-  const int enough_tasks = kSplitBelowTasksPerThread * pool_.size();
-  std::vector<RowTile> tiles = tile_spans(1);
-  // Few (tile, KV head) tasks (a decode, a verify) leave threads idle. A span of at least
-  // kRowsPerKvPass rows a thread is cut into that many tiles, each sharing its K/V blocks among
-  // kRowsPerKvPass rows or more (a verify of 8 rows on 2 threads: 2 tiles). Else each
-  // (tile, KV head) is cut into its chunks of kChunk positions, and each row's chunk states are
-  // merged afterwards (the chunk states of an 8-row verify, passed between threads, cost as much
-  // as a tenth of its attention). Otherwise a (tile, KV head) runs all its chunks and merges
-  // them itself. Both merge the same states in the same order: the choice never changes a bit.
-  if (static_cast<int>(tiles.size()) * kvh < enough_tasks) {
-    int widest = 0;
-    for (int i = 0; i < num_spans; ++i) widest = std::max(widest, spans[i].length);
-    const int pieces = std::min(pool_.size(), widest / kRowsPerKvPass);
-    if (pieces > 1) tiles = tile_spans(pieces);
-  }
+  const AttentionPlan plan = plan_attention(spans, num_spans, n, kvh, group, hd, pool_.size());
+  const std::vector<RowTile>& tiles = plan.tiles;
   const int sf = state_floats(hd);
-  const bool split_chunks = static_cast<int>(tiles.size()) * kvh < enough_tasks;
-  struct ChunkTask {
-    int tile, head, chunk;
-    size_t states;  // offset of its [rows][group] states in chunk_states
-  };
-  std::vector<ChunkTask> chunk_tasks;
-  std::vector<int> row_tile(n), tile_tasks, tile_chunks;  // a tile's first task and its chunks per KV head
-  size_t chunk_state_floats = 0;
-  if (split_chunks) {
-    for (int i = 0; i < static_cast<int>(tiles.size()); ++i) {
-      const RowTile& t = tiles[i];
-      tile_tasks.push_back(static_cast<int>(chunk_tasks.size()));
-      tile_chunks.push_back((t.first_pos + t.rows - 1) / kChunk + 1);
-      std::fill(row_tile.begin() + t.first_row, row_tile.begin() + t.first_row + t.rows, i);
-      for (int head = 0; head < kvh; ++head)
-        for (int c = 0; c < tile_chunks.back(); ++c) {
-          chunk_tasks.push_back({i, head, c, chunk_state_floats});
-          chunk_state_floats += static_cast<size_t>(t.rows) * group * sf;
-        }
-    }
-  }
-  std::vector<float> chunk_states(chunk_state_floats);
+  std::vector<float> chunk_states(plan.chunk_state_floats);
 
   std::vector<float> x(static_cast<size_t>(n) * d), y(x.size()), h(x.size());
   std::vector<float> qkv(static_cast<size_t>(n) * qkv_n), attn(static_cast<size_t>(n) * q_size);
@@ -341,11 +285,11 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
     } else {
       pool_.parallel_for(kvh * k_dim_parts, write_k);
     }
-    if (split_chunks) {
-      pool_.parallel_for(static_cast<int>(chunk_tasks.size()), [&](int i0, int i1, int thread) {
+    if (plan.split_chunks) {
+      pool_.parallel_for(static_cast<int>(plan.chunk_tasks.size()), [&](int i0, int i1, int thread) {
         float* scratch = attend_scratch.data() + thread * attend_floats;
         for (int i = i0; i < i1; ++i) {
-          const ChunkTask& c = chunk_tasks[i];
+          const ChunkTask& c = plan.chunk_tasks[i];
           const RowTile& t = tiles[c.tile];
           kernels_->attend_chunk(qkv.data() + static_cast<size_t>(t.first_row) * qkv_n + c.head * group * hd, qkv_n,
                                  t.rows, t.first_pos + 1, group, hd, kv_pages(k_layer, v_layer, t.slot, c.head),
@@ -356,13 +300,8 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
         std::vector<float*> totals(heads);
         std::vector<const float*> parts(heads);
         for (int r = r0; r < r1; ++r) {
-          const int tile = row_tile[r], chunks = row_pos[r] / kChunk + 1;
-          // Chunk c of this (row, head) in the task (tile, KV head, c)'s states.
-          auto state = [&](int head, int c) {
-            const ChunkTask& task = chunk_tasks[tile_tasks[tile] + (head / group) * tile_chunks[tile] + c];
-            return chunk_states.data() + task.states +
-                   static_cast<size_t>((r - tiles[tile].first_row) * group + head % group) * sf;
-          };
+          const int chunks = row_pos[r] / kChunk + 1;
+          auto state = [&](int head, int c) { return chunk_states.data() + plan.chunk_state(r, head, c, group, sf); };
           for (int head = 0; head < heads; ++head) totals[head] = state(head, 0);
           for (int c = 1; c < chunks; ++c) {  // every head's chunk c at once
             for (int head = 0; head < heads; ++head) parts[head] = state(head, c);
