@@ -161,8 +161,10 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
     gate = max(batch, base.batch_gate) if open_gate else base.batch_gate
     core = engine.core
     for workload, texts in prompts.items():
-        # Batch 1 alternates over the prompts; a batch of 8 holds them all, so it runs twice.
-        groups = [texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1 else [(texts * batch)[:batch]] * 2
+        # Batch 1 alternates over the prompts; a batch of 8 holds them all, so it runs once per
+        # mode, each mode first once (in the two rounds it ran before, two modes never ran first).
+        groups = ([texts[i:i + batch] for i in range(0, len(texts), batch)] if batch == 1
+                  else [(texts * batch)[:batch]] * len(modes))
         walls, e2e_walls = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0)
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         mtp_counts = {mode: ([], []) for mode in modes}  # (drafted, accepted) by draft position
