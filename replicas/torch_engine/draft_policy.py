@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 # Positions of context a request whose MTP asks do not pay keeps queued for its next probe.
 MTP_PROBE_CONTEXT = 64
+# Each probe that fails waits twice as long for the next, MTP_MAX_BACKOFF steps at first and
+# at most this many: on open chat the head is seldom sure enough to draft, and a probe (a
+# catch-up on MTP_PROBE_CONTEXT positions) costs most of a plain step.
+MTP_MAX_PROBE_GAP = 128
 # A request's first asks of the head go whatever the engine has seen: how much of the head's
 # draft is accepted is the request's own (most of it on a copy-like edit, almost none on an
 # open question), and its first ask after the prompt is often unsure (seen on every edit and
@@ -44,9 +48,13 @@ class DraftPolicy:
         """Ask the head for the request's draft this step, rather than draft `fallback` SA
         tokens (or none)? Once an ask does not pay, the request's queue is cut to its last
         MTP_PROBE_CONTEXT positions and it asks only every MTP_MAX_BACKOFF steps (a probe), to
-        see whether it pays again. Its first MTP_OWN_ASKS asks go all the same, on a queue cut
+        see whether it pays again; each probe that fails doubles that gap, up to
+        MTP_MAX_PROBE_GAP steps. Its first MTP_OWN_ASKS asks go all the same, on a queue cut
         as for a probe."""
-        if seq.mtp_backoff >= MTP_MAX_BACKOFF or self._mtp_pays(seq, mode, batch, fallback):
+        if self._mtp_pays(seq, mode, batch, fallback):
+            return True
+        if seq.mtp_backoff >= MTP_MAX_BACKOFF:  # a probe
+            seq.mtp_probe_gap = min(MTP_MAX_PROBE_GAP, 2 * (seq.mtp_probe_gap or MTP_MAX_BACKOFF))
             return True
         self.mtp.forget(seq.slot, keep=MTP_PROBE_CONTEXT)
         if seq.mtp_yield.made < MTP_OWN_ASKS:
@@ -72,6 +80,10 @@ class DraftPolicy:
         """An ask of the head for `seq` drafted `num_draft` tokens (0: it was unsure), of
         which `num_accepted` were accepted."""
         seq.mtp_backoff = seq.mtp_skip = next_mtp_backoff(seq.mtp_backoff, num_accepted)
+        if num_accepted:
+            seq.mtp_probe_gap = 0
+        elif seq.mtp_probe_gap:  # probing: the next probe waits the gap
+            seq.mtp_skip = seq.mtp_probe_gap
         for mtp_yield in (seq.mtp_yield, self.mtp_yield[mode]):
             mtp_yield.add(num_draft, num_accepted)
 

@@ -46,6 +46,7 @@ class Sequence:
     mtp_fed: bool = False  # the MTP head sees its positions (its mode could draft with MTP when admitted)
     mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
     mtp_skip: int = 0  # of those, steps still to go without MTP
+    mtp_probe_gap: int = 0  # steps a failed probe of the head sets aside (DraftPolicy.ask_mtp); 0: not probing
     mtp_yield: MtpYield = field(default_factory=MtpYield)  # what its asks of the head drafted and had accepted
     counters: SpecCounters = field(default_factory=SpecCounters)
     finish_reason: FinishReason | None = None

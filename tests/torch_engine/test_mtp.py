@@ -200,6 +200,45 @@ def test_rows_of_several_slots_queue_at_once_as_one_slot_at_a_time(tiny):
     assert [at_once.queued(s) for s in spans] == [2, 2, 2]
 
 
+def test_probes_that_fail_wait_twice_as_long_each_time(tiny):
+    """Where the head's asks do not pay, a request asks it only in probes: the first after
+    MTP_MAX_BACKOFF planned steps, each later one after twice the gap before it, at most
+    MTP_MAX_PROBE_GAP; an accepted draft ends the probing (the next failure backs off 1 step)."""
+    from replicas.engine import RequestSpeculation, SamplingParams
+    from replicas.speculation.hybrid import MTP_MAX_BACKOFF
+    from replicas.torch_engine.draft_policy import MTP_MAX_PROBE_GAP, MTP_OWN_ASKS, DraftPolicy
+    from replicas.torch_engine.sequence import Sequence
+
+    target, module, tokens, hidden = tiny
+    drafter = MTPDrafter(module, target, max_slots=1, max_seq_len=64)
+    drafter.add(0)
+    drafter.observe(0, hidden[:8], tokens[1:9])
+    policy = DraftPolicy(drafter)
+    for _ in range(20):  # an ask costs 5 plain steps: it never pays
+        policy.costs.observe_step(1, 1, 0.010)
+        policy.costs.observe_ask(1, 1, 1, 0.050)
+    seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=4096), RequestSpeculation(), None, frozenset(), slot=0)
+    asked = []
+    for step in range(600):  # each step planned for MTP, as the core runs them
+        if seq.mtp_skip:
+            seq.mtp_skip -= 1
+        elif policy.ask_mtp(seq, "hybrid", 1):
+            asked.append(step)
+            policy.mtp_outcome(seq, "hybrid", 0, 0)  # the head is unsure
+    probes = asked[MTP_OWN_ASKS:]
+    # after the last own ask: its backoff (2 steps), a step that stands the head down, then the wait
+    assert MTP_OWN_ASKS == 2 and probes[0] - asked[1] - 1 == 2 + 1 + MTP_MAX_BACKOFF
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[:5] == [2 * MTP_MAX_BACKOFF, 4 * MTP_MAX_BACKOFF, MTP_MAX_PROBE_GAP, MTP_MAX_PROBE_GAP,
+                        MTP_MAX_PROBE_GAP] == [32, 64, 128, 128, 128]
+    seq.mtp_skip = 0
+    assert policy.ask_mtp(seq, "hybrid", 1)  # a probe, whose draft is accepted
+    policy.mtp_outcome(seq, "hybrid", 2, 1)
+    assert (seq.mtp_backoff, seq.mtp_skip, seq.mtp_probe_gap) == (0, 0, 0)
+    policy.mtp_outcome(seq, "hybrid", 2, 0)
+    assert (seq.mtp_backoff, seq.mtp_skip) == (1, 1)
+
+
 def test_drafter_slot_lifecycle_and_confidence_cut(tiny):
     target, module, tokens, hidden = tiny
     drafter = MTPDrafter(module, target, max_slots=1, max_seq_len=16)
