@@ -296,14 +296,14 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
         kept_hidden = self._kept_hidden(hidden, verdicts)
-        fed = [i for i, (seq, _, _) in enumerate(verdicts) if seq.mtp_fed]
+        fed = [(seq, kept, verdict.tokens) for (seq, _, verdict), kept in zip(verdicts, kept_hidden) if seq.mtp_fed]
         if fed:
+            fed_seqs, fed_rows, fed_tokens = zip(*fed)
             try:
-                self.mtp.observe_rows([verdicts[i][0].slot for i in fed], [kept_hidden[i] for i in fed],
-                                      [verdicts[i][2].tokens for i in fed])
+                self.mtp.observe_rows([seq.slot for seq in fed_seqs], fed_rows, fed_tokens)
             except Exception as exc:  # noqa: BLE001
-                for i in fed:
-                    self._fail(verdicts[i][0], exc)
+                for seq in fed_seqs:
+                    self._fail(seq, exc)
         for (seq, rows, verdict), kept in zip(verdicts, kept_hidden):
             if seq.finish_reason == "error":
                 continue
@@ -347,7 +347,8 @@ class EngineCore:
         """Offer the request's newly committed positions to the prefix cache; `hidden` holds
         their hidden states (the MTP head reruns over them when a later request reuses them),
         kept uncopied until the next whole block goes in: a view of the step's gather of kept
-        rows (`_kept_hidden`), or of the prefill's own. `finished`: the request is over; its last, partial block goes in too."""
+        rows (`_kept_hidden`) or of the prefill's. `finished`: the request is over; its last,
+        partial block goes in too."""
         if self.prefix is None:
             return
         if self.mtp is not None and hidden is not None:
