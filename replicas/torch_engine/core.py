@@ -322,7 +322,8 @@ class EngineCore:
         if self.mtp is None or (self.prefix is None and not any(seq.mtp_fed for seq, _, _ in verdicts)):
             return [None] * len(verdicts)
         counts = [len(verdict.tokens) for _, _, verdict in verdicts]
-        index = torch.tensor([rows.start + i for (_, rows, _), n in zip(verdicts, counts) for i in range(n)])
+        index = torch.tensor([rows.start + i for (_, rows, _), n in zip(verdicts, counts) for i in range(n)],
+                             device=hidden.device)
         return list(hidden.index_select(0, index).split(counts))
 
     def _make_room(self, seqs: list[Sequence], plans: list[tuple[DraftPlan, list[int]]]
