@@ -20,14 +20,15 @@ if TYPE_CHECKING:
 
 # Positions of context a request whose MTP asks do not pay keeps queued for its next probe.
 MTP_PROBE_CONTEXT = 64
-# Each probe that fails waits twice as long for the next, MTP_MAX_BACKOFF steps at first and
-# at most this many: on open chat the head is seldom sure enough to draft, and a probe (a
-# catch-up on MTP_PROBE_CONTEXT positions) costs most of a plain step.
+# Each probe that fails waits twice as long for the next, at most this many steps: on open
+# chat the head is seldom sure enough to draft, and a probe (a catch-up on MTP_PROBE_CONTEXT
+# positions) costs most of a plain step. An ask holds up the whole step, so in a batch of b
+# the waits start b times longer.
 MTP_MAX_PROBE_GAP = 128
 # A request's first asks of the head go whatever the engine has seen: how much of the head's
 # draft is accepted is the request's own (most of it on a copy-like edit, almost none on an
 # open question), and its first ask after the prompt is often unsure (seen on every edit and
-# chat prompt of the benchmark).
+# chat prompt of the benchmark). In a batch they go only where an unmeasured head's would pay.
 MTP_OWN_ASKS = 2
 
 
@@ -47,19 +48,20 @@ class DraftPolicy:
     def ask_mtp(self, seq: Sequence, mode: str, batch: int, fallback: int = 0) -> bool:
         """Ask the head for the request's draft this step, rather than draft `fallback` SA
         tokens (or none)? Once an ask does not pay, the request's queue is cut to its last
-        MTP_PROBE_CONTEXT positions and it asks only every MTP_MAX_BACKOFF steps (a probe), to
-        see whether it pays again; each probe that fails doubles that gap, up to
-        MTP_MAX_PROBE_GAP steps. Its first MTP_OWN_ASKS asks go all the same, on a queue cut
-        as for a probe."""
+        MTP_PROBE_CONTEXT positions and it asks again only in a probe, to see whether it pays:
+        MTP_MAX_BACKOFF x batch steps on, each probe that fails doubling the gap (from 2 x
+        that), up to MTP_MAX_PROBE_GAP steps. Its first MTP_OWN_ASKS asks go all the same
+        (in a batch, where an unmeasured head's would pay), on a queue cut as for a probe."""
         if self._mtp_pays(seq, mode, batch, fallback):
             return True
         if seq.mtp_backoff >= MTP_MAX_BACKOFF:  # a probe
-            seq.mtp_probe_gap = min(MTP_MAX_PROBE_GAP, 2 * (seq.mtp_probe_gap or MTP_MAX_BACKOFF))
+            seq.mtp_probe_gap = min(MTP_MAX_PROBE_GAP, max(2 * seq.mtp_probe_gap, 2 * MTP_MAX_BACKOFF * batch))
             return True
         self.mtp.forget(seq.slot, keep=MTP_PROBE_CONTEXT)
-        if seq.mtp_yield.made < MTP_OWN_ASKS:
+        if seq.mtp_yield.made < MTP_OWN_ASKS and (batch == 1 or self._mtp_pays(seq, mode, batch, fallback, own=True)):
             return True
-        seq.mtp_backoff = seq.mtp_skip = MTP_MAX_BACKOFF
+        seq.mtp_backoff = MTP_MAX_BACKOFF
+        seq.mtp_skip = min(MTP_MAX_PROBE_GAP, MTP_MAX_BACKOFF * batch)
         return False
 
     def bound_mtp_queue(self, seq: Sequence, mode: str, batch: int) -> None:
@@ -95,8 +97,9 @@ class DraftPolicy:
     def _sa_rate(self, seq: Sequence) -> float:
         return seq.sa_acceptance.rate(seq.sa_match_len, self.sa_acceptance)
 
-    def _mtp_pays(self, seq: Sequence, mode: str, batch: int, fallback: int = 0) -> bool:
+    def _mtp_pays(self, seq: Sequence, mode: str, batch: int, fallback: int = 0, own: bool = False) -> bool:
+        """`own`: from the request's yield alone, leaning on an unmeasured head's, not the engine's."""
         costs = self.costs
         alternative = draft_gain(self._sa_rate(seq), costs.row(batch), fallback, batch)
         return seq.mtp_yield.pays(costs.row(batch), costs.ask(batch), costs.catch_up(batch, self.mtp.queued(seq.slot)),
-                                  seq.tokens_left, self.mtp_yield[mode], batch, max(0.0, alternative))
+                                  seq.tokens_left, None if own else self.mtp_yield[mode], batch, max(0.0, alternative))

@@ -200,13 +200,13 @@ def test_rows_of_several_slots_queue_at_once_as_one_slot_at_a_time(tiny):
     assert [at_once.queued(s) for s in spans] == [2, 2, 2]
 
 
-def test_probes_that_fail_wait_twice_as_long_each_time(tiny):
-    """Where the head's asks do not pay, a request asks it only in probes: the first after
-    MTP_MAX_BACKOFF planned steps, each later one after twice the gap before it, at most
-    MTP_MAX_PROBE_GAP; an accepted draft ends the probing (the next failure backs off 1 step)."""
+def _policy_asks(tiny, ask_s: float, engine_seen_unsure: int, steps: int, batch: int = 1):
+    """(steps at which a fresh request asked the head, the request, the policy): every step
+    planned for MTP (as the core runs them) in a batch of `batch`, every ask unsure, with
+    plain steps of 10 ms, asks of `ask_s` and an engine that has seen `engine_seen_unsure`
+    unsure asks before."""
     from replicas.engine import RequestSpeculation, SamplingParams
-    from replicas.speculation.hybrid import MTP_MAX_BACKOFF
-    from replicas.torch_engine.draft_policy import MTP_MAX_PROBE_GAP, MTP_OWN_ASKS, DraftPolicy
+    from replicas.torch_engine.draft_policy import DraftPolicy
     from replicas.torch_engine.sequence import Sequence
 
     target, module, tokens, hidden = tiny
@@ -214,20 +214,33 @@ def test_probes_that_fail_wait_twice_as_long_each_time(tiny):
     drafter.add(0)
     drafter.observe(0, hidden[:8], tokens[1:9])
     policy = DraftPolicy(drafter)
-    for _ in range(20):  # an ask costs 5 plain steps: it never pays
-        policy.costs.observe_step(1, 1, 0.010)
-        policy.costs.observe_ask(1, 1, 1, 0.050)
+    for _ in range(20):
+        policy.costs.observe_step(batch, batch, 0.010)
+        policy.costs.observe_ask(batch, 1, 1, ask_s)
+    for _ in range(engine_seen_unsure):
+        policy.mtp_yield["hybrid"].add(0, 0)
     seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=4096), RequestSpeculation(), None, frozenset(), slot=0)
     asked = []
-    for step in range(600):  # each step planned for MTP, as the core runs them
+    for step in range(steps):
         if seq.mtp_skip:
             seq.mtp_skip -= 1
-        elif policy.ask_mtp(seq, "hybrid", 1):
+        elif policy.ask_mtp(seq, "hybrid", batch):
             asked.append(step)
-            policy.mtp_outcome(seq, "hybrid", 0, 0)  # the head is unsure
+            policy.mtp_outcome(seq, "hybrid", 0, 0)
+    return asked, seq, policy
+
+
+def test_probes_that_fail_wait_twice_as_long_each_time(tiny):
+    """Where the head's asks do not pay, a request asks it only in probes: the first after
+    MTP_MAX_BACKOFF planned steps, each later one after twice the gap before it, at most
+    MTP_MAX_PROBE_GAP; an accepted draft ends the probing (the next failure backs off 1 step)."""
+    from replicas.speculation.hybrid import MTP_MAX_BACKOFF
+    from replicas.torch_engine.draft_policy import MTP_MAX_PROBE_GAP, MTP_OWN_ASKS
+
+    asked, seq, policy = _policy_asks(tiny, ask_s=0.050, engine_seen_unsure=0, steps=600)  # an ask: 5 steps
     probes = asked[MTP_OWN_ASKS:]
     # after the last own ask: its backoff (2 steps), a step that stands the head down, then the wait
-    assert MTP_OWN_ASKS == 2 and probes[0] - asked[1] - 1 == 2 + 1 + MTP_MAX_BACKOFF
+    assert MTP_OWN_ASKS == 2 and asked[:2] == [0, 2] and probes[0] == 2 + 2 + 1 + MTP_MAX_BACKOFF + 1
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps[:5] == [2 * MTP_MAX_BACKOFF, 4 * MTP_MAX_BACKOFF, MTP_MAX_PROBE_GAP, MTP_MAX_PROBE_GAP,
                         MTP_MAX_PROBE_GAP] == [32, 64, 128, 128, 128]
@@ -237,6 +250,22 @@ def test_probes_that_fail_wait_twice_as_long_each_time(tiny):
     assert (seq.mtp_backoff, seq.mtp_skip, seq.mtp_probe_gap) == (0, 0, 0)
     policy.mtp_outcome(seq, "hybrid", 2, 0)
     assert (seq.mtp_backoff, seq.mtp_skip) == (1, 1)
+
+
+def test_in_a_batch_asks_that_cannot_pay_wait_as_many_times_longer(tiny):
+    """An ask holds up every request of the step: in a batch of 4, a request whose asks cannot
+    pay stands the head down at once (its own first asks go only where an unmeasured head's
+    would pay), waits 4 x MTP_MAX_BACKOFF steps before its first probe and twice that between
+    probes, at most MTP_MAX_PROBE_GAP; alone, even a head the engine has seen unsure is asked
+    MTP_OWN_ASKS times first."""
+    from replicas.speculation.hybrid import MTP_MAX_BACKOFF
+    from replicas.torch_engine.draft_policy import MTP_MAX_PROBE_GAP
+
+    asked, _, _ = _policy_asks(tiny, ask_s=0.050, engine_seen_unsure=0, steps=600, batch=4)
+    assert asked[0] == 4 * MTP_MAX_BACKOFF + 1
+    assert {b - a - 1 for a, b in zip(asked, asked[1:])} == {MTP_MAX_PROBE_GAP} and len(asked) == 5
+    alone, _, _ = _policy_asks(tiny, ask_s=0.001, engine_seen_unsure=40, steps=30)
+    assert alone == [0, 2, 2 + 2 + 1 + MTP_MAX_BACKOFF + 1]
 
 
 def test_drafter_slot_lifecycle_and_confidence_cut(tiny):
