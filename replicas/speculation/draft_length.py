@@ -223,7 +223,8 @@ class StepCosts:
     too, so the line follows the machine and the context as they change even where nearly every
     step drafts (a plain step's time kept apart went stale there, and a row then read as free).
     Where the rows have not spread enough to fit a slope, the last row cost measured (else
-    DEFAULT_ROW_COST) stands. An ask of the MTP head runs it over every position queued since
+    DEFAULT_ROW_COST) stands, except that plain steps move one above DEFAULT_ROW_COST back
+    toward it. An ask of the MTP head runs it over every position queued since
     the request's last ask, then drafts: asks that found few positions queued (at most
     STEADY_QUEUE per request) time an ask's own cost per request, the others what a queued
     position adds. Until measured, the DEFAULT_ costs stand.
@@ -245,6 +246,12 @@ class StepCosts:
             plain = (line.time - slope * line.rows) / line.weight  # the line at no extra row
             if plain > 0.0:
                 self._per_row[batch] = max(0.0, slope / plain)
+        elif rows == batch and self.row(batch) > DEFAULT_ROW_COST:
+            # A row cost read too high (drafting steps timed while the machine was busy) stops
+            # the drafts that would time it again, and once the plain steps alone are left no
+            # slope can be fitted: each such step moves it back toward the prior, until drafts
+            # go again and are timed.
+            self._per_row[batch] = DEFAULT_ROW_COST + (self.row(batch) - DEFAULT_ROW_COST) * _FIT_DECAY
 
     def observe_ask(self, batch: int, asked: int, queued: int, seconds: float) -> None:
         """An MTP ask for `asked` of the step's `batch` requests, with `queued` positions

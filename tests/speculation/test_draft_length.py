@@ -181,6 +181,29 @@ def test_step_costs_follow_the_machine_when_every_step_drafts(slowdown):
     assert costs.ask(1) == pytest.approx(0.3, rel=1e-3)
 
 
+def test_a_row_cost_timed_on_a_busy_machine_relaxes_once_no_step_drafts():
+    """Drafting steps timed while something else held the cores read a row as more than a plain
+    step, so no draft pays and only plain steps follow: they lie on the fitted line, then no
+    longer spread enough to fit one, and the cost would stand for good. Plain steps move it
+    back to the prior instead, until drafts go."""
+    costs = StepCosts()
+    for i in range(100):
+        costs.observe_step(1, 1 + 2 * (i % 2), 0.010 * (1 + 0.1 * 2 * (i % 2)))
+    assert costs.row(1) == pytest.approx(0.1, rel=1e-3)
+    for _ in range(3):  # three drafting steps held up by something else on the cores: 10x
+        costs.observe_step(1, 3, 0.100)
+    assert costs.row(1) > 1 and best_draft_len(0.9, costs.row(1), 8) == 0
+    steps = 0
+    while best_draft_len(0.9, costs.row(1), 8) == 0:
+        costs.observe_step(1, 1, 0.010)  # what the rule does while no draft pays
+        steps += 1
+        assert steps < 400, costs.row(1)
+    assert costs.row(1) > DEFAULT_ROW_COST
+    for _ in range(1000):  # relaxed toward the prior, never past it
+        costs.observe_step(1, 1, 0.010)
+    assert costs.row(1) == pytest.approx(DEFAULT_ROW_COST) and costs.row(1) >= DEFAULT_ROW_COST
+
+
 def test_step_costs_keep_the_last_row_cost_while_the_rows_do_not_spread():
     costs = StepCosts()
     for i in range(100):
