@@ -224,10 +224,10 @@ class StepCosts:
     step drafts (a plain step's time kept apart went stale there, and a row then read as free).
     Where the rows have not spread enough to fit a slope, the last row cost measured (else
     DEFAULT_ROW_COST) stands, except that plain steps move one above DEFAULT_ROW_COST back
-    toward it. An ask of the MTP head runs it over every position queued since
-    the request's last ask, then drafts: asks that found few positions queued (at most
-    STEADY_QUEUE per request) time an ask's own cost per request, the others what a queued
-    position adds. Until measured, the DEFAULT_ costs stand.
+    toward it. An ask of the MTP head runs it over every position queued since the request's
+    last ask, then drafts: asks that found few positions queued (at most STEADY_QUEUE per
+    request) time an ask's own cost per request, the others what a queued position adds.
+    Until measured, the DEFAULT_ costs stand.
     """
 
     def __init__(self) -> None:
