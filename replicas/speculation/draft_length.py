@@ -222,17 +222,22 @@ class StepCosts:
     row per request is a plain step) gives a plain step's time and a row's: drafting steps count
     too, so the line follows the machine and the context as they change even where nearly every
     step drafts (a plain step's time kept apart went stale there, and a row then read as free).
-    Where the rows have not spread enough to fit a slope, the last row cost measured (else
-    DEFAULT_ROW_COST) stands, except that plain steps move one above DEFAULT_ROW_COST back
-    toward it. An ask of the MTP head runs it over every position queued since the request's
-    last ask, then drafts: asks that found few positions queued (at most STEADY_QUEUE per
-    request) time an ask's own cost per request, the others what a queued position adds.
-    Until measured, the DEFAULT_ costs stand.
+    Where the rows have not spread enough to fit a slope, the last row cost measured stands,
+    except that plain steps move one above the prior back toward it. A batch size not yet
+    measured takes as its prior the seconds a row adds at the nearest batch size measured, over
+    its own plain step: its drafts must go to be timed, and at DEFAULT_ROW_COST no draft pays in
+    a batch of 7 or more, though a GPU verifies a row for a hundredth of a step (its batch of 8
+    drafted only as it shrank, half of what it could). An ask of the MTP head runs it over every
+    position queued since the request's last ask, then drafts: asks that found few positions
+    queued (at most STEADY_QUEUE per request) time an ask's own cost per request, the others
+    what a queued position adds. Until measured (a row's, at any batch size), the DEFAULT_
+    costs stand.
     """
 
     def __init__(self) -> None:
         self._lines: dict[int, _StepLine] = {}
         self._per_row: dict[int, float] = {}
+        self._row_seconds: dict[int, float] = {}  # a fitted line's slope
         self._ask: dict[int, float] = {}
         self._per_position: dict[int, float] = {}
 
@@ -245,13 +250,14 @@ class StepCosts:
         if slope is not None:
             plain = (line.time - slope * line.rows) / line.weight  # the line at no extra row
             if plain > 0.0:
-                self._per_row[batch] = max(0.0, slope / plain)
-        elif rows == batch and self.row(batch) > DEFAULT_ROW_COST:
+                self._row_seconds[batch] = max(0.0, slope)
+                self._per_row[batch] = self._row_seconds[batch] / plain
+        elif rows == batch and self.row(batch) > (prior := self._prior_row(batch)):
             # A row cost read too high (drafting steps timed while the machine was busy) stops
             # the drafts that would time it again, and once the plain steps alone are left no
             # slope can be fitted: each such step moves it back toward the prior, until drafts
             # go again and are timed.
-            self._per_row[batch] = DEFAULT_ROW_COST + (self.row(batch) - DEFAULT_ROW_COST) * _FIT_DECAY
+            self._per_row[batch] = prior + (self.row(batch) - prior) * _FIT_DECAY
 
     def observe_ask(self, batch: int, asked: int, queued: int, seconds: float) -> None:
         """An MTP ask for `asked` of the step's `batch` requests, with `queued` positions
@@ -267,7 +273,20 @@ class StepCosts:
             self._per_position[batch] = _smooth(self._per_position.get(batch), sample)
 
     def row(self, batch: int) -> float:
-        return self._per_row.get(batch, DEFAULT_ROW_COST)
+        measured = self._per_row.get(batch)
+        return self._prior_row(batch) if measured is None else measured
+
+    def _prior_row(self, batch: int) -> float:
+        """The seconds a row adds at the nearest other batch size measured, over this one's
+        plain step (its steps' line at that slope; that batch size's own fraction before this
+        one has stepped), else DEFAULT_ROW_COST."""
+        others = [b for b in self._row_seconds if b != batch]
+        if not others:
+            return DEFAULT_ROW_COST
+        near = min(others, key=lambda b: (abs(b - batch), b))
+        seconds, line = self._row_seconds[near], self._lines.get(batch)
+        plain = 0.0 if line is None else (line.time - seconds * line.rows) / line.weight
+        return seconds / plain if plain > 0.0 else self._per_row[near]
 
     def ask(self, batch: int) -> float:
         """An ask for one request of a step of `batch`, its catching up aside."""

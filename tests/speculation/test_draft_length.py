@@ -159,9 +159,31 @@ def test_step_costs_measure_a_row_and_an_ask_against_a_plain_step():
     assert costs.row(1) == pytest.approx(0.1, rel=1e-3)
     assert costs.ask(1) == pytest.approx(0.4, rel=1e-3) and costs.ask(2) == pytest.approx(0.25, rel=1e-3)
     assert costs.catch_up(1, 100) == pytest.approx(100 * 0.002, rel=1e-3)
-    assert costs.row(2) == DEFAULT_ROW_COST  # batch 2 never drafted
     costs.observe_step(3, 2, 0.01)  # fewer rows than requests: not a step
-    assert costs.row(3) == DEFAULT_ROW_COST
+    assert costs.row(3) == costs.row(1)  # no step at batch 3: the nearest measured's fraction
+
+
+@pytest.mark.parametrize("row_seconds,plain_1,plain_8", [(0.00005, 0.010, 0.011),  # a GPU: launch-bound
+                                                         (0.0006, 0.006, 0.010)])  # 2 CPU cores
+def test_a_batch_size_never_drafted_prices_a_row_from_the_nearest_measured(row_seconds, plain_1, plain_8):
+    """A batch of 8 whose steps never drafted (the gate was shut) has no line to fit: at the
+    default row cost no draft of its could pay, so none would go to be timed. It prices a row
+    at the seconds one adds at batch 1, against its own plain step, until its own drafts fit."""
+    costs = StepCosts()
+    assert best_draft_len(0.99, costs.row(8), 8, batch=8) == 0  # the default, alone
+    for i in range(100):
+        extra = 8 * (i % 2)
+        costs.observe_step(1, 1 + extra, plain_1 + row_seconds * extra)
+    for _ in range(20):
+        costs.observe_step(8, 8, plain_8)
+    assert costs.row(1) == pytest.approx(row_seconds / plain_1, rel=1e-6)
+    assert costs.row(8) == pytest.approx(row_seconds / plain_8, rel=1e-6)
+    assert best_draft_len(0.95, costs.row(8), 8, batch=8) > 0
+    for i in range(100):  # batch 8's own drafts: a row there is dearer than at batch 1
+        extra = 16 * (i % 2)
+        costs.observe_step(8, 8 + extra, plain_8 + 2 * row_seconds * extra)
+    assert costs.row(8) == pytest.approx(2 * row_seconds / plain_8, rel=1e-6)
+    assert costs.row(4) == costs.row(1) and costs.row(6) == costs.row(8)  # the nearest, before they step
 
 
 @pytest.mark.parametrize("slowdown", [2.0, 0.5])
