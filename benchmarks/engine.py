@@ -4,7 +4,7 @@ One run, same prompts, same thread count: decode and end-to-end tokens/s, TTFT a
 accepted tokens per verify step (MAT) on code edits (answer start prefilled, see DESIGN.md)
 and open chat, at batch 1 and 8; MTP acceptance by draft position; hybrid against speculation
 disabled in alternating runs (one request with the gate shut, batches of 4 and 8 under and
-over the shipped gate); llama.cpp's server on the same GGUF through `xllamacpp`
+over the shipped gate: the batch's tokens/s and its mean request's time); llama.cpp's server on the same GGUF through `xllamacpp`
 (plain, `ngram_mod`, `ngram_map_k`; run in the bench venv by benchmarks/llamacpp_peer.py);
 and transformers' `generate`, plain and with prompt lookup (10 tokens). Hybrid with the
 measured draft rule (`adaptive_drafts`, the default) also runs against hybrid drafting all its
@@ -198,7 +198,10 @@ def bench_alternating(engine: TorchEngine, loop, prompts: dict[str, list[str]], 
     """Hybrid against speculation disabled in alternating runs (medians of `repeats`: a single
     run of each moves more than what is measured): one chat request with the gate shut (a
     gated-off step), and batches of 4 (under the shipped gate) and 8 (over it) on each
-    workload; `bench_engine` runs a batch once per mode."""
+    workload; `bench_engine` runs a batch once per mode. Besides the batch's decode tokens/s
+    (its last token's time), the time its mean request took from the batch's first token: a
+    batch that holds its requests to the end is as fast as its slowest, while a server's
+    users each wait for their own."""
     base = engine.config.speculation
     cases = {"batch1/chat, gate shut": (prompts["chat"][:1], dataclasses.replace(base, mode="hybrid", batch_gate=0))}
     for batch in (4, 8):
@@ -206,17 +209,22 @@ def bench_alternating(engine: TorchEngine, loop, prompts: dict[str, list[str]], 
             cases[f"batch{batch}/{workload}"] = ((texts * batch)[:batch], dataclasses.replace(base, mode="hybrid"))
     out = {}
     for case, (group, hybrid_cfg) in cases.items():
-        rates = {"off": [], "hybrid": []}
+        rates, waits = {"off": [], "hybrid": []}, {"off": [], "hybrid": []}
         pair = (("off", dataclasses.replace(base, mode="off")), ("hybrid", hybrid_cfg))
         for rep in range(repeats):
             for mode, cfg in pair[rep % 2:] + pair[:rep % 2]:  # each first in turn
                 engine.configure(cfg)
                 res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
-                rates[mode].append(sum(len(r["tokens"]) - 1 for r in res)
-                                   / (max(r["end_s"] for r in res) - min(r["first_s"] for r in res)))
+                first = min(r["first_s"] for r in res)
+                rates[mode].append(sum(len(r["tokens"]) - 1 for r in res) / (max(r["end_s"] for r in res) - first))
+                waits[mode].append(statistics.mean(r["end_s"] - first for r in res))
         off, hybrid = statistics.median(rates["off"]), statistics.median(rates["hybrid"])
-        out[case] = {"off_tokens_per_s": off, "hybrid_tokens_per_s": hybrid, "hybrid_vs_off": hybrid / off}
-        print(f"  {case:22s} hybrid {hybrid:7.2f} tok/s against off {off:7.2f}: {hybrid / off:.3f}x", flush=True)
+        off_wait, hybrid_wait = statistics.median(waits["off"]), statistics.median(waits["hybrid"])
+        out[case] = {"off_tokens_per_s": off, "hybrid_tokens_per_s": hybrid, "hybrid_vs_off": hybrid / off,
+                     "off_mean_request_s": off_wait, "hybrid_mean_request_s": hybrid_wait,
+                     "mean_request_off_over_hybrid": off_wait / hybrid_wait}
+        print(f"  {case:22s} hybrid {hybrid:7.2f} tok/s against off {off:7.2f}: {hybrid / off:.3f}x; "
+              f"mean request {off_wait / hybrid_wait:.3f}x sooner", flush=True)
     engine.configure(base)
     return out
 
@@ -306,10 +314,10 @@ def markdown_table(result: dict) -> str:
                      for w in WORKLOADS]
             lines.append(f"| {batch}, {name} | " + " | ".join(cells) + " |")
     lines += ["", f"| alternating runs, decode tokens/s (median of {result['settings']['repeats']}) "
-                  "| off | hybrid | hybrid / off |", "|---|---:|---:|---:|"]
+                  "| off | hybrid | hybrid / off | mean request, off / hybrid time |", "|---|---:|---:|---:|---:|"]
     for case, run in result["alternating"].items():
         lines.append(f"| {case} | {run['off_tokens_per_s']:.1f} | {run['hybrid_tokens_per_s']:.1f} "
-                     f"| {run['hybrid_vs_off']:.3f} |")
+                     f"| {run['hybrid_vs_off']:.3f} | {run['mean_request_off_over_hybrid']:.3f} |")
     lines.append("")
     return "\n".join(lines)
 
