@@ -4,11 +4,12 @@ One run, same prompts, same thread count: decode and end-to-end tokens/s, TTFT a
 accepted tokens per verify step (MAT) on code edits (answer start prefilled, see DESIGN.md)
 and open chat, at batch 1 and 8; MTP acceptance by draft position; hybrid against speculation
 disabled in alternating runs (one request with the gate shut, batches of 4 and 8 under and
-over the shipped gate: the batch's tokens/s and its mean request's time); llama.cpp's server on the same GGUF through `xllamacpp`
-(plain, `ngram_mod`, `ngram_map_k`; run in the bench venv by benchmarks/llamacpp_peer.py);
-and transformers' `generate`, plain and with prompt lookup (10 tokens). Hybrid with the
-measured draft rule (`adaptive_drafts`, the default) also runs against hybrid drafting all its
-rules allow (`hybrid_fixed`), at batch 1 and at batch 8 with the gate open. Every request
+over the shipped gate: the batch's tokens/s and its mean request's time); llama.cpp's
+server on the same GGUF through `xllamacpp` (plain, `ngram_mod`, `ngram_map_k`; run in the
+bench venv by benchmarks/llamacpp_peer.py); and transformers' `generate`, plain and with
+prompt lookup (10 tokens). Hybrid with the measured draft rule (`adaptive_drafts`, the
+default) also runs against hybrid drafting all its rules allow (`hybrid_fixed`), at batch 1
+and at batch 8 with the gate open. Every request
 decodes exactly `--max-tokens` (EOS ignored, as for llama.cpp). Writes
 benchmarks/results/engine.json, engine.png and engine.md (the side-by-side tables).
 
