@@ -38,8 +38,8 @@ class EngineArgs(_Strict):
     kv_cache_bytes: int = Field(0, ge=0, description=(
         "kind=torch on CPU: KV pages the running requests and the prefix cache share; 0 = every slot's whole "
         "window; at least one context window. Short of pages, the newest requests wait and resume exactly"))
-    max_prefill_tokens: int = Field(2048, ge=1, description=(
-        "kind=torch: prompt tokens one engine step prefills; the step's first request goes whatever its length"))
+    max_prefill_tokens: int = Field(512, ge=1, description=(
+        "kind=torch: context positions one engine step prefills; a longer prompt goes in over several steps"))
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,
     # tensor_parallel_size, ...); checked by building the real config in AppArgs below
     trtllm: Optional[dict[str, Any]] = None

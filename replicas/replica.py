@@ -37,7 +37,7 @@ from replicas.stats import (
 logger = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine stats
-STALLED_CHECKS = 3  # health checks in a row with live requests and no new token = unhealthy
+STALLED_CHECKS = 3  # health checks in a row with live requests and no new token or step = unhealthy
 
 
 def _follow(counter, total: int, last: int, tags: dict[str, str] | None = None) -> int:
@@ -122,9 +122,9 @@ class Replica:
         self._engine: Engine | None = None  # built by the first reconfigure
         self._metrics = _Metrics() if metrics else None
         self._stats_task: asyncio.Task | None = None
-        self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress signal
+        self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress, with steps
         self._stalled_checks = 0
-        self._last_progress = 0
+        self._last_progress = (0, 0)  # (tokens forwarded, engine steps) at the last health check
 
     # -- configuration and stats ------------------------------------------------------------
     async def reconfigure(self, user_config: Any) -> None:
@@ -218,13 +218,14 @@ class Replica:
         self._metrics.finished(last.speculation, ttft, tpot)
 
     async def check_health(self) -> None:
-        """Raise unless the engine serves: live requests must make progress; an idle
-        engine must answer a one-token probe."""
+        """Raise unless the engine serves: live requests must make progress (a token out, or a
+        step run while long prompts go in); an idle engine must answer a one-token probe."""
         engine = self.engine
         await engine.check_health()
         if engine.num_live_requests:
-            progressed = self._tokens_out != self._last_progress
-            self._last_progress = self._tokens_out
+            progress = (self._tokens_out, engine.stats().steps)  # a step: long prompts going in
+            progressed = progress != self._last_progress
+            self._last_progress = progress
             self._stalled_checks = 0 if progressed else self._stalled_checks + 1
             if self._stalled_checks >= STALLED_CHECKS:
                 raise RuntimeError(f"engine made no progress over {STALLED_CHECKS} health checks")

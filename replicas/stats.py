@@ -133,6 +133,9 @@ class EngineStats:
     prefix_evicted_blocks: int = 0
     # Running requests sent back to the queue for want of KV pages (the paged cache; a total).
     kv_preemptions: int = 0
+    # Steps run, a total (0 where the engine does not count them): progress while long prompts
+    # go in over several steps and no token comes out.
+    steps: int = 0
     # At the current batch size, as fractions of a plain step: an extra verify row, and an ask
     # of the MTP head (its catching up aside). 0 where the engine does not measure them.
     draft_row_cost: float = 0.0

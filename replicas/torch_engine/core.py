@@ -50,7 +50,7 @@ class EngineCore:
         self.mtp_min_confidence = mtp_min_confidence
         self.detokenizer = detokenizer  # output token ids -> text
         self.speculation = speculation
-        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens a step admits (its first request: any)
+        self.max_prefill_tokens = max_prefill_tokens  # context positions a step prefills
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.totals = SpecCounters()
@@ -60,6 +60,7 @@ class EngineCore:
         self.tokens_per_s = Ewma()
         self.last_speculated = False
         self.preemptions = 0  # running requests sent back to the queue for want of KV pages
+        self.steps = 0  # steps run (the health check's progress while prompts go in and no token out)
         # False from a preemption until a request ends: the queue waits for pages an ending
         # request gives back (those of the one sent back would only send it back again).
         self._room_freed = True
@@ -107,12 +108,13 @@ class EngineCore:
         started = time.perf_counter()
         self._step_tokens = 0
         prefilled = self._admit()
-        decoding = [s for s in self.running if s not in prefilled and s.finish_reason is None]
+        decoding = [s for s in self.running if s not in prefilled and not s.prefilling and s.finish_reason is None]
         if decoding:
             self._decode(decoding)
         self.suffix.feed(self._to_feed, self.speculation.max_draft_len)
         self._to_feed = []
         deltas = self._collect()
+        self.steps += 1
         elapsed_s = time.perf_counter() - started
         if decoding:
             self.step_ms.update(elapsed_s * 1e3)
@@ -120,33 +122,39 @@ class EngineCore:
         return deltas
 
     def _admit(self) -> list[Sequence]:
-        """Prefill waiting requests while KV slots are free and their prompts fit the step's
-        `max_prefill_tokens` (the first whatever its length); each alone, so one bad prompt
-        fails only itself. The budget keeps a step short: between two steps requests finish,
-        join and leave, and each admitted request's first token goes out (8 long prompts in
-        one step held every token back for a minute, long enough to fail health checks).
-        A request the paged KV cache has no pages for waits, first in line, until a running
-        request ends and gives some back."""
-        admitted, budget = [], self.max_prefill_tokens
-        while self.waiting and self.cache.num_free > 0 and (self._room_freed or not self.running):
-            cost = len(self.waiting[0].prompt_ids) + len(self.waiting[0].output_ids)  # a resumed one's too
-            if admitted and cost > budget:
+        """Prefill at most the step's `max_prefill_tokens` positions: first of the prompts under
+        way, then of waiting requests while KV slots are free, each what the budget has left; a
+        longer prompt goes on in the next steps. The budget keeps a step short: between two
+        steps requests finish, join and leave, and the running ones' tokens go out (a 4,000-token
+        prompt in one step held them back 5 s on a 2-core Xeon; 8 long prompts in one step, a
+        minute, long enough to fail health checks). Each request alone, so one bad prompt fails
+        only itself. A request the paged KV cache has no pages for waits, first in line, until a
+        running request ends and gives some back. Returns the requests prefilled this step."""
+        prefilled, budget = [], self.max_prefill_tokens
+        for seq in [s for s in self.running if s.prefilling and s.finish_reason is None]:
+            if budget <= 0:
                 break
-            budget -= cost
+            prefilled.append(seq)
+            try:
+                budget -= self._prefill(seq, budget)
+            except Exception as exc:  # noqa: BLE001 - finish this request, keep the others
+                self._fail(seq, exc)
+        while budget > 0 and self.waiting and self.cache.num_free > 0 and (self._room_freed or not self.running):
             seq = self.waiting.pop(0)
             self.running.append(seq)
+            prefilled.append(seq)
             try:
-                self._prefill(seq)
+                budget -= self._prefill(seq, budget, self._start(seq))
             except KVCacheFull as exc:
                 if len(self.running) == 1:  # nobody else holds pages: it can never fit
                     self._fail(seq, exc)
                 else:
+                    prefilled.remove(seq)
                     self._preempt(seq)
                     break
-            except Exception as exc:  # noqa: BLE001 - finish this request, keep the others
+            except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
-            admitted.append(seq)
-        return admitted
+        return prefilled
 
     def _preempt(self, seq: Sequence) -> None:
         """Take a running request's KV pages (and every per-request resource) back; it waits
@@ -156,16 +164,18 @@ class EngineCore:
         self.running.remove(seq)
         self._release(seq)
         seq.num_cached = seq.prefix_offered = 0
+        seq.prefilling = False
         self.waiting.insert(0, seq)
         self.preemptions += 1
         self._room_freed = False
         logger.info("request %s back in the queue until KV pages free up (%d output tokens kept)",
                     seq.request_id, len(seq.output_ids))
 
-    def _prefill(self, seq: Sequence) -> None:
-        """The prompt into the cache, then the first token. A resumed request (`Resume`, or
-        preempted) already has output: everything but its last token goes in with the prompt,
-        and it goes on from there as if it had produced that output itself."""
+    def _start(self, seq: Sequence) -> torch.Tensor | None:
+        """A request's KV slot (and the head's), the longest cached prefix of its context and pages
+        for the rest; the prefix's hidden states where the prefix cache keeps them. A resumed
+        request (`Resume`, or preempted) already has output: everything but its last token goes
+        in with the prompt, and it goes on from there as if it had produced that output itself."""
         seq.slot = self.cache.allocate()
         if self.mtp is not None:
             self.mtp.add(seq.slot)  # with the KV slot, so releasing one always releases both
@@ -173,8 +183,7 @@ class EngineCore:
         # state otherwise grows for nothing, 2.3 KB a position). One admitted without stays so,
         # should the server's mode change under it; a resumed one is admitted afresh.
         seq.mtp_fed = self.mtp is not None and drafts_with_mtp(effective_settings(self.speculation, seq.speculation)[0])
-        resumed = list(seq.output_ids)
-        context = seq.prompt_ids + resumed[:-1]
+        context = seq.prompt_ids + seq.output_ids[:-1]
         reused, reused_hidden = 0, None
         if self.prefix is not None:  # the longest cached prefix goes into the slot: prefill the rest
             seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
@@ -185,22 +194,40 @@ class EngineCore:
             raise KVCacheFull(f"KV cache: no pages for a {len(context)}-token context")
         if self.prefix is not None:
             self.prefix.count(len(context), reused)
-        hidden = self.model(torch.tensor(context[reused:], dtype=torch.long),
-                            [SeqSpan(seq.slot, reused, len(context) - reused)], self.cache)  # [P - reused, d]
-        if reused_hidden is not None:  # the MTP head needs every position's: [P, d]
+        seq.num_cached, seq.prefilling = reused, True
+        return reused_hidden
+
+    def _prefill(self, seq: Sequence, budget: int, reused_hidden: torch.Tensor | None = None) -> int:
+        """Up to `budget` more of the request's context into the cache (`reused_hidden`: its first
+        chunk's prefix from the prefix cache); after the last, its first token. The positions
+        prefilled."""
+        resumed = list(seq.output_ids)
+        context = seq.prompt_ids + resumed[:-1]
+        start = seq.num_cached
+        end = min(len(context), start + budget)
+        hidden = self.model(torch.tensor(context[start:end], dtype=torch.long),
+                            [SeqSpan(seq.slot, start, end - start)], self.cache)  # [end - start, d]
+        if reused_hidden is not None:  # the MTP head needs every position's
             hidden = torch.cat((reused_hidden, hidden))
-        seq.num_cached = len(context)
+        first = end - len(hidden)  # hidden's first position
+        seq.num_cached = end
         # (without an MTP head no hidden state is stored: the offset is moot)
-        self._store_prefix(seq, hidden[len(seq.prefix_blocks) * BLOCK_TOKENS:])
+        self._store_prefix(seq, hidden[max(0, len(seq.prefix_blocks) * BLOCK_TOKENS - first):])
+        if end < len(context):
+            if seq.mtp_fed:
+                self.mtp.observe_rows([seq.slot], [hidden], [context[first + 1:end + 1]])
+            return end - start
+        seq.prefilling = False
         logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
         new = resumed or [self._verify(seq, [], logits).tokens[0]]
         self.suffix.add(seq.sa_id, seq.prompt_ids)
         if seq.mtp_fed:
-            self.mtp.observe_rows([seq.slot], [hidden], [context[1:] + new[-1:]])
+            self.mtp.observe_rows([seq.slot], [hidden], [context[first + 1:] + new[-1:]])
         if resumed:
             self._to_feed.append((seq, resumed))
         else:
             self._emit(seq, new, logits)
+        return end - start
 
     def _plan(self, seq: Sequence, speculate: bool, batch: int) -> tuple[DraftPlan, list[int]]:
         cfg = self.speculation
@@ -445,6 +472,7 @@ class EngineCore:
             step_ms=self.step_ms.value,
             tokens_per_s=self.tokens_per_s.value,
             kv_preemptions=self.preemptions,
+            steps=self.steps,
             draft_row_cost=self.drafts.costs.row(max(1, len(self.running))),
             mtp_ask_cost=self.drafts.costs.ask(max(1, len(self.running))) if self.mtp is not None else 0.0,
             sa_acceptance=self.drafts.sa_acceptance.rates(),

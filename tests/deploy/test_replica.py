@@ -154,15 +154,29 @@ def test_health_check_probes_an_idle_engine():
     run(scenario())
 
 
-def test_health_check_fails_when_live_requests_stop_progressing():
+class PrefillingEngine(StuckEngine):
+    """Runs steps (a long prompt going in, chunk by chunk) and has no token out yet."""
+
+    steps = 0
+
+    def stats(self) -> EngineStats:
+        self.steps += 1
+        return dataclasses.replace(super().stats(), steps=self.steps)
+
+
+@pytest.mark.parametrize("engine_cls,healthy", [(StuckEngine, False), (PrefillingEngine, True)])
+def test_health_check_fails_when_live_requests_stop_progressing(engine_cls, healthy):
     async def scenario():
-        replica = await make_replica(engine_cls=StuckEngine)
+        replica = await make_replica(engine_cls=engine_cls)
         stream = replica.generate(GenerationRequest("r4", "hi", SamplingParams(max_tokens=5)))
         pending = asyncio.ensure_future(stream.__anext__())
         assert await async_wait_until(lambda: replica.engine.num_live_requests == 1, 10)
-        await replica.check_health()  # two checks without progress: still healthy
+        await replica.check_health()  # two checks without a token or a step: still healthy
         await replica.check_health()
-        with pytest.raises(RuntimeError, match="no progress"):
+        if healthy:
             await replica.check_health()
+        else:
+            with pytest.raises(RuntimeError, match="no progress"):
+                await replica.check_health()
         pending.cancel()
     run(scenario())

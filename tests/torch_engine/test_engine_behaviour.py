@@ -245,39 +245,87 @@ def test_abort_unknown_id_is_a_noop(engine, loop):
     assert idle(engine)
 
 
+def stepped(core, monkeypatch, seqs, budget: int, every_step=None) -> list[int]:
+    """Add `seqs` and step the core (the engine is idle: the test steps it) at `budget` until
+    they finish; the positions each step prefilled. `every_step` runs after each step."""
+    monkeypatch.setattr(core, "max_prefill_tokens", budget)
+    per_step, prefill = [], core._prefill
+
+    def counted(seq, budget, reused_hidden=None):
+        done = prefill(seq, budget, reused_hidden)
+        per_step[-1] += done
+        return done
+
+    monkeypatch.setattr(core, "_prefill", counted)
+    for seq in seqs:
+        core.add(seq)
+    while any(seq.finish_reason is None for seq in seqs):
+        per_step.append(0)
+        core.step()
+        if every_step is not None:
+            every_step()
+    monkeypatch.setattr(core, "_prefill", prefill)
+    return per_step
+
+
 def test_a_step_prefills_within_its_token_budget(engine, monkeypatch):
-    """Waiting requests join a step while their prompts fit its max_prefill_tokens, the first
-    whatever its length; those left join the next steps, with the same output."""
+    """A step prefills at most max_prefill_tokens positions: of the prompts under way, then of
+    waiting requests while the budget lasts, a longer prompt going on in the next steps; the
+    output is the same however the prompts were cut."""
     core = engine.core
-    questions = (POEM, "Name three rivers in Europe.", "What is 2 + 2?")
+    questions = ("Name three moons of Jupiter.", "Why do cats purr?", "What is 7 times 8?")
 
     def run(budget: int) -> tuple[list[int], list[list[int]]]:
-        """(requests admitted by each step that admitted any, the outputs): the three at once."""
-        monkeypatch.setattr(core, "max_prefill_tokens", budget)
-        per_step, admit = [], core._admit
-
-        def counted():
-            joined = admit()
-            per_step.append(len(joined))
-            return joined
-
-        monkeypatch.setattr(core, "_admit", counted)
         seqs = [engine._make_sequence(request(chat_prompt(engine, q), max_tokens=6, mode="off", ignore_eos=True))
                 for q in questions]
-        for seq in seqs:
-            core.add(seq)
-        while core.waiting or core.running:  # the engine is idle: the test steps its core
-            core.step()
-        monkeypatch.setattr(core, "_admit", admit)
+        per_step = stepped(core, monkeypatch, seqs, budget)
         assert idle(engine)
         return [n for n in per_step if n], [seq.output_ids for seq in seqs]
 
-    assert core.max_prefill_tokens == 2048  # TorchEngineConfig's default
+    assert core.max_prefill_tokens == 512  # TorchEngineConfig's default
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         TorchEngineConfig(max_prefill_tokens=0)
-    together, alone = run(2048), run(1)
-    assert together[0] == [3] and alone[0] == [1, 1, 1]
-    assert alone[1] == together[1] and all(len(out) == 6 for out in alone[1])
+    cut = run(5)  # first: the prompts' ends are in no prefix cache yet
+    whole = run(2048)
+    assert len(whole[0]) == 1 and len(cut[0]) > 3 and max(cut[0]) == 5
+    assert cut[1] == whole[1] and all(len(out) == 6 for out in cut[1])
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_long_prompt_goes_in_over_steps_while_the_running_request_decodes(engine, monkeypatch, mode, prefix_cache):
+    """A prompt longer than the step's max_prefill_tokens goes in a chunk a step, and the
+    request already running gets a token in every one of those steps (one step for the whole
+    prompt held them all back); the long request's tokens and logprobs equal those of the same
+    prompt prefilled in one step (drafting, the MTP head's queue is fed chunk by chunk; with the
+    prefix cache, the chunks' blocks are offered as they go in and the one-step run reuses them)."""
+    core = engine.core
+    if not prefix_cache:
+        monkeypatch.setattr(core, "prefix", None)
+    log = "\n".join(f"line {i}: worker {i % 7} {mode} {prefix_cache} finished job {i * 13 % 97} in {i % 11 + 1} ms"
+                    for i in range(30))
+    prompt = chat_prompt(engine, "Which worker finished the most jobs?\n" + log)
+
+    def run(budget: int) -> tuple[int, list[int], list]:
+        runner = engine._make_sequence(request(chat_prompt(engine, POEM), max_tokens=300, mode=mode, ignore_eos=True))
+        stepped(core, monkeypatch, [], budget)
+        core.add(runner)
+        while not runner.output_ids:
+            core.step()
+        long = engine._make_sequence(request(prompt, max_tokens=16, mode=mode, ignore_eos=True, logprobs=2))
+        emitted = []
+        per_step = stepped(core, monkeypatch, [long], budget, lambda: emitted.append(len(runner.output_ids)))
+        prefilling = per_step.index(0) if 0 in per_step else len(per_step)  # steps until the first token
+        assert all(b > a for a, b in zip(emitted[:prefilling], emitted[1:prefilling + 1]))
+        assert runner.finish_reason is None and max(per_step) <= budget
+        core.abort(runner.request_id)
+        assert idle(engine)
+        return prefilling, long.output_ids, long.logprobs
+
+    assert len(engine.tokenizer.encode(prompt)) > 18 * 32
+    steps, tokens, logprobs = run(32)
+    assert steps > 16
+    assert run(2048) == (1, tokens, logprobs)
 
 
 def test_shutdown_mid_generation_stops_stepping(loop):
