@@ -126,7 +126,7 @@ class EngineCore:
         way, then of waiting requests while KV slots are free, each what the budget has left; a
         longer prompt goes on in the next steps. The budget keeps a step short: between two
         steps requests finish, join and leave, and the running ones' tokens go out (a 4,000-token
-        prompt in one step held them back 5 s on a 2-core Xeon; 8 long prompts in one step, a
+        prompt in one step held them back 4-5 s on a 2-core Xeon; 8 long prompts in one step, a
         minute, long enough to fail health checks). Each request alone, so one bad prompt fails
         only itself. A request the paged KV cache has no pages for waits, first in line, until a
         running request ends and gives some back. Returns the requests prefilled this step."""
