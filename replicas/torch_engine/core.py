@@ -18,13 +18,14 @@ import torch
 from replicas.engine import GenerationDelta, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, drafts_with_mtp, effective_settings, plan_draft
-from replicas.speculation.sampling import greedy_tokens, penalize_, position_uniforms, sampling_probs, token_logprobs
-from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
+from replicas.speculation.sampling import token_logprobs
+from replicas.speculation.verify import Verdict
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
 from replicas.torch_engine.draft_policy import DraftPolicy
 from replicas.torch_engine.kv_cache import KVCache, KVCacheFull, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
+from replicas.torch_engine.request_step import grammar_admitted, sa_fallback, verify_rows
 from replicas.torch_engine.sequence import Detokenizer, Sequence, release_text
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class EngineCore:
             return end - start
         seq.prefilling = False
         logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
-        new = resumed or [self._verify(seq, [], logits).tokens[0]]
+        new = resumed or [verify_rows(seq, [], logits).tokens[0]]
         self.suffix.add(seq.sa_id, seq.prompt_ids)
         if seq.mtp_fed:
             self.mtp.observe_rows([seq.slot], [hidden], [context[first + 1:] + new[-1:]])
@@ -248,14 +249,6 @@ class EngineCore:
             plan = dataclasses.replace(plan, sa_fallback=self.drafts.sa_draft_len(seq, plan.sa_fallback, batch))
         return plan, []
 
-    @staticmethod
-    def _admitted(seq: Sequence, plan: DraftPlan, draft: list[int]) -> tuple[DraftPlan, list[int]]:
-        """A draft cut at the first token the request's grammar forbids (never emitted anyway)."""
-        if seq.constraint is None or not draft or plan.source == "grammar":
-            return plan, draft
-        draft = seq.constraint.valid_prefix(draft)
-        return (DraftPlan(plan.source, len(draft)), draft) if draft else (NO_DRAFT, [])
-
     def _decode(self, seqs: list[Sequence]) -> None:
         self.suffix.settle()  # the last step's drafts
         speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
@@ -266,12 +259,12 @@ class EngineCore:
                 continue
             if seq.mtp_skip:  # backing off after unfruitful proposals
                 seq.mtp_skip -= 1
-                plans[i] = self._sa_fallback(seq, plans[i][0])
+                plans[i] = sa_fallback(seq, plans[i][0])
             elif not self.speculation.adaptive_drafts or self.drafts.ask_mtp(seq, self._mode(seq), len(seqs),
                                                                                 plans[i][0].sa_fallback):
                 mtp_seqs.append((i, seq))
             else:
-                plans[i] = self._sa_fallback(seq, plans[i][0])
+                plans[i] = sa_fallback(seq, plans[i][0])
         if mtp_seqs:
             queued = sum(self.mtp.queued(s.slot) for _, s in mtp_seqs)
             asked = time.perf_counter()
@@ -283,13 +276,13 @@ class EngineCore:
                     plans[i] = (plans[i][0], list(draft))
                 else:  # the head is unsure
                     self._mtp_outcome(seq, 0, 0)
-                    plans[i] = self._sa_fallback(seq, plans[i][0])
+                    plans[i] = sa_fallback(seq, plans[i][0])
         if self.mtp is not None and self.speculation.adaptive_drafts:
             asking = {seq.slot for _, seq in mtp_seqs}
             for seq in seqs:
                 if seq.mtp_fed and seq.slot not in asking:
                     self.drafts.bound_mtp_queue(seq, self._mode(seq), len(seqs))
-        plans = [self._admitted(seq, *plan) for seq, plan in zip(seqs, plans)]
+        plans = [grammar_admitted(seq, *plan) for seq, plan in zip(seqs, plans)]
         seqs, plans = self._make_room(seqs, plans)
         if not seqs:
             return
@@ -308,7 +301,7 @@ class EngineCore:
             rows = slice(row, row + span.length)
             row += span.length
             try:
-                verdict = self._verify(seq, draft, logits[rows])
+                verdict = verify_rows(seq, draft, logits[rows])
                 kept = 1 + verdict.num_accepted  # positions whose KV stays valid
                 self.drafts.observe_emitted(seq, verdict.tokens)
                 seq.num_cached += kept
@@ -391,32 +384,12 @@ class EngineCore:
                                   tail=finished)
         seq.prefix_hidden = [pending[used:]] if pending is not None else []
 
-    @staticmethod
-    def _sa_fallback(seq: Sequence, plan: DraftPlan) -> tuple[DraftPlan, list[int]]:
-        """A step planned for MTP without it: the short SA match behind it, or no draft."""
-        if not plan.sa_fallback:
-            return NO_DRAFT, []
-        return DraftPlan("sa", plan.sa_fallback), seq.sa_draft[: plan.sa_fallback]
-
     def _mtp_outcome(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         self.drafts.mtp_outcome(seq, self._mode(seq), num_draft, num_accepted)
 
     def _mode(self, seq: Sequence) -> str:
         """The request's mode now: the server's setting as the request narrows it."""
         return effective_settings(self.speculation, seq.speculation)[0]
-
-    def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
-        """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts),
-        from `logits [K+1, V]` penalised and masked by the request's grammar in place."""
-        p = seq.sampling
-        if p.presence_penalty or p.frequency_penalty:
-            penalize_(logits, seq.output_ids, draft, p.presence_penalty, p.frequency_penalty)
-        if seq.constraint is not None:
-            seq.constraint.mask_(logits, draft)
-        if seq.seed is None:
-            return verify_greedy(draft, greedy_tokens(logits))
-        uniforms = position_uniforms(seq.seed, len(seq.output_ids), len(draft) + 1)
-        return verify_point_mass(draft, sampling_probs(logits, p.temperature, p.top_p, p.top_k), uniforms)
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:
         """Append tokens (cut at a stop), record their logprobs from `logits [len(tokens)+, V]`,

@@ -11,9 +11,11 @@ import torch
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
 from replicas.speculation.draft_length import MtpYield, StepCosts
 from replicas.speculation.hybrid import MTP_MAX_BACKOFF
+from replicas.torch_engine import core as engine_core
 from replicas.torch_engine.draft_policy import MTP_OWN_ASKS
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.native_model import DEFAULT_THREADS
+from replicas.torch_engine.request_step import verify_rows
 from tests.polling import async_wait_until
 from tests.torch_engine.engine_util import chat_prompt, collect, request
 
@@ -185,15 +187,12 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(engine, loop):
 
 
 def test_failure_in_one_request_leaves_others_running(engine, loop, monkeypatch):
-    core = engine.core
-    original = core._verify
-
     def flaky(seq, draft, logits):
         if seq.request_id == "doomed":
             raise RuntimeError("injected")
-        return original(seq, draft, logits)
+        return verify_rows(seq, draft, logits)
 
-    monkeypatch.setattr(core, "_verify", flaky)
+    monkeypatch.setattr(engine_core, "verify_rows", flaky)
     prompt = chat_prompt(engine, POEM)
 
     async def run():
