@@ -307,7 +307,7 @@ def test_a_long_prompt_goes_in_over_steps_while_the_running_request_decodes(engi
 
     def run(budget: int) -> tuple[int, list[int], list]:
         runner = engine._make_sequence(request(chat_prompt(engine, POEM), max_tokens=300, mode=mode, ignore_eos=True))
-        stepped(core, monkeypatch, [], budget)
+        monkeypatch.setattr(core, "max_prefill_tokens", budget)
         core.add(runner)
         while not runner.output_ids:
             core.step()
