@@ -12,9 +12,18 @@ export RAY_AUTH_MODE ?= disabled
 # 300-2600 ms (benchmarks/forward.py); passive waiting costs little on an idle machine.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install native test test-cpp serve bench clean
+.PHONY: install native qemu test test-cpp serve bench clean
 
 install: $(VENV)/.installed native
+
+# QEMU's user mode: tests/torch_engine/test_emulated_cpu.py runs the forward on an emulated
+# AVX2-only AMD Zen 3 and a pre-AVX CPU (Debian's qemu-user, about 20 s to install; where
+# apt-get cannot, that test skips with the reason).
+qemu:
+	@command -v qemu-x86_64 > /dev/null || { export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q qemu-user > /dev/null 2>&1 || \
+	  { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q qemu-user > /dev/null 2>&1; } || \
+	  echo "warning: could not install qemu-user: tests/torch_engine/test_emulated_cpu.py will skip"; }
 
 # torch first, pinned: this version is a CPU wheel on local disk; any other is a CUDA download.
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
@@ -37,7 +46,7 @@ native: $(VENV)/.installed
 test-cpp: native
 	$(BUILD_DIR)/sa_test
 
-test: install test-cpp
+test: install qemu test-cpp
 	$(PY) -m pytest -q
 
 # The model is converted once before Serve starts, so the replica loads it in about a second.

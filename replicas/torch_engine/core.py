@@ -184,7 +184,7 @@ class EngineCore:
         # state otherwise grows for nothing, 2.3 KB a position). One admitted without stays so,
         # should the server's mode change under it; a resumed one is admitted afresh.
         seq.mtp_fed = self.mtp is not None and drafts_with_mtp(effective_settings(self.speculation, seq.speculation)[0])
-        context = seq.prompt_ids + seq.output_ids[:-1]
+        context = seq.context
         reused, reused_hidden = 0, None
         if self.prefix is not None:  # the longest cached prefix goes into the slot: prefill the rest
             seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
@@ -203,7 +203,7 @@ class EngineCore:
         chunk's prefix from the prefix cache); after the last, its first token. The positions
         prefilled."""
         resumed = list(seq.output_ids)
-        context = seq.prompt_ids + resumed[:-1]
+        context = seq.context
         start = seq.num_cached
         end = min(len(context), start + budget)
         hidden = self.model(torch.tensor(context[start:end], dtype=torch.long),

@@ -67,6 +67,12 @@ class Sequence:
         return self.output_ids[-1]
 
     @property
+    def context(self) -> list[int]:
+        """What (re)admission puts in the KV cache: the prompt and, for a resumed or preempted
+        request, its output but the last token (that one goes in as its next step's input)."""
+        return self.prompt_ids + self.output_ids[:-1]
+
+    @property
     def tokens_left(self) -> int:
         return self.sampling.max_tokens - len(self.output_ids)
 

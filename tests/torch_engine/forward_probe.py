@@ -1,0 +1,40 @@
+"""One fixed native forward, written to a file: what test_emulated_cpu.py runs on this machine
+and under an emulated CPU, to compare the bits the two compute.
+
+    python -m tests.torch_engine.forward_probe OUT.npz
+
+The packaged model prefills an 8-token prompt, verifies 5 more tokens in one step, then
+decodes the same 5 one at a time on the same cache. OUT holds the kernel path, torch's CPU
+capability and the logits of both.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from replicas.torch_engine.loader import packaged_gguf_path
+from replicas.torch_engine.model import SeqSpan
+from replicas.torch_engine.native_model import NativeLlamaModel
+
+PROMPT_LEN, VERIFY_ROWS = 8, 5
+
+
+def main(out: str) -> None:
+    model = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2)
+    ids = torch.randint(0, model.cfg.vocab_size, (PROMPT_LEN + VERIFY_ROWS,), generator=torch.Generator().manual_seed(7))
+    cache = model.make_cache(1, 64)
+    slot = cache.allocate()
+    model(ids[:PROMPT_LEN], [SeqSpan(slot, 0, PROMPT_LEN)], cache)
+    verify = model.logits(model(ids[PROMPT_LEN:], [SeqSpan(slot, PROMPT_LEN, VERIFY_ROWS)], cache))
+    cache.truncate(slot, PROMPT_LEN)
+    decodes = torch.cat([model.logits(model(ids[i:i + 1], [SeqSpan(slot, i, 1)], cache))
+                         for i in range(PROMPT_LEN, PROMPT_LEN + VERIFY_ROWS)])
+    np.savez(out, isa=model.isa, torch_capability=torch.backends.cpu.get_cpu_capability(),
+             verify=verify.numpy(), decodes=decodes.numpy())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
