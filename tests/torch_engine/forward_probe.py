@@ -16,22 +16,15 @@ import numpy as np
 import torch
 
 from replicas.torch_engine.loader import packaged_gguf_path
-from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.native_model import NativeLlamaModel
+from tests.torch_engine.test_native_model import random_ids, verify_and_decodes
 
 PROMPT_LEN, VERIFY_ROWS = 8, 5
 
 
 def main(out: str) -> None:
     model = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2)
-    ids = torch.randint(0, model.cfg.vocab_size, (PROMPT_LEN + VERIFY_ROWS,), generator=torch.Generator().manual_seed(7))
-    cache = model.make_cache(1, 64)
-    slot = cache.allocate()
-    model(ids[:PROMPT_LEN], [SeqSpan(slot, 0, PROMPT_LEN)], cache)
-    verify = model.logits(model(ids[PROMPT_LEN:], [SeqSpan(slot, PROMPT_LEN, VERIFY_ROWS)], cache))
-    cache.truncate(slot, PROMPT_LEN)
-    decodes = torch.cat([model.logits(model(ids[i:i + 1], [SeqSpan(slot, i, 1)], cache))
-                         for i in range(PROMPT_LEN, PROMPT_LEN + VERIFY_ROWS)])
+    verify, decodes = verify_and_decodes(model, random_ids(7, PROMPT_LEN + VERIFY_ROWS), PROMPT_LEN, max_seq_len=64)
     np.savez(out, isa=model.isa, torch_capability=torch.backends.cpu.get_cpu_capability(),
              verify=verify.numpy(), decodes=decodes.numpy())
 

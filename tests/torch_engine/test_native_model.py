@@ -45,16 +45,23 @@ def prefilled(model: NativeLlamaModel, prompt: torch.Tensor, slots: int = 1, max
     return cache, slot
 
 
-@pytest.mark.parametrize("seed, prompt_len, k", [(0, 5, 2), (1, 40, 9), (2, 31, 17), (3, 100, 17), (4, 64, 5),
-                                                 (5, 300, 9)])
-def test_verify_rows_equal_one_row_decodes(model, seed, prompt_len, k):
-    ids = random_ids(seed, prompt_len + k)
-    cache, slot = prefilled(model, ids[:prompt_len])
+def verify_and_decodes(model: NativeLlamaModel, ids: torch.Tensor, prompt_len: int,
+                       max_seq_len: int = 320) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of ids[prompt_len:] after the prompt: verified in one step, then decoded one
+    row at a time on the same cache (also run on emulated CPUs: forward_probe.py)."""
+    k = len(ids) - prompt_len
+    cache, slot = prefilled(model, ids[:prompt_len], max_seq_len=max_seq_len)
     verify = logits_of(model, ids[prompt_len:], [SeqSpan(slot, prompt_len, k)], cache)
     cache.truncate(slot, prompt_len)
     decodes = torch.cat([logits_of(model, ids[prompt_len + i:prompt_len + i + 1], [SeqSpan(slot, prompt_len + i, 1)], cache)
                          for i in range(k)])
-    assert torch.equal(verify, decodes)
+    return verify, decodes
+
+
+@pytest.mark.parametrize("seed, prompt_len, k", [(0, 5, 2), (1, 40, 9), (2, 31, 17), (3, 100, 17), (4, 64, 5),
+                                                 (5, 300, 9)])
+def test_verify_rows_equal_one_row_decodes(model, seed, prompt_len, k):
+    assert torch.equal(*verify_and_decodes(model, random_ids(seed, prompt_len + k), prompt_len))
 
 
 def test_packed_step_equals_each_request_alone(model):
