@@ -11,6 +11,15 @@ export RAY_AUTH_MODE ?= disabled
 # OpenMP threads that spin while waiting turn a busy 2-core machine's 75 ms step into
 # 300-2600 ms (benchmarks/forward.py); passive waiting costs little on an idle machine.
 export OMP_WAIT_POLICY ?= PASSIVE
+# What an AVX2-only CPU (issue 13's Zen 3) runs, natively on any x86 that has more: our kernels,
+# torch's, oneDNN's, MKL's and numpy's code paths all capped at AVX2. `make test` runs
+# tests/torch_engine once more this way (test-avx2); any target runs so with AVX2_ONLY=1, e.g.
+#   make bench-forward AVX2_ONLY=1 FORWARD_BENCH_ARGS="--out benchmarks/results/forward_avx2.json"
+AVX2_ONLY_VARS := SPECSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+  ONEDNN_MAX_CPU_ISA=AVX2 NPY_DISABLE_CPU_FEATURES=X86_V4,AVX512_ICL,AVX512_SPR
+ifdef AVX2_ONLY
+$(foreach v,$(AVX2_ONLY_VARS),$(eval export $(v)))
+endif
 
 .PHONY: install native qemu test test-cpp serve bench clean
 
@@ -48,7 +57,17 @@ test-cpp: native
 
 test: install qemu test-cpp
 	$(PY) -m pytest -q
-	$(MAKE) --no-print-directory test-emulated
+	$(MAKE) --no-print-directory test-avx2 test-emulated
+
+# tests/torch_engine again with every library capped at AVX2 (AVX2_ONLY_VARS above; about 3
+# minutes), where this CPU has more: the bitwise tests on the avx2 path, the float64 and HF
+# references through the AVX2 paths of MKL, oneDNN and numpy, bf16 without AVX-512.
+.PHONY: test-avx2
+test-avx2: install
+	@if $(PY) -c 'import sys; from replicas.torch_engine import _cpu_forward as n; sys.exit(not n.cpu_supports("avx512"))'; \
+	then echo "tests/torch_engine with every library capped at AVX2:"; \
+	  $(AVX2_ONLY_VARS) $(PY) -m pytest -q -p no:cacheprovider tests/torch_engine; \
+	else echo "this CPU has no AVX-512: the run above was the AVX2 run"; fi
 
 # The kernel tests once more on an emulated AVX2-only AMD Zen 3: its CPUID picks the avx2 path
 # and AMD's paths through numpy and torch, whose float64 references the bounds are checked
@@ -141,8 +160,7 @@ $(LLAMACPP_STAMP):
 	touch $@
 
 # Forward benchmark: native vs fp32 per step (verify rows, context, TTFT, roofline); forward.json/.png.
-# Another kernel path on the same machine: SPECSERVE_CPU_ISA=avx2 make bench-forward
-#   FORWARD_BENCH_ARGS="--out benchmarks/results/forward_avx2.json" (what an AVX2-only CPU runs).
+# What an AVX2-only CPU runs, on the same machine: AVX2_ONLY=1 (top of this file).
 FORWARD_BENCH_ARGS ?=
 .PHONY: bench-forward
 bench-forward: install $(LLAMACPP_STAMP)

@@ -7,6 +7,12 @@ import time
 from pathlib import Path
 
 
+# What caps the code paths a process runs below what its CPU has: our kernels, then torch's,
+# oneDNN's, MKL's and numpy's (the Makefile's AVX2_ONLY sets them all).
+ISA_CAPS = ("SPECSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+            "NPY_DISABLE_CPU_FEATURES")
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -15,7 +21,8 @@ def cpu_model() -> str:
 
 
 def cpu_description() -> dict:
-    """Model, family/model numbers (AMD reports every EPYC as 'AMD EPYC'), SIMD features, cores."""
+    """Model, family/model numbers (AMD reports every EPYC as 'AMD EPYC'), SIMD features, cores,
+    and the ISA_CAPS this process runs under."""
     info: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -31,6 +38,7 @@ def cpu_description() -> dict:
         "family": info.get("cpu family"), "model_number": info.get("model"),
         "features": [f for f in wanted if f in flags],
         "cpus": len(os.sched_getaffinity(0)),
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)},
     }
 
 

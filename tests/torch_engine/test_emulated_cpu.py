@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.machine import ISA_CAPS
+
 REPO = Path(__file__).resolve().parents[2]
 QEMU = shutil.which("qemu-x86_64")
 
@@ -38,7 +40,7 @@ CPUS = {"EPYC-Milan-v1": ("avx2", "AVX2"), "Westmere": ("scalar", "DEFAULT")}
 def probes(tmp_path_factory) -> dict:
     """Every probe at once, each in its own process."""
     tmp = tmp_path_factory.mktemp("probe")
-    env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_CPU_ISA"}  # each picks its own
+    env = {k: v for k, v in os.environ.items() if k not in ISA_CAPS}  # each picks its own paths
     running = {}
     for cpu in (None, *CPUS):
         out, log = tmp / f"{cpu or 'here'}.npz", tmp / f"{cpu or 'here'}.log"

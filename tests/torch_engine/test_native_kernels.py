@@ -8,6 +8,8 @@ canonical arithmetic, see csrc/cpu/numerics.hpp).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -186,3 +188,16 @@ def test_environment_variable_forces_a_path(monkeypatch):
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_ISA=sse9"):
         native.best_isa()
+
+
+@pytest.mark.skipif(not os.environ.get("ATEN_CPU_CAPABILITY"), reason="runs under make test-avx2's caps (AVX2_ONLY)")
+def test_avx2_caps_reach_every_library():
+    """`make test-avx2` means to run what an AVX2-only CPU runs: each cap that can be read back
+    took effect (MKL has no query for the code path MKL_ENABLE_INSTRUCTIONS picks)."""
+    import torch
+    from numpy._core._multiarray_umath import __cpu_features__
+
+    assert native.best_isa() == "avx2"
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN: bf16 needs AVX-512 or AVX-NE-CONVERT
+    assert not __cpu_features__["X86_V4"]  # numpy's AVX-512 loops
