@@ -8,6 +8,11 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 BUILD_DIR := build/native
 export SPECSERVE_CACHE_DIR ?= $(HOME)/.cache/specserve
 export RAY_AUTH_MODE ?= disabled
+# Serve kills its HTTP proxy when the proxy has not answered a readiness check within 5 s, 3
+# times in a row: on 2 busy cores its start (imports, uvicorn) takes longer, and `make serve`
+# failed with "ProxyActor ... killed by ray.kill" while 2 CPU-bound processes ran beside it
+# (up in 110 s with 30 s a check, everything else the same).
+export RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S ?= 30
 # OpenMP threads that spin while waiting turn a busy 2-core machine's 75 ms step into
 # 300-2600 ms (benchmarks/forward.py); passive waiting costs little on an idle machine.
 export OMP_WAIT_POLICY ?= PASSIVE
@@ -211,9 +216,10 @@ bench-multiturn: install $(LLAMACPP_STAMP)
 
 # Replica memory at the default deploy.yaml: idle, a chat batch, every slot at its full
 # context; beside llama.cpp's server with the same slots; memory.json/.png.
+MEMORY_BENCH_ARGS ?=
 .PHONY: bench-memory
 bench-memory: install $(LLAMACPP_STAMP)
-	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/memory.py
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/memory.py $(MEMORY_BENCH_ARGS)
 
 # Structured output: JSON records and tool calls with speculation off / hybrid / hybrid plus
 # grammar drafts, against llama.cpp under the same constraint; structured.json/.png/.md.
