@@ -8,7 +8,6 @@ Requests join and leave only between steps. Nothing here knows about asyncio.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -16,8 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from replicas.engine import GenerationDelta, SpeculationConfig
-from replicas.speculation.gate import speculate_this_step
-from replicas.speculation.hybrid import NO_DRAFT, DraftPlan, drafts_with_mtp, effective_settings, plan_draft
+from replicas.speculation.hybrid import NO_DRAFT, drafts_with_mtp
 from replicas.speculation.sampling import token_logprobs
 from replicas.speculation.verify import Verdict
 from replicas.stats import NOT_GATED, EngineStats, Ewma, SpecCounters
@@ -25,8 +23,9 @@ from replicas.torch_engine.draft_policy import DraftPolicy
 from replicas.torch_engine.kv_cache import KVCache, KVCacheFull, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
-from replicas.torch_engine.request_step import grammar_admitted, sa_fallback, verify_rows
+from replicas.torch_engine.request_step import verify_rows
 from replicas.torch_engine.sequence import Detokenizer, Sequence, release_text
+from replicas.torch_engine.step_drafts import Planned, request_mode, step_drafts
 
 if TYPE_CHECKING:
     from replicas.torch_engine.model import LlamaModel
@@ -183,7 +182,7 @@ class EngineCore:
         # Only a request that may draft with the head feeds it (a queue of every position's hidden
         # state otherwise grows for nothing, 2.3 KB a position). One admitted without stays so,
         # should the server's mode change under it; a resumed one is admitted afresh.
-        seq.mtp_fed = self.mtp is not None and drafts_with_mtp(effective_settings(self.speculation, seq.speculation)[0])
+        seq.mtp_fed = self.mtp is not None and drafts_with_mtp(request_mode(self.speculation, seq))
         context = seq.context
         reused, reused_hidden = 0, None
         if self.prefix is not None:  # the longest cached prefix goes into the slot: prefill the rest
@@ -230,59 +229,10 @@ class EngineCore:
             self._emit(seq, new, logits)
         return end - start
 
-    def _plan(self, seq: Sequence, speculate: bool, batch: int) -> tuple[DraftPlan, list[int]]:
-        cfg = self.speculation
-        mode, max_draft_len = effective_settings(cfg, seq.speculation)
-        room = self.cache.max_seq_len - seq.num_cached - 1  # KV positions left after the last token
-        forced = []
-        if seq.constraint is not None and cfg.grammar_drafts and mode != "off":
-            forced = seq.constraint.forced_tokens()
-        plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, seq.mtp_fed,
-                          speculate, min(seq.tokens_left, room + 1), len(forced),
-                          bool(forced) and seq.sa_draft[: len(forced)] == forced)
-        if plan.source == "grammar":
-            return plan, forced[: plan.num_draft]
-        if plan.source == "sa":
-            num_draft = self.drafts.sa_draft_len(seq, plan.num_draft, batch) if cfg.adaptive_drafts else plan.num_draft
-            return (DraftPlan("sa", num_draft), seq.sa_draft[:num_draft]) if num_draft else (NO_DRAFT, [])
-        if plan.sa_fallback and cfg.adaptive_drafts:
-            plan = dataclasses.replace(plan, sa_fallback=self.drafts.sa_draft_len(seq, plan.sa_fallback, batch))
-        return plan, []
-
     def _decode(self, seqs: list[Sequence]) -> None:
         self.suffix.settle()  # the last step's drafts
-        speculate = speculate_this_step(len(seqs), self.speculation.batch_gate)
-        plans = [self._plan(s, speculate, len(seqs)) for s in seqs]
-        mtp_seqs = []
-        for i, seq in enumerate(seqs):
-            if plans[i][0].source != "mtp":
-                continue
-            if seq.mtp_skip:  # backing off after unfruitful proposals
-                seq.mtp_skip -= 1
-                plans[i] = sa_fallback(seq, plans[i][0])
-            elif not self.speculation.adaptive_drafts or self.drafts.ask_mtp(seq, self._mode(seq), len(seqs),
-                                                                                plans[i][0].sa_fallback):
-                mtp_seqs.append((i, seq))
-            else:
-                plans[i] = sa_fallback(seq, plans[i][0])
-        if mtp_seqs:
-            queued = sum(self.mtp.queued(s.slot) for _, s in mtp_seqs)
-            asked = time.perf_counter()
-            proposals = self.mtp.propose([s.slot for _, s in mtp_seqs], [plans[i][0].num_draft for i, _ in mtp_seqs],
-                                         self.mtp_min_confidence)
-            self.drafts.costs.observe_ask(len(seqs), len(mtp_seqs), queued, time.perf_counter() - asked)
-            for (i, seq), draft in zip(mtp_seqs, proposals):
-                if draft:
-                    plans[i] = (plans[i][0], list(draft))
-                else:  # the head is unsure
-                    self._mtp_outcome(seq, 0, 0)
-                    plans[i] = sa_fallback(seq, plans[i][0])
-        if self.mtp is not None and self.speculation.adaptive_drafts:
-            asking = {seq.slot for _, seq in mtp_seqs}
-            for seq in seqs:
-                if seq.mtp_fed and seq.slot not in asking:
-                    self.drafts.bound_mtp_queue(seq, self._mode(seq), len(seqs))
-        plans = [grammar_admitted(seq, *plan) for seq, plan in zip(seqs, plans)]
+        plans = step_drafts(seqs, self.speculation, self.drafts, self.mtp, self.mtp_min_confidence,
+                            self.cache.max_seq_len)
         seqs, plans = self._make_room(seqs, plans)
         if not seqs:
             return
@@ -308,7 +258,8 @@ class EngineCore:
                 self.cache.truncate(seq.slot, seq.num_cached)
                 if draft:
                     if plan.source == "mtp":
-                        self._mtp_outcome(seq, len(draft), verdict.num_accepted)
+                        self.drafts.mtp_outcome(seq, request_mode(self.speculation, seq), len(draft),
+                                                verdict.num_accepted)
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     self.acceptance_ewma.update(kept)
@@ -346,8 +297,7 @@ class EngineCore:
                              device=hidden.device)
         return list(hidden.index_select(0, index).split(counts))
 
-    def _make_room(self, seqs: list[Sequence], plans: list[tuple[DraftPlan, list[int]]]
-                   ) -> tuple[list[Sequence], list[tuple[DraftPlan, list[int]]]]:
+    def _make_room(self, seqs: list[Sequence], plans: list[Planned]) -> tuple[list[Sequence], list[Planned]]:
         """KV pages for every request's step, oldest request first. Short of pages, a request
         drops its draft, then the newest requests of the step are preempted until it fits
         (itself last)."""
@@ -383,13 +333,6 @@ class EngineCore:
         used = self.prefix.extend(seq.prefix_blocks, tokens, min(seq.num_cached, len(tokens)), seq.slot, pending,
                                   tail=finished)
         seq.prefix_hidden = [pending[used:]] if pending is not None else []
-
-    def _mtp_outcome(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
-        self.drafts.mtp_outcome(seq, self._mode(seq), num_draft, num_accepted)
-
-    def _mode(self, seq: Sequence) -> str:
-        """The request's mode now: the server's setting as the request narrows it."""
-        return effective_settings(self.speculation, seq.speculation)[0]
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:
         """Append tokens (cut at a stop), record their logprobs from `logits [len(tokens)+, V]`,
