@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from benchmarks.machine import ISA_CAPS
 from replicas.torch_engine import _cpu_forward as native
 
 ISAS = ("scalar", "avx2", "avx512", "amx")
@@ -193,7 +194,8 @@ def test_environment_variable_forces_a_path(monkeypatch):
 @pytest.mark.skipif(not os.environ.get("ATEN_CPU_CAPABILITY"), reason="runs under make test-avx2's caps (AVX2_ONLY)")
 def test_avx2_caps_reach_every_library():
     """`make test-avx2` means to run what an AVX2-only CPU runs: each cap that can be read back
-    took effect (MKL has no query for the code path MKL_ENABLE_INSTRUCTIONS picks)."""
+    took effect (MKL has no query for the code path MKL_ENABLE_INSTRUCTIONS picks), and each
+    cap the benchmarks record (ISA_CAPS) is one this run set."""
     import torch
     from numpy._core._multiarray_umath import __cpu_features__
 
@@ -201,3 +203,4 @@ def test_avx2_caps_reach_every_library():
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN: bf16 needs AVX-512 or AVX-NE-CONVERT
     assert not __cpu_features__["X86_V4"]  # numpy's AVX-512 loops
+    assert all(os.environ.get(name) for name in ISA_CAPS)
