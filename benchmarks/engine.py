@@ -4,7 +4,8 @@ One run, same prompts, same thread count: decode and end-to-end tokens/s, TTFT a
 accepted tokens per verify step (MAT) on code edits (answer start prefilled, see DESIGN.md)
 and open chat, at batch 1 and 8; MTP acceptance by draft position; hybrid against speculation
 disabled in alternating runs (one request with the gate shut, batches of 4 and 8 under and
-over the shipped gate: the batch's tokens/s and its mean request's time); llama.cpp's
+over the shipped gate: the batch's tokens/s and its mean request's time; 4 clients sending
+request after request: tokens/s while all 4 are under way); llama.cpp's
 server on the same GGUF through `xllamacpp` (plain, `ngram_mod`, `ngram_map_k`; run in the
 bench venv by benchmarks/llamacpp_peer.py); and transformers' `generate`, plain and with
 prompt lookup (10 tokens). Hybrid with the measured draft rule (`adaptive_drafts`, the
@@ -46,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MODE_SETTINGS = {"off": {"mode": "off"}, "sa": {"mode": "sa"}, "mtp": {"mode": "mtp"}, "hybrid": {"mode": "hybrid"},
                  "hybrid_fixed": {"mode": "hybrid", "adaptive_drafts": False}}
 MODES = ("off", "sa", "mtp", "hybrid")
+# The alternating runs' clients: as many as the shipped gate lets speculate, each sending
+# CLIENT_ROUNDS requests one after another.
+CLIENTS, CLIENT_ROUNDS = 4, 3
 ADAPTIVE_MODES = ("hybrid", "hybrid_fixed")
 WORKLOADS = ("code_edit", "chat")
 
@@ -70,19 +74,49 @@ def workloads(tokenizer, count: int) -> dict[str, list[str]]:
     return {"code_edit": edits[::step_e][:count], "chat": questions[::step_q][:count]}
 
 
+async def run_request(engine: TorchEngine, name: str, prompt: str, max_tokens: int,
+                      arrivals: list[tuple[float, int]] | None = None) -> dict:
+    """One request of exactly `max_tokens` tokens: its tokens, submission, first and last token
+    times, speculation usage; (time, tokens) of each delta appended to `arrivals`."""
+    req = GenerationRequest(f"{name}-{time.monotonic_ns()}", prompt,
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True), RequestSpeculation(mode="auto"))
+    tokens, first, last, submitted = [], None, None, time.perf_counter()
+    async for delta in engine.generate(req):
+        now = time.perf_counter()
+        first = first or now
+        tokens += delta.token_ids
+        last = delta
+        if arrivals is not None:
+            arrivals.append((now, len(delta.token_ids)))
+    return {"tokens": tokens, "submit_s": submitted, "first_s": first, "end_s": now, "spec": last.speculation}
+
+
 async def run_batch(engine: TorchEngine, prompts: list[str], mode: str, max_tokens: int) -> list[dict]:
     """Run prompts concurrently; per request: tokens, decode time (first token to last), spec usage."""
-    async def one(i: int, prompt: str) -> dict:
-        req = GenerationRequest(f"{mode}-{i}-{time.monotonic_ns()}", prompt,
-                                SamplingParams(max_tokens=max_tokens, ignore_eos=True), RequestSpeculation(mode="auto"))
-        tokens, first, last, submitted = [], None, None, time.perf_counter()
-        async for delta in engine.generate(req):
-            now = time.perf_counter()
-            first = first or now
-            tokens += delta.token_ids
-            last = delta
-        return {"tokens": tokens, "submit_s": submitted, "first_s": first, "end_s": now, "spec": last.speculation}
-    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return await asyncio.gather(*(run_request(engine, f"{mode}-{i}", p, max_tokens) for i, p in enumerate(prompts)))
+
+
+async def run_clients(engine: TorchEngine, prompts: list[str], mode: str, max_tokens: int, clients: int,
+                      rounds: int) -> dict:
+    """`clients` clients, each sending its next request as soon as its last one ends (the load a
+    server sees at that concurrency), `rounds` each; client c's k-th prompt is prompts[(c + k) %
+    len]. Tokens/s while every client had a request under way (from the last client's first
+    token to the first client's last: no batch running down at the end) and over the whole run,
+    and the mean request's time from submission."""
+    arrivals, done = [], []
+
+    async def client(c: int) -> None:
+        for k in range(rounds):
+            run = await run_request(engine, f"{mode}-{c}-{k}", prompts[(c + k) % len(prompts)], max_tokens, arrivals)
+            done.append((c, k, run))
+
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    start = max(run["first_s"] for _, k, run in done if k == 0)
+    end = min(run["end_s"] for _, k, run in done if k == rounds - 1)
+    begun = min(run["submit_s"] for _, _, run in done)
+    return {"steady_tokens_per_s": sum(n for t, n in arrivals if start < t <= end) / (end - start),
+            "whole_tokens_per_s": sum(n for _, n in arrivals) / (max(t for t, _ in arrivals) - begun),
+            "mean_request_s": statistics.mean(run["end_s"] - run["submit_s"] for _, _, run in done)}
 
 
 @contextlib.contextmanager
@@ -198,33 +232,51 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
 def bench_alternating(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_tokens: int, repeats: int) -> dict:
     """Hybrid against speculation disabled in alternating runs (medians of `repeats`: a single
     run of each moves more than what is measured): one chat request with the gate shut (a
-    gated-off step), and batches of 4 (under the shipped gate) and 8 (over it) on each
-    workload; `bench_engine` runs a batch once per mode. Besides the batch's decode tokens/s
-    (its last token's time), the time its mean request took from the batch's first token: a
-    batch that holds its requests to the end is as fast as its slowest, while a server's
-    users each wait for their own."""
+    gated-off step), batches of 4 (under the shipped gate) and 8 (over it), and CLIENTS
+    clients sending request after request (`run_clients`), on each workload; `bench_engine`
+    runs a batch once per mode. A batch's tokens/s runs to its last token: one that holds its
+    requests to the end is as fast as its slowest, while a server's users each wait for their
+    own (the time its mean request took from the batch's first token) and a server's slots
+    fill again as requests end (the clients' tokens/s while all of them had one under way)."""
     base = engine.config.speculation
-    cases = {"batch1/chat, gate shut": (prompts["chat"][:1], dataclasses.replace(base, mode="hybrid", batch_gate=0))}
-    for batch in (4, 8):
+    hybrid = dataclasses.replace(base, mode="hybrid")
+
+    def batch(group: list[str]):
+        def run(mode: str) -> tuple[float, float]:
+            res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
+            first = min(r["first_s"] for r in res)
+            return (sum(len(r["tokens"]) - 1 for r in res) / (max(r["end_s"] for r in res) - first),
+                    statistics.mean(r["end_s"] - first for r in res))
+        return run
+
+    def clients(texts: list[str]):
+        def run(mode: str) -> tuple[float, float]:
+            res = loop.run_until_complete(run_clients(engine, texts, mode, max_tokens, CLIENTS, CLIENT_ROUNDS))
+            return res["steady_tokens_per_s"], res["mean_request_s"]
+        return run
+
+    cases = {"batch1/chat, gate shut": (batch(prompts["chat"][:1]), dataclasses.replace(hybrid, batch_gate=0))}
+    for size in (4, 8):
         for workload, texts in prompts.items():
-            cases[f"batch{batch}/{workload}"] = ((texts * batch)[:batch], dataclasses.replace(base, mode="hybrid"))
+            cases[f"batch{size}/{workload}"] = (batch((texts * size)[:size]), hybrid)
+    for workload, texts in prompts.items():
+        cases[f"{CLIENTS} clients/{workload}"] = (clients(texts), hybrid)
     out = {}
-    for case, (group, hybrid_cfg) in cases.items():
+    for case, (run, hybrid_cfg) in cases.items():
         rates, waits = {"off": [], "hybrid": []}, {"off": [], "hybrid": []}
         pair = (("off", dataclasses.replace(base, mode="off")), ("hybrid", hybrid_cfg))
         for rep in range(repeats):
             for mode, cfg in pair[rep % 2:] + pair[:rep % 2]:  # each first in turn
                 engine.configure(cfg)
-                res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
-                first = min(r["first_s"] for r in res)
-                rates[mode].append(sum(len(r["tokens"]) - 1 for r in res) / (max(r["end_s"] for r in res) - first))
-                waits[mode].append(statistics.mean(r["end_s"] - first for r in res))
-        off, hybrid = statistics.median(rates["off"]), statistics.median(rates["hybrid"])
+                rate, wait = run(mode)
+                rates[mode].append(rate)
+                waits[mode].append(wait)
+        off, hybrid_rate = statistics.median(rates["off"]), statistics.median(rates["hybrid"])
         off_wait, hybrid_wait = statistics.median(waits["off"]), statistics.median(waits["hybrid"])
-        out[case] = {"off_tokens_per_s": off, "hybrid_tokens_per_s": hybrid, "hybrid_vs_off": hybrid / off,
+        out[case] = {"off_tokens_per_s": off, "hybrid_tokens_per_s": hybrid_rate, "hybrid_vs_off": hybrid_rate / off,
                      "off_mean_request_s": off_wait, "hybrid_mean_request_s": hybrid_wait,
                      "mean_request_off_over_hybrid": off_wait / hybrid_wait}
-        print(f"  {case:22s} hybrid {hybrid:7.2f} tok/s against off {off:7.2f}: {hybrid / off:.3f}x; "
+        print(f"  {case:22s} hybrid {hybrid_rate:7.2f} tok/s against off {off:7.2f}: {hybrid_rate / off:.3f}x; "
               f"mean request {off_wait / hybrid_wait:.3f}x sooner", flush=True)
     engine.configure(base)
     return out
