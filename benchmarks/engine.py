@@ -101,8 +101,8 @@ async def run_clients(engine: TorchEngine, prompts: list[str], mode: str, max_to
     """`clients` clients, each sending its next request as soon as its last one ends (the load a
     server sees at that concurrency), `rounds` each; client c's k-th prompt is prompts[(c + k) %
     len]. Tokens/s while every client had a request under way (from the last client's first
-    token to the first client's last: no batch running down at the end) and over the whole run,
-    and the mean request's time from submission."""
+    token to the first client's last: no batch running down at the end), and the mean
+    request's time from submission."""
     arrivals, done = [], []
 
     async def client(c: int) -> None:
@@ -113,9 +113,7 @@ async def run_clients(engine: TorchEngine, prompts: list[str], mode: str, max_to
     await asyncio.gather(*(client(c) for c in range(clients)))
     start = max(run["first_s"] for _, k, run in done if k == 0)
     end = min(run["end_s"] for _, k, run in done if k == rounds - 1)
-    begun = min(run["submit_s"] for _, _, run in done)
     return {"steady_tokens_per_s": sum(n for t, n in arrivals if start < t <= end) / (end - start),
-            "whole_tokens_per_s": sum(n for _, n in arrivals) / (max(t for t, _ in arrivals) - begun),
             "mean_request_s": statistics.mean(run["end_s"] - run["submit_s"] for _, _, run in done)}
 
 
