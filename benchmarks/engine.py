@@ -29,15 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer, MODES as LLAMACPP_MODES  # noqa: E402
+from benchmarks.engine_peers import bench_llamacpp, bench_transformers, llamacpp_figures  # noqa: E402
+from benchmarks.llamacpp_peer import MODES as LLAMACPP_MODES  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
-from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
 from training.corpora import EDIT_PREFILL, SPEC_BENCH, code_edits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,57 +276,6 @@ def bench_alternating(engine: TorchEngine, loop, prompts: dict[str, list[str]], 
               f"mean request {off_wait / hybrid_wait:.3f}x sooner", flush=True)
     engine.configure(base)
     return out
-
-
-def bench_transformers(prompts: dict[str, list[str]], max_tokens: int) -> dict:
-    """HF generate, plain and with prompt lookup: decode rate = (N-1) tokens over time(N) - time(1)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_dir = resolve_model_dir()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
-    for workload, texts in prompts.items():
-        for name, extra in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})):
-            tokens, seconds = 0, 0.0
-            for text in texts:
-                ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
-                with torch.inference_mode():
-                    t0 = time.perf_counter()
-                    model.generate(ids, max_new_tokens=1, do_sample=False)
-                    t1 = time.perf_counter()
-                    gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **extra)
-                    t2 = time.perf_counter()
-                n = gen.shape[1] - ids.shape[1]
-                tokens += n - 1
-                seconds += max(1e-6, (t2 - t1) - (t1 - t0))
-            out[f"{workload}/{name}"] = {"tokens_per_s": tokens / seconds}
-            print(f"  batch 1 {workload:9s} {name:17s} {tokens / seconds:7.2f} tok/s", flush=True)
-    return out
-
-
-def bench_llamacpp(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict | None:
-    """llama.cpp's server (xllamacpp, the bench venv) on the same GGUF and prompts, batch 1 and 8."""
-    if not BENCH_PYTHON.exists():
-        print(f"  skipped: {BENCH_PYTHON} missing (`make bench-engine` installs it)", flush=True)
-        return None
-    out = {}
-    for batch in (1, 8):
-        run = run_peer(str(packaged_gguf_path()), "--prompts-json", prompts, "--max-tokens", str(max_tokens),
-                       "--threads", str(threads), "--batch", str(batch))
-        out[f"batch{batch}"] = run
-        for mode, entry in run["modes"].items():
-            for workload, figures in entry["workloads"].items():
-                print(f"  batch {batch} {workload:9s} {mode:11s} {figures['decode_throughput_tok_s']:7.2f} tok/s decode, "
-                      f"{figures['throughput_tok_s']:7.2f} end-to-end, acceptance {figures['acceptance']}", flush=True)
-    return out
-
-
-def llamacpp_figures(result: dict, batch: str, workload: str, mode: str) -> tuple[float, float]:
-    """(decode tok/s, end-to-end tok/s) of one llama.cpp run, counted as ours: decode tokens over
-    first-to-last-token time of each wave of concurrent requests, and all tokens over wall time."""
-    figures = result["llamacpp"][batch]["modes"][mode]["workloads"][workload]
-    return figures["decode_throughput_tok_s"], figures["throughput_tok_s"]
 
 
 def table_rows(result: dict, batch: str = "batch1") -> list[tuple[str, dict[str, tuple[float, float]]]]:
