@@ -106,13 +106,13 @@ async def run_clients(engine: TorchEngine, prompts: list[str], mode: str, max_to
     async def client(c: int) -> None:
         for k in range(rounds):
             run = await run_request(engine, f"{mode}-{c}-{k}", prompts[(c + k) % len(prompts)], max_tokens, arrivals)
-            done.append((c, k, run))
+            done.append((k, run))
 
     await asyncio.gather(*(client(c) for c in range(clients)))
-    start = max(run["first_s"] for _, k, run in done if k == 0)
-    end = min(run["end_s"] for _, k, run in done if k == rounds - 1)
+    start = max(run["first_s"] for k, run in done if k == 0)
+    end = min(run["end_s"] for k, run in done if k == rounds - 1)
     return {"steady_tokens_per_s": sum(n for t, n in arrivals if start < t <= end) / (end - start),
-            "mean_request_s": statistics.mean(run["end_s"] - run["submit_s"] for _, _, run in done)}
+            "mean_request_s": statistics.mean(run["end_s"] - run["submit_s"] for _, run in done)}
 
 
 @contextlib.contextmanager
