@@ -114,7 +114,7 @@ bench-faults: install
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
 bench: bench-forward bench-drafters bench-engine bench-long bench-serve bench-autoscaling bench-grammar bench-structured \
-  bench-faults bench-multiturn bench-memory
+  bench-faults bench-multiturn bench-memory bench-predicted
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda
@@ -201,6 +201,12 @@ ENGINE_BENCH_ARGS ?=
 .PHONY: bench-engine
 bench-engine: install $(LLAMACPP_STAMP)
 	$(PY) benchmarks/engine.py $(ENGINE_BENCH_ARGS)
+
+# Predicted Outputs (OpenAI's `prediction`): hybrid with and without one, on code edits and
+# regenerated answers; predicted.json/.png.
+.PHONY: bench-predicted
+bench-predicted: install
+	$(PY) benchmarks/predicted.py
 
 # Long outputs: the engine's per-step cost beside the compiled forward's, by quarter of a
 # 2,048-token output; long_output.json/.png.

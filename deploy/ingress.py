@@ -185,7 +185,7 @@ class Ingress:
             return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))))
 
     async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta) -> fmt.Accumulated:
-        acc, done = fmt.Accumulated(), False
+        acc, done = fmt.Accumulated(prediction=request.prediction), False
         try:
             while True:
                 if delta.finish_reason in ("error", "abort"):
@@ -209,7 +209,8 @@ class Ingress:
     async def _sse(self, output: fmt.Output, request: GenerationRequest, created: int, stream, delta: GenerationDelta,
                    include_usage: bool) -> AsyncIterator[str]:
         request_id = request.request_id
-        kind, model, acc, done = output.kind, self._config.model_name, fmt.Accumulated(), False
+        kind, model, done = output.kind, self._config.model_name, False
+        acc = fmt.Accumulated(prediction=request.prediction)
         pieces = fmt.StreamPieces(output)
         try:
             try:

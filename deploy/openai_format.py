@@ -7,6 +7,7 @@ the endpoint `kind` and stays in one place.
 
 from __future__ import annotations
 
+import difflib
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class Accumulated:
     speculation: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
+    prediction: Sequence[int] = ()  # the request's predicted output (token ids), if any
 
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
@@ -58,7 +60,17 @@ def usage(acc: Accumulated) -> dict[str, Any]:
             "acceptance_length": float(spec.get("acceptance_length", 0.0)),
             "steps": int(spec.get("steps", 0)),
         },
+        **({"completion_tokens_details": prediction_details(acc.prediction, acc.token_ids)} if acc.prediction else {}),
     }
+
+
+def prediction_details(prediction: Sequence[int], output: Sequence[int]) -> dict[str, int]:
+    """OpenAI's counts for a prediction: its tokens the output has too, in order (difflib's
+    matching blocks, whose heuristic keeps a token over 1% of a long prediction from starting a
+    match: fast on any input, a lower count only on very repetitive ones), and the rest."""
+    blocks = difflib.SequenceMatcher(None, output, prediction).get_matching_blocks()
+    accepted = sum(block.size for block in blocks)
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": len(prediction) - accepted}
 
 
 class TokenTexts:

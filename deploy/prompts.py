@@ -136,5 +136,9 @@ def generation_request(
         )
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
+    prediction = ()
+    if isinstance(request, ChatCompletionRequest) and request.prediction is not None:
+        prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
     return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
-                             speculation=request.speculation or RequestSpeculation(), grammar=grammar_spec(request))
+                             speculation=request.speculation or RequestSpeculation(), grammar=grammar_spec(request),
+                             prediction=prediction)

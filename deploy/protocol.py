@@ -132,6 +132,13 @@ class TextPart(_Request):
     text: Text
 
 
+def _joined(content: Union[str, List[TextPart], None]) -> str:
+    """A message's content (text or text parts) as one text."""
+    if isinstance(content, list):
+        return "".join(part.text for part in content)
+    return content or ""
+
+
 class FunctionCall(_Request):
     name: FunctionName
     arguments: Text  # JSON text, as OpenAI sends it
@@ -145,16 +152,19 @@ class AssistantToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[Text, List[TextPart]]] = None
+    # only an assistant's may be left out (OpenAI's rule; its calls are in tool_calls)
+    content: Optional[Union[Text, List[TextPart]]] = Field(None, validate_default=True)
     name: Optional[Text] = None
     tool_calls: Optional[List[AssistantToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
-    def _content(cls, content):
+    def _content(cls, content, info: ValidationInfo):
         if isinstance(content, list) and not content:
             raise ValueError("a list of content parts must not be empty")
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
         return content
 
     @field_validator("tool_calls")
@@ -166,9 +176,18 @@ class ChatMessage(_Request):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+        return _joined(self.content)
+
+
+class Prediction(_Request):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being edited)."""
+
+    type: Literal["content"]
+    content: Union[Text, List[TextPart]]
+
+    @property
+    def text(self) -> str:
+        return _joined(self.content)
 
 
 class FunctionDefinition(_Request):
@@ -208,6 +227,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    prediction: Optional[Prediction] = None  # drafted from; never changes the output
 
     @field_validator("top_logprobs")
     @classmethod
@@ -260,11 +280,17 @@ class SpeculationUsage(BaseModel):
     steps: int = 0  # verify steps
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0  # of the prediction, tokens the output has too
+    rejected_prediction_tokens: int = 0  # the rest of the prediction
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     speculation: SpeculationUsage
+    completion_tokens_details: Optional[CompletionTokensDetails] = None  # with a prediction
 
 
 class CompletionLogprobs(BaseModel):

@@ -191,6 +191,9 @@ class GenerationRequest:
     speculation: RequestSpeculation = field(default_factory=RequestSpeculation)
     grammar: GrammarSpec | None = None
     resume: Resume | None = None
+    # token ids of the output the client expects (OpenAI's Predicted Outputs): one more text
+    # to draft from, so a good prediction is accepted in long runs; never changes the output
+    prediction: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,7 @@ class EngineCore:
         seq.prefilling = False
         logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
         new = resumed or [verify_rows(seq, [], logits).tokens[0]]
-        self.suffix.add(seq.sa_id, seq.prompt_ids)
+        self.suffix.add(seq.sa_id, seq.sa_prefix + seq.prompt_ids)
         if seq.mtp_fed:
             self.mtp.observe_rows([seq.slot], [hidden], [context[first + 1:] + new[-1:]])
         if resumed:

@@ -26,6 +26,7 @@ from replicas.torch_engine.kv_cache import PAGE_TOKENS, page_bytes
 from replicas.torch_engine.loader import load_tokenizer, packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.sequence import Detokenizer, Sequence
+from replicas.torch_engine.suffix_drafts import prediction_prefix, suffix_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,6 @@ class TorchEngine:
 
     def _build_core(self) -> EngineCore:
         from replicas.speculation.grammar import GrammarCompiler
-        from replicas.torch_engine.suffix_drafts import suffix_drafts
 
         cfg = self.config
         if cfg.num_threads:
@@ -214,6 +214,9 @@ class TorchEngine:
         resumed = [int(t) for t in request.resume.token_ids] if request.resume is not None else []
         if any(not 0 <= t < self._core.model.cfg.vocab_size for t in resumed) or len(resumed) >= sampling.max_tokens:
             raise RequestError("resume", f"needs fewer than max_tokens ({sampling.max_tokens}) token ids in the vocabulary")
+        prediction = [int(t) for t in request.prediction]
+        if any(not 0 <= t < self._core.model.cfg.vocab_size for t in prediction):
+            raise RequestError("prediction", f"token ids must be in [0, {self._core.model.cfg.vocab_size})")
         constraint = self._grammars.compile(request.grammar) if request.grammar is not None else None
         if constraint is not None:
             try:
@@ -230,6 +233,7 @@ class TorchEngine:
             sampling.seed if sampling.seed is not None else random.getrandbits(63),
             eos_ids=self._eos_ids,
             constraint=constraint,
+            sa_prefix=prediction_prefix(prompt_ids, prediction, window - len(prompt_ids) - sampling.max_tokens),
             output_ids=resumed,
             num_sent_tokens=len(resumed),
             num_sent_chars=request.resume.text_chars if request.resume is not None else 0,

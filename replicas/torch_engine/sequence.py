@@ -41,6 +41,7 @@ class Sequence:
     prefix_blocks: list[Block] = field(default_factory=list)  # prefix-cache blocks held (PrefixCache)
     prefix_hidden: list[Tensor] = field(default_factory=list)  # hidden rows past them, not yet stored
     prefix_offered: int = 0  # whole blocks of the context offered to the cache so far
+    sa_prefix: list[int] = field(default_factory=list)  # its automaton reads it before the prompt (a prediction)
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
     sa_acceptance: SaAcceptance = field(default_factory=SaAcceptance)  # its SA drafts', drafted or not

@@ -29,6 +29,23 @@ logger = logging.getLogger(__name__)
 
 Fed = list[tuple["Sequence", list[int]]]  # (sequence, tokens it emitted this step)
 
+# Prompt tokens a prediction's copy starts with (`prediction_prefix`).
+PREDICTION_ANCHOR = 8
+
+
+def prediction_prefix(prompt_ids: list[int], prediction: list[int], room: int) -> list[int]:
+    """What a request's automaton reads before its prompt when the client predicted its output
+    (OpenAI's Predicted Outputs): the prompt's last PREDICTION_ANCHOR tokens, then the
+    prediction. The prompt's end then repeats first at the very start, so from its first
+    output token on, while the output follows the prediction, the SA drafts the prediction
+    (the first occurrence of a match is what it drafts from); where the output departs and
+    comes back, its suffix meets the prediction again there. At most `room` tokens (an
+    automaton holds one context window): a longer prediction is cut, one with no room left
+    is not used."""
+    if not prediction or room <= PREDICTION_ANCHOR:
+        return []
+    return (prompt_ids[-PREDICTION_ANCHOR:] + prediction)[:room]
+
 
 def _pack(fed: Fed, accepted: np.ndarray, lens: np.ndarray) -> None:
     """Row b of `accepted [B, W]` and `lens [B]`: the tokens sequence b emitted (rest left as is,

@@ -176,3 +176,27 @@ def test_grammar_errors_are_400s_naming_the_field(url):
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_predicted_outputs(client, url):
+    # OpenAI's Predicted Outputs (`prediction`), as editors send a file they expect back: the
+    # answer is the one without it, streamed or not, and usage counts the prediction's tokens
+    # the answer has (accepted) and those it has not (rejected).
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Write a haiku about autumn leaves."}],
+                  max_tokens=48, temperature=0)
+    answer = client.chat.completions.create(**kwargs, extra_body=OFF).choices[0].message.content
+    for prediction, rejected in ((answer, 0), ("Spreadsheets of quarterly tax law amendments." + answer, 1)):
+        right = client.chat.completions.create(**kwargs, prediction={"type": "content", "content": prediction})
+        assert right.choices[0].message.content == answer
+        details = right.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= right.usage.completion_tokens - 1
+        assert (details.rejected_prediction_tokens > 0) == bool(rejected)
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
+                                                     prediction={"type": "content", "content": [
+                                                         {"type": "text", "text": prediction}]}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+        assert chunks[-1].usage.completion_tokens_details == details
+    assert client.chat.completions.create(**kwargs).usage.completion_tokens_details is None  # no prediction
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={**kwargs, "prediction": {"type": "text", "content": answer}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prediction.type", response.text

@@ -1,6 +1,6 @@
-"""Chat rendering with tools and the grammar a request carries, on real Hugging Face tokenizers:
-the embedded model's (plain ChatML: our default tool format) and the same tokenizer given a
-template that knows tools (the Hugging Face convention)."""
+"""Chat rendering with tools, and the grammar and prediction a request carries, on real Hugging
+Face tokenizers: the embedded model's (plain ChatML: our default tool format) and the same
+tokenizer given a template that knows tools (the Hugging Face convention)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import json
 
 import pytest
 
+from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
-from deploy.prompts import grammar_spec, render_chat, template_knows_tools
+from deploy.openai_format import prediction_details
+from deploy.prompts import generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from deploy.tool_calls import format_tool_calls, tools_system_prompt
 
@@ -113,3 +115,21 @@ def test_a_forced_call_and_a_json_format_conflict():
     with pytest.raises(ApiError) as info:
         grammar_spec(chat(tools=tools(WEATHER), tool_choice="required", response_format={"type": "json_object"}))
     assert info.value.status == 400 and info.value.param == "response_format"
+
+
+def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(chatml):
+    config = IngressConfig.from_args(AppArgs())
+    code = "def add(a, b):\n    return a + b\n"
+    requests = [ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Fix it."}],
+                                      prediction={"type": "content", "content": content})
+                for content in (code, [{"type": "text", "text": code[:10]}, {"type": "text", "text": code[10:]}])]
+    ids = tuple(chatml.encode(code, add_special_tokens=False))
+    assert [generation_request("r", chatml, r, config).prediction for r in requests] == [ids, ids]
+    without = generation_request("r", chatml, requests[0].model_copy(update={"prediction": None}), config)
+    assert without.prediction == ()
+    # OpenAI's counts: the prediction's tokens the output has too, in order, and the rest
+    assert prediction_details(ids, ids) == {"accepted_prediction_tokens": len(ids), "rejected_prediction_tokens": 0}
+    edited = [7, 7] + list(ids[:5]) + [9] + list(ids[8:])
+    assert prediction_details(ids, edited) == {"accepted_prediction_tokens": len(ids) - 3,
+                                               "rejected_prediction_tokens": 3}
+    assert prediction_details(ids, [])["accepted_prediction_tokens"] == 0

@@ -215,6 +215,7 @@ def test_failure_in_one_request_leaves_others_running(engine, loop, monkeypatch)
     (lambda: GenerationRequest("x", "hi", SamplingParams(top_p=0)), "top_p"),
     (lambda: GenerationRequest("x", "hi", SamplingParams(top_k=-1)), "top_k"),
     (lambda: GenerationRequest("x", "hi", speculation=RequestSpeculation(mode="fast")), "mode"),
+    (lambda: GenerationRequest("x", "hi", prediction=(5, -1)), "prediction"),
 ])
 def test_bad_input_names_the_field_before_any_work(engine, make, field):
     with pytest.raises(ValueError, match=field):

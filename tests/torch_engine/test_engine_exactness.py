@@ -10,10 +10,12 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from replicas.engine import SpeculationConfig
 from replicas.speculation.hybrid import MTP_MAX_BACKOFF
-from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect, request
+from replicas.torch_engine.suffix_drafts import suffix_drafts
+from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect, collect_logprobs, request
 
 pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
 
@@ -136,3 +138,37 @@ def test_an_unsure_head_is_asked_less_and_less(engine, loop, prompts, reference)
     steps = len(tokens) - 1  # decode steps after the token prefill emitted
     assert last.speculation["draft_tokens"] == 0
     assert 1 <= sum(asked) <= 2 + steps // MTP_MAX_BACKOFF + 5, (sum(asked), steps)
+
+
+@pytest.fixture
+def no_global_pool(engine):
+    """The engine's automata without the cross-request pool (where every earlier answer would be
+    drafted from) for one test."""
+    core, cfg = engine.core, engine.config
+    pooled, core.suffix = core.suffix, suffix_drafts(torch.device(cfg.device), cfg.max_batch_size, cfg.max_seq_len, 0)
+    yield
+    core.suffix = pooled
+
+
+def test_a_prediction_is_drafted_and_changes_nothing(engine, loop, prompts, reference, no_global_pool):
+    # OpenAI's Predicted Outputs: the chat answer the client expects. Right, it is drafted from
+    # the first output token on (an open question gives the SA nothing to copy otherwise);
+    # wrong, or cut to the room left in the automaton, it costs drafts and changes nothing.
+    # Greedy and seeded, the output is the one without a prediction.
+    prompt, expected = prompts[0], reference[0]
+    right = loop.run_until_complete(collect(engine, predicted(prompt, expected)))
+    assert right[0] == expected
+    plain = loop.run_until_complete(collect(engine, request(prompt)))
+    assert right[2].speculation["accepted_tokens"] >= len(expected) // 2 > plain[2].speculation["accepted_tokens"]
+    assert right[2].speculation["steps"] < plain[2].speculation["steps"]
+    for prediction in (reference[1], expected * 100):  # the second, past the automaton's 2048 positions
+        assert loop.run_until_complete(collect(engine, predicted(prompt, prediction)))[0] == expected
+    seeded = dict(temperature=0.9, seed=11)
+    alone = loop.run_until_complete(collect_logprobs(engine, request(prompt, logprobs=2, **seeded)))
+    with_prediction = loop.run_until_complete(collect_logprobs(engine, predicted(prompt, alone[0], logprobs=2, **seeded)))
+    assert with_prediction[:3] == alone[:3]
+    assert with_prediction[3].speculation["accepted_tokens"] >= len(alone[0]) // 2
+
+
+def predicted(prompt, prediction, max_tokens=48, **sampling):
+    return dataclasses.replace(request(prompt, max_tokens=max_tokens, **sampling), prediction=tuple(prediction))

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from replicas.speculation.suffix import CUDA_COMPILED, SuffixAutomatonPool
-from replicas.torch_engine.suffix_drafts import DeviceSuffixDrafts, HostSuffixDrafts, suffix_drafts
+from replicas.torch_engine.suffix_drafts import (
+    PREDICTION_ANCHOR, DeviceSuffixDrafts, HostSuffixDrafts, prediction_prefix, suffix_drafts,
+)
 
 
 def seq(sa_id):
@@ -35,6 +37,25 @@ def test_one_batched_feed_equals_one_extend_per_request():
             assert (s.sa_match_len, s.sa_draft) == (int(match_len[0]), [int(t) for t in draft[0] if t >= 0])
     drafts.remove(0)
     assert not drafts.has(0) and drafts.has(1)
+
+
+def test_a_prediction_is_drafted_from_the_first_output_token_and_after_a_detour():
+    prompt = list(range(100, 130))  # nothing in it repeats
+    prediction = list(range(200, 260))
+    drafts, s = HostSuffixDrafts(1, 500, 0), seq(0)
+    drafts.add(0, prediction_prefix(prompt, prediction, 500 - len(prompt) - 100) + prompt)
+    drafts.feed([(s, [200])], 8)  # the first output token follows the prediction
+    assert s.sa_match_len == PREDICTION_ANCHOR + 1 and s.sa_draft == list(range(201, 209))
+    drafts.feed([(s, [201, 202, 7, 8, 9, 230, 231])], 8)  # departs, and meets it again further on
+    assert s.sa_draft == list(range(232, 240))
+
+
+def test_a_prediction_is_cut_to_the_room_left():
+    prompt, prediction = list(range(20)), list(range(50, 90))
+    assert prediction_prefix(prompt, prediction, 1000) == prompt[-PREDICTION_ANCHOR:] + prediction
+    assert prediction_prefix(prompt, prediction, 30) == (prompt[-PREDICTION_ANCHOR:] + prediction)[:30]
+    assert prediction_prefix(prompt, prediction, PREDICTION_ANCHOR) == []  # no room for a token of it
+    assert prediction_prefix(prompt, [], 1000) == []
 
 
 def test_a_cpu_engine_keeps_its_automata_on_the_host():

@@ -427,3 +427,20 @@ def test_a_resumed_request_is_refused_not_rerun():
             await engine.shutdown()
 
     run(go())
+
+
+def test_a_prediction_is_served_not_refused():
+    # The engine does not draft from a prediction (OpenAI's Predicted Outputs) yet; a request
+    # that carries one is served as without it (the ingress counts it against the output).
+    async def go():
+        engine = await started(engine_config())
+        try:
+            plain = await collect(engine, request(PROMPT, max_tokens=20))
+            predicted = await collect(engine, dataclasses.replace(request(PROMPT, max_tokens=20),
+                                                                  prediction=tuple(map(ord, PROMPT))))
+            return joined(plain), joined(predicted), predicted[-1].finish_reason
+        finally:
+            await engine.shutdown()
+
+    plain, predicted, finish = run(go())
+    assert predicted == plain and finish == "length"
