@@ -127,12 +127,15 @@ def generation_request(
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
+    logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
+    if any(token >= len(tokenizer) for token in logit_bias):
+        raise ApiError(400, f"logit_bias: token ids must be in [0, {len(tokenizer)})", "logit_bias")
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings,
             ignore_eos=request.ignore_eos, logprobs=logprobs, presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
+            frequency_penalty=request.frequency_penalty, logit_bias=logit_bias,
         )
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc

@@ -92,6 +92,7 @@ class _Sampling(_Request):
     response_format: Optional[ResponseFormat] = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id -> bias
     # OpenAI fields accepted at their neutral values only
     n: Literal[1] = 1
     user: Optional[str] = None
@@ -103,6 +104,13 @@ class _Sampling(_Request):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("at most 4 non-empty stop strings")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias):
+        if bias and not all(key.isascii() and key.isdigit() for key in bias):
+            raise ValueError("keys must be token ids (decimal digits)")
+        return bias
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

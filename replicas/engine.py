@@ -120,12 +120,19 @@ class SamplingParams:
     # frequency_penalty per occurrence, on the logits (greedy too)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first (a
+    # mapping is taken too); -100 all but bans a token, 100 all but forces it
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, not its characters
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        _require(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
+                 "token ids must be >= 0 and biases in [-100, 100]")
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

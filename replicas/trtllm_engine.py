@@ -135,6 +135,8 @@ class TrtllmEngine:
             raise RequestError("request_id", f"{request.request_id!r} is already running")
         if request.sampling.logprobs is not None:
             raise RequestError("logprobs", "not returned by the TensorRT-LLM engine yet")
+        if request.sampling.logit_bias:
+            raise RequestError("logit_bias", "not mapped to the TensorRT-LLM engine yet")
         if request.resume is not None:  # refused, never rerun from the start (the client has the start)
             raise RequestError("resume", "the TensorRT-LLM engine cannot continue an interrupted request yet")
         prompt_ids = self._prompt_ids(request)

@@ -81,6 +81,13 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int)
     return torch.zeros_like(scaled).scatter_(-1, kept_ids, kept_probs)
 
 
+def bias_(logits: Tensor, logit_bias: Sequence[tuple[int, float]]) -> Tensor:
+    """OpenAI's logit_bias on `logits [K+1, V]` in place: the same addition on every row."""
+    token_ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.long, device=logits.device)
+    logits[:, token_ids] += torch.tensor([b for _, b in logit_bias], dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def penalize_(logits: Tensor, output_ids: Sequence[int], draft: Sequence[int], presence: float,
               frequency: float) -> Tensor:
     """OpenAI's presence and frequency penalties on `logits [K+1, V]` in place, row i counting

@@ -195,11 +195,11 @@ class TorchEngine:
             raise RuntimeError("engine not started")
         if request.request_id in self._queues:
             raise RequestError("request_id", f"{request.request_id!r} is already running")
+        vocab = self._core.model.cfg.vocab_size
         if isinstance(request.prompt, str):
             prompt_ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
         else:
             prompt_ids = [int(t) for t in request.prompt]
-            vocab = self._core.model.cfg.vocab_size
             if any(not 0 <= t < vocab for t in prompt_ids):
                 raise RequestError("prompt", f"token ids must be in [0, {vocab})")
         if not prompt_ids:
@@ -212,11 +212,12 @@ class TorchEngine:
             raise RequestError("max_tokens", f"{sampling.max_tokens} + {len(prompt_ids)} prompt tokens exceed "
                                              f"the context window of {window}")
         resumed = [int(t) for t in request.resume.token_ids] if request.resume is not None else []
-        if any(not 0 <= t < self._core.model.cfg.vocab_size for t in resumed) or len(resumed) >= sampling.max_tokens:
+        if any(not 0 <= t < vocab for t in resumed) or len(resumed) >= sampling.max_tokens:
             raise RequestError("resume", f"needs fewer than max_tokens ({sampling.max_tokens}) token ids in the vocabulary")
         prediction = [int(t) for t in request.prediction]
-        if any(not 0 <= t < self._core.model.cfg.vocab_size for t in prediction):
-            raise RequestError("prediction", f"token ids must be in [0, {self._core.model.cfg.vocab_size})")
+        for name, ids in (("prediction", prediction), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestError(name, f"token ids must be in [0, {vocab})")
         constraint = self._grammars.compile(request.grammar) if request.grammar is not None else None
         if constraint is not None:
             try:

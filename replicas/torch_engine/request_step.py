@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from replicas.speculation.hybrid import NO_DRAFT, DraftPlan
-from replicas.speculation.sampling import greedy_tokens, penalize_, position_uniforms, sampling_probs
+from replicas.speculation.sampling import bias_, greedy_tokens, penalize_, position_uniforms, sampling_probs
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from replicas.torch_engine.sequence import Sequence
 
@@ -28,8 +28,10 @@ def sa_fallback(seq: Sequence, plan: DraftPlan) -> tuple[DraftPlan, list[int]]:
 
 def verify_rows(seq: Sequence, draft: list[int], logits: torch.Tensor) -> Verdict:
     """Greedy, or sampled at uniforms keyed by output position (identical with or without drafts),
-    from `logits [K+1, V]` penalised and masked by the request's grammar in place."""
+    from `logits [K+1, V]` biased, penalised and masked by the request's grammar in place."""
     p = seq.sampling
+    if p.logit_bias:
+        bias_(logits, p.logit_bias)
     if p.presence_penalty or p.frequency_penalty:
         penalize_(logits, seq.output_ids, draft, p.presence_penalty, p.frequency_penalty)
     if seq.constraint is not None:

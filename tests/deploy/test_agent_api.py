@@ -1,6 +1,7 @@
 """What agent clients send, against the real application (real model, MTP on) over HTTP with the
 official `openai` client: structured output (`parse`, json_schema, json_object), tool calls
-(forced, named and streamed, a whole round trip) and logprobs, exact under speculation."""
+(forced, named and streamed, a whole round trip), logprobs, logit_bias and predicted outputs,
+exact under speculation."""
 
 from __future__ import annotations
 
@@ -168,6 +169,21 @@ def test_completion_logprobs_shapes_and_speculation(client):
     assert lp.text_offset == sorted(lp.text_offset)
     assert spec.usage.model_extra["speculation"]["draft_tokens"] > 0
     assert spec.choices[0].text == off.choices[0].text and lp == off.choices[0].logprobs
+
+
+def test_logit_bias_bans_and_forces_tokens(client):
+    # (exact under speculation, drafts asserted: tests/torch_engine/test_engine_exactness.py)
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir())
+    (banana,) = tokenizer.encode(" banana", add_special_tokens=False)
+    kwargs = dict(model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, logit_bias={str(banana): 100}).choices[0].text == " banana" * 6
+    first = tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned = client.completions.create(**kwargs, logit_bias={str(first): -100})
+    off = client.completions.create(**kwargs, logit_bias={str(first): -100}, extra_body=OFF)
+    assert banned.choices[0].text == off.choices[0].text != plain
 
 
 def test_grammar_errors_are_400s_naming_the_field(url):

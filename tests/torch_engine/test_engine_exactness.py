@@ -140,13 +140,37 @@ def test_an_unsure_head_is_asked_less_and_less(engine, loop, prompts, reference)
     assert 1 <= sum(asked) <= 2 + steps // MTP_MAX_BACKOFF + 5, (sum(asked), steps)
 
 
+def test_logit_bias_does_what_it_says_and_is_exact_under_speculation(engine, loop, prompts, reference):
+    # -100 bans the token the model emits first, +100 forces one; every mode emits what off
+    # does under the same bias (the bias is one addition per row, the same in every row).
+    prompt, expected = prompts[-1], reference[-1]
+    forced = loop.run_until_complete(collect(engine, request(prompt, max_tokens=6, logit_bias={42: 100.0})))[0]
+    assert forced == [42] * 6
+    bias = {expected[0]: -100.0, expected[2]: 2.5}
+    off = loop.run_until_complete(collect(engine, request(prompt, mode="off", logit_bias=bias)))[0]
+    assert off[0] != expected[0] and expected[0] not in off
+    engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
+    drafted = 0
+    try:
+        for mode in ("sa", "mtp", "auto"):
+            tokens, _, last = loop.run_until_complete(collect(engine, request(prompt, mode=mode, logit_bias=bias)))
+            assert tokens == off, mode
+            drafted += last.speculation["draft_tokens"]
+    finally:
+        engine.configure(engine.config.speculation)
+    assert drafted > 0
+
+
 @pytest.fixture
 def no_global_pool(engine):
-    """The engine's automata without the cross-request pool (where every earlier answer would be
-    drafted from) for one test."""
+    """For one test, the engine's automata without the cross-request pool (where every earlier
+    answer would be drafted from), drafting all their rules allow (what they draft, not whether
+    the measured draft rule finds it pays on this machine now)."""
     core, cfg = engine.core, engine.config
     pooled, core.suffix = core.suffix, suffix_drafts(torch.device(cfg.device), cfg.max_batch_size, cfg.max_seq_len, 0)
+    engine.configure(dataclasses.replace(cfg.speculation, adaptive_drafts=False))
     yield
+    engine.configure(cfg.speculation)
     core.suffix = pooled
 
 

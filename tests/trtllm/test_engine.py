@@ -148,6 +148,7 @@ def test_not_iterating_submits_nothing():
     (request([]), "prompt"),
     (request([1, -2]), "prompt"),
     (request("x" * 500, max_tokens=100), "max_tokens"),
+    (request("x", logit_bias={3: 1.0}), "logit_bias"),  # not mapped upstream yet
 ])
 def test_bad_requests_fail_before_streaming(req, match):
     async def go():
