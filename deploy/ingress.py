@@ -2,10 +2,11 @@
 
 `/v1/completions` and `/v1/chat/completions` (SSE when `stream`, JSON otherwise),
 `/v1/models`, `/healthz`. The ingress validates and tokenizes at the edge, streams the
-request from a Replica through the speculation-gate router, and turns every failure
-into an OpenAI error: before the first token as an HTTP status, after it as an SSE
-error event followed by `data: [DONE]`, so a client never hangs. When the client goes
-away, the replica stream is cancelled, which aborts the request in the engine.
+request (each of its `n` choices an engine request of its own) from a Replica through the
+speculation-gate router, and turns every failure into an OpenAI error: before the first
+token as an HTTP status, after it as an SSE error event followed by `data: [DONE]`, so a
+client never hangs. When the client goes away, the replica streams are cancelled, which
+aborts the requests in the engine.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
 from deploy.errors import ApiError, install_error_handlers
-from deploy.prompts import generation_request
+from deploy.prompts import choice_requests, generation_request
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
@@ -65,6 +66,19 @@ def _replica_lost(exc: BaseException) -> bool:
 
     lost = (ActorDiedError, ActorUnavailableError, RayActorError)
     return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
+
+async def _all_choices(coroutines: list) -> list:
+    """Run a request's choices together; when one fails (or the request is cancelled), cancel
+    the rest (each stops its stream) and raise."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _cancel(stream) -> None:
@@ -106,50 +120,65 @@ class Ingress:
                            "model", code="model_not_found")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
-        request = generation_request(request_id, tokenizer, body, self._config)
-        output = fmt.Output(kind, request.sampling.logprobs is not None,
+        requests = choice_requests(generation_request(request_id, tokenizer, body, self._config), body.n)
+        output = fmt.Output(kind, requests[0].sampling.logprobs is not None,
                          isinstance(body, ChatCompletionRequest) and bool(body.functions),
                          fmt.TokenTexts(tokenizer.decode))
-        stream, first = await self._open(request)
+        # Serve gives every handle call made for one HTTP request that request's internal id, and
+        # its router indexes the calls it is placing by that id: of two placed at once, one was
+        # never placed (Ray 2.60; n=3 hung). So a request's choices are routed one at a time,
+        # their retries and resumptions too (the later ones then find the prompt's prefix cached).
+        routing = asyncio.Lock()
+        opened = []
+        try:
+            for r in requests:
+                opened.append(await self._open(r, routing))
+        except BaseException:
+            for stream, _ in opened:
+                _cancel(stream)
+            raise
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(output, request, created, stream, first, include_usage),
+            return StreamingResponse(self._sse(output, request_id, requests, created, opened, routing, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        acc = await self._collect(request, stream, first)
-        logprobs = fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None
-        tool_calls = parse_tool_calls(acc.text) if output.tools else None
-        return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, acc,
-                                              logprobs, tool_calls))
+        accs = await _all_choices([self._collect(r, *o, routing) for r, o in zip(requests, opened)])
+        choices = [fmt.full_choice(kind, i, acc,
+                                   fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None,
+                                   parse_tool_calls(acc.text) if output.tools else None)
+                   for i, acc in enumerate(accs)]
+        return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, choices, accs))
 
-    async def _open(self, request: GenerationRequest):
+    async def _open(self, request: GenerationRequest, routing: asyncio.Lock):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses).
 
         Nothing has reached the client yet, so a request whose replica dies here is sent again
         (the router picks a live replica, or waits for Serve to restart one) for up to
-        `replica_loss_retry_s`: the client sees only latency.
+        `replica_loss_retry_s`: the client sees only latency. Held under `routing`, the HTTP
+        request's lock: one of its choices routed at a time (see `handle`).
         """
-        deadline = time.monotonic() + self._config.replica_loss_retry_s
-        for attempt in itertools.count(1):
-            stream = None
-            try:
-                stream = self._streams.generate.remote(request)  # may raise BackPressureError here
-                first = await self._next(stream)
-                break
-            except BaseException as exc:
-                if stream is not None:
-                    _cancel(stream)
-                if isinstance(exc, StopAsyncIteration):
-                    raise ApiError(500, "the engine stream ended before any output") from None
-                if _replica_lost(exc) and time.monotonic() < deadline:
-                    logger.warning("request %s lost its replica before any output (%s); sending it again",
-                                   request.request_id, type(exc).__name__)
-                    self._count_retry("resume" if request.resume is not None else "retry")
-                    await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
-                    continue
-                if isinstance(exc, Exception):
-                    raise _server_error(exc) from exc
-                raise
+        async with routing:
+            deadline = time.monotonic() + self._config.replica_loss_retry_s
+            for attempt in itertools.count(1):
+                stream = None
+                try:
+                    stream = self._streams.generate.remote(request)  # may raise BackPressureError here
+                    first = await self._next(stream)
+                    break
+                except BaseException as exc:
+                    if stream is not None:
+                        _cancel(stream)
+                    if isinstance(exc, StopAsyncIteration):
+                        raise ApiError(500, "the engine stream ended before any output") from None
+                    if _replica_lost(exc) and time.monotonic() < deadline:
+                        logger.warning("request %s lost its replica before any output (%s); sending it again",
+                                       request.request_id, type(exc).__name__)
+                        self._count_retry("resume" if request.resume is not None else "retry")
+                        await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
+                        continue
+                    if isinstance(exc, Exception):
+                        raise _server_error(exc) from exc
+                    raise
         if isinstance(first, RequestRejected):
             raise ApiError(400, first.message, first.param)
         return stream, first
@@ -167,7 +196,7 @@ class Ingress:
     async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
         return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
 
-    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated):
+    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated, routing: asyncio.Lock):
         """(stream, its next delta). When the replica died mid-stream, the request is sent again
         as a continuation of what the client already has (`Resume`): the rest of the stream
         comes from the new replica, exactly what the dead one would have produced."""
@@ -182,9 +211,11 @@ class Ingress:
             logger.warning("request %s lost its replica after %d tokens (%s); resuming it",
                            request.request_id, len(acc.token_ids), type(exc).__name__)
             self._count_retry("resume")
-            return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))))
+            return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))),
+                                    routing)
 
-    async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta) -> fmt.Accumulated:
+    async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
+                       routing: asyncio.Lock) -> fmt.Accumulated:
         acc, done = fmt.Accumulated(prediction=request.prediction), False
         try:
             while True:
@@ -195,7 +226,7 @@ class Ingress:
                     done = True
                     return acc
                 try:
-                    stream, delta = await self._following(request, stream, acc)
+                    stream, delta = await self._following(request, stream, acc, routing)
                 except StopAsyncIteration:
                     raise ApiError(500, "the engine stream ended without a finish reason") from None
                 except ApiError:
@@ -206,46 +237,70 @@ class Ingress:
             if not done:  # error or client disconnect: stop the request in the engine
                 _cancel(stream)
 
-    async def _sse(self, output: fmt.Output, request: GenerationRequest, created: int, stream, delta: GenerationDelta,
+    async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest], created: int,
+                   opened: list[tuple[Any, GenerationDelta]], routing: asyncio.Lock,
                    include_usage: bool) -> AsyncIterator[str]:
-        request_id = request.request_id
-        kind, model, done = output.kind, self._config.model_name, False
-        acc = fmt.Accumulated(prediction=request.prediction)
-        pieces = fmt.StreamPieces(output)
-        try:
+        """The response's SSE: each choice's chunks as its replica stream delivers them (one
+        task per choice), each choice's last chunk as it finishes, then the usage and [DONE]."""
+        kind, model = output.kind, self._config.model_name
+        accs = [fmt.Accumulated(prediction=r.prediction) for r in requests]
+        events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
+
+        async def choice(index: int) -> None:
+            request, (stream, delta) = requests[index], opened[index]
+            pieces, done = fmt.StreamPieces(output), False
             try:
-                if kind == "chat":
-                    yield fmt.sse(fmt.chunk(kind, request_id, created, model, "", role=True))
                 while True:
                     if delta.finish_reason in ("error", "abort"):
                         raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
-                    acc.add(delta)
+                    accs[index].add(delta)
                     text, tool_calls, logprobs = pieces.of(delta)
                     if text or tool_calls or logprobs:
-                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, text, logprobs=logprobs,
-                                                tool_calls=tool_calls))
+                        events.put_nowait(fmt.chunk(kind, response_id, created, model, text, logprobs=logprobs,
+                                                    tool_calls=tool_calls, index=index))
                     if delta.finish_reason is not None:
                         done = True
-                        text = None if kind == "chat" else ""
-                        yield fmt.sse(fmt.chunk(kind, request_id, created, model, text,
-                                                pieces.finish_reason(delta.finish_reason)))
-                        if include_usage:
-                            yield fmt.sse(fmt.usage_chunk(kind, request_id, created, model, acc))
-                        break
+                        events.put_nowait(fmt.chunk(kind, response_id, created, model, None if kind == "chat" else "",
+                                                    pieces.finish_reason(delta.finish_reason), index=index))
+                        events.put_nowait(None)
+                        return
                     try:
-                        stream, delta = await self._following(request, stream, acc)
+                        stream, delta = await self._following(request, stream, accs[index], routing)
                     except StopAsyncIteration:
                         raise ApiError(500, "the engine stream ended without a finish reason") from None
+            except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs
+                events.put_nowait(exc)
+            finally:
+                if not done:  # error, another choice's error, or client disconnect: stop it in the engine
+                    _cancel(stream)
+
+        tasks = [asyncio.ensure_future(choice(i)) for i in range(len(requests))]
+        try:
+            try:
+                if kind == "chat":
+                    for i in range(len(requests)):
+                        yield fmt.sse(fmt.chunk(kind, response_id, created, model, "", role=True, index=i))
+                finished = 0
+                while finished < len(requests):
+                    event = await events.get()
+                    if isinstance(event, Exception):
+                        raise event
+                    if event is None:
+                        finished += 1
+                    else:
+                        yield fmt.sse(event)
+                if include_usage:
+                    yield fmt.sse(fmt.usage_chunk(kind, response_id, created, model, accs))
             except ApiError as exc:
                 yield fmt.sse({"error": {**exc.body()["error"], "code": exc.status}})
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
-                logger.warning("stream %s failed: %r", request_id, exc)
+                logger.warning("stream %s failed: %r", response_id, exc)
                 err = _server_error(exc)
                 yield fmt.sse({"error": {**err.body()["error"], "code": err.status}})
             yield fmt.DONE
         finally:
-            if not done:  # error or client disconnect: stop the request in the engine
-                _cancel(stream)
+            for task in tasks:
+                task.cancel()
 
     # -- models ---------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:

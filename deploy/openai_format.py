@@ -47,21 +47,25 @@ class Accumulated:
             self.speculation = dict(delta.speculation)
 
 
-def usage(acc: Accumulated) -> dict[str, Any]:
-    spec = acc.speculation
-    return {
-        "prompt_tokens": acc.prompt_tokens,
-        "completion_tokens": acc.completion_tokens,
-        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": acc.cached_tokens},  # from the prefix cache
-        "speculation": {
-            "draft_tokens": int(spec.get("draft_tokens", 0)),
-            "accepted_tokens": int(spec.get("accepted_tokens", 0)),
-            "acceptance_length": float(spec.get("acceptance_length", 0.0)),
-            "steps": int(spec.get("steps", 0)),
-        },
-        **({"completion_tokens_details": prediction_details(acc.prediction, acc.token_ids)} if acc.prediction else {}),
+def usage(accs: Sequence[Accumulated]) -> dict[str, Any]:
+    """The request's usage over its choices (`n`): the prompt once, their outputs, their drafts
+    (acceptance length over all their verify steps) and their predictions' counts added up."""
+    first, specs = accs[0], [acc.speculation for acc in accs]
+    completion = sum(acc.completion_tokens for acc in accs)
+    spec = {key: sum(int(s.get(key, 0)) for s in specs) for key in ("draft_tokens", "accepted_tokens", "steps")}
+    weighted = sum(float(s.get("acceptance_length", 0.0)) * int(s.get("steps", 0)) for s in specs)
+    spec["acceptance_length"] = round(weighted / spec["steps"], 4) if spec["steps"] else 0.0
+    body = {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},  # from the prefix cache
+        "speculation": spec,
     }
+    if first.prediction:
+        counts = [prediction_details(acc.prediction, acc.token_ids) for acc in accs]
+        body["completion_tokens_details"] = {key: sum(c[key] for c in counts) for key in counts[0]}
+    return body
 
 
 def prediction_details(prediction: Sequence[int], output: Sequence[int]) -> dict[str, int]:
@@ -111,49 +115,52 @@ def tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def full_response(kind: Kind, response_id: str, created: int, model: str, acc: Accumulated,
-                  logprobs: Optional[dict[str, Any]] = None,
-                  tool_calls: tuple[Optional[str], list[ToolCall]] | None = None) -> dict[str, Any]:
-    """The non-streaming body; `tool_calls` is (content, calls) when the output made calls."""
+def full_choice(kind: Kind, index: int, acc: Accumulated, logprobs: Optional[dict[str, Any]] = None,
+                tool_calls: tuple[Optional[str], list[ToolCall]] | None = None) -> dict[str, Any]:
+    """One choice of a non-streaming body; `tool_calls` is (content, calls) when the output made calls."""
     finish_reason = acc.finish_reason
-    if kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": acc.text}
-        if tool_calls is not None and tool_calls[1]:
-            message["content"] = tool_calls[0]
-            message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
-            finish_reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": acc.text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if kind != "chat":
+        return {"index": index, "text": acc.text, "logprobs": logprobs, "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": acc.text}
+    if tool_calls is not None and tool_calls[1]:
+        message["content"] = tool_calls[0]
+        message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
+        finish_reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                  accs: Sequence[Accumulated]) -> dict[str, Any]:
+    """The non-streaming body: its choices (`full_choice`) and the usage of their outputs."""
     return {"id": response_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage(acc)}
+            "created": created, "model": model, "choices": choices, "usage": usage(accs)}
 
 
 def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional[str],
           finish_reason: Optional[str] = None, role: bool = False, logprobs: Optional[dict[str, Any]] = None,
-          tool_calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
-    """One streamed chunk; for chat, `role=True` opens the assistant message and `tool_calls`
-    carries `delta.tool_calls` fragments."""
+          tool_calls: Optional[list[dict[str, Any]]] = None, index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; for chat, `role=True` opens the assistant message
+    and `tool_calls` carries `delta.tool_calls` fragments."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(kind: Kind, response_id: str, created: int, model: str, acc: Accumulated) -> dict[str, Any]:
+def usage_chunk(kind: Kind, response_id: str, created: int, model: str, accs: Sequence[Accumulated]) -> dict[str, Any]:
     """The last chunk when `stream_options.include_usage`: no choices, the usage."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(acc)}
+            "usage": usage(accs)}
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ functions described in the system message, earlier calls written as `<tool_call>
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Optional, Union
 
@@ -145,3 +146,16 @@ def generation_request(
     return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
                              speculation=request.speculation or RequestSpeculation(), grammar=grammar_spec(request),
                              prediction=prediction)
+
+
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The engine requests of a request's `n` choices: itself when n is 1, else one each (ids
+    suffixed -0, -1, ...), a seeded request's choice i sampling with seed + i (each choice
+    reproducible, and they differ)."""
+    if n == 1:
+        return [request]
+    sampling = request.sampling
+    return [dataclasses.replace(
+        request, request_id=f"{request.request_id}-{i}",
+        sampling=sampling if sampling.seed is None else dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**63))
+        for i in range(n)]

@@ -1,9 +1,9 @@
 """OpenAI-compatible request and response models (the HTTP edge's schema).
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
-ignored setting; the OpenAI fields we do not implement are accepted only at their
-neutral value (`n=1`). Text a tokenizer will read must be valid Unicode: a
-lone UTF-16 surrogate (JSON `"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its
+ignored setting; an OpenAI field we do not implement is accepted only at its neutral
+value (completions' `echo: false`; `user`, a label, is taken and not read). Text a tokenizer
+will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its
 field. The OpenAPI schema FastAPI generates from these models is what schemathesis fuzzes.
 """
 
@@ -15,6 +15,8 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
+
+MAX_CHOICES = 8  # most choices (`n`) one request may ask for: as many as a replica has KV slots by default
 
 
 class _Request(BaseModel):
@@ -93,8 +95,7 @@ class _Sampling(_Request):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id -> bias
-    # OpenAI fields accepted at their neutral values only
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each generated as a request of its own")
     user: Optional[str] = None
 
     @field_validator("stop")

@@ -26,6 +26,7 @@ class StreamRecord:
     started_s: float  # time.monotonic() when the request was sent
     token_times_s: list[float] = field(default_factory=list)  # arrival of each token
     tokens: list[str] = field(default_factory=list)  # the streamed logprobs' token texts
+    choice_tokens: dict[int, list[str]] = field(default_factory=dict)  # the same by choice (`n`)
     text: str = ""
     status: Optional[int] = None
     error: Optional[str] = None  # an error event, a non-200 body or a transport failure
@@ -100,6 +101,7 @@ class StreamLoad:
                             now = time.monotonic()
                             for token in choice["logprobs"]["tokens"]:
                                 record.tokens.append(token)
+                                record.choice_tokens.setdefault(choice["index"], []).append(token)
                                 record.token_times_s.append(now)
         except httpx.HTTPError as exc:  # a cut connection: lost, and counted as such
             record.error = f"{type(exc).__name__}: {exc}"

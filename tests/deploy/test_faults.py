@@ -88,6 +88,21 @@ def test_a_replica_process_killed(cluster_url, load):
     _assert_nothing_lost(load)
 
 
+def test_a_replica_killed_under_streams_of_two_choices(cluster_url):
+    """Each stream's two choices run as two engine requests; those on the killed Replica are
+    resumed at once, each (routed one at a time) where the other left it."""
+    cluster, url = cluster_url
+    assert wait_until(lambda: replicas_serving(APP, 2), 60), "the app did not (re)reach two running Replicas"
+    load = StreamLoad(url, [{"model": "fake", "prompt": "SLOW", "max_tokens": TOKENS, "n": 2}] * (STREAMS // 2)).start()
+    assert load.wait_tokens(6, 30), "the streams did not start"
+    replica, _ = replica_and_node(cluster)
+    os.kill(replica["Pid"], signal.SIGKILL)
+    expected = [ALPHABET[i % len(ALPHABET)] for i in range(TOKENS)]
+    records = load.join(120)
+    assert not [(r.status, r.error, r.done) for r in records if r.lost]
+    assert all(record.choice_tokens == {0: expected, 1: expected} for record in records)
+
+
 def test_a_worker_node_killed(cluster_url, load):
     """Also requests sent just after the node went, while the router still lists its Replica:
     sent to it, they are sent again before their first token."""

@@ -94,7 +94,7 @@ BAD_INPUT = [
      "speculation.gate"),
     ("unknown field", "/v1/completions", completion(temprature=0.5), {}, 400, "temprature"),
     ("negative temperature", "/v1/completions", completion(temperature=-1), {}, 400, "temperature"),
-    ("n > 1", "/v1/completions", completion(n=2), {}, 400, "n"),
+    ("n over the limit", "/v1/completions", completion(n=9), {}, 400, "n"),
     ("too many stops", "/v1/completions", completion(stop=list("abcde")), {}, 400, "stop"),
     ("continue without assistant", "/v1/chat/completions",
      chat(continue_final_message=True, add_generation_prompt=False), {}, 400, "continue_final_message"),

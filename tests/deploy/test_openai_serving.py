@@ -187,16 +187,17 @@ def _live_requests(replica_handle) -> int:
     return int(replica_handle.stats.remote().result()["live_requests"])
 
 
-def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle):
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle, n):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "n": n}
     with httpx.Client(base_url=url, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             received = [line for line, _ in zip(lines, range(8)) if line.startswith("data: ")]
             assert received
-            assert _live_requests(replica_handle) >= 1
+            assert _live_requests(replica_handle) >= n
     # 900 tokens take minutes on this machine; an abort takes one engine step
     assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
 
@@ -236,3 +237,28 @@ def test_engine_errors_are_400s_naming_the_field(url):
     body = {"model": MODEL, "prompt": [0, 10**6], "max_tokens": 4}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+def test_n_choices_plain_and_streamed(client):
+    # n seeded choices: choice i is the request alone with seed + i; streamed, each index
+    # assembles into its plain choice; usage counts the prompt once and every choice's output.
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=1.0, seed=7)
+    plain = client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**{**kwargs, "seed": 7 + i}) for i in range(3)]
+    assert [c.message.content for c in plain.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in plain.choices}) > 1
+    assert plain.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert plain.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts, finishes, chunks = ["", "", ""], [None] * 3, list(client.chat.completions.create(
+        **kwargs, n=3, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        assert finishes[choice.index] is None  # nothing after a choice's last chunk
+        finishes[choice.index] = choice.finish_reason
+    assert texts == [c.message.content for c in plain.choices]
+    assert finishes == [c.finish_reason for c in plain.choices]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    greedy = client.completions.create(model=MODEL, prompt=CODE_PROMPT, max_tokens=12, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
