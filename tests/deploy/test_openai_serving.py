@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 
 import httpx
@@ -199,6 +200,26 @@ def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle, n):
             assert received
             assert _live_requests(replica_handle) >= n
     # 900 tokens take minutes on this machine; an abort takes one engine step
+    assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
+
+
+def test_a_client_gone_before_a_plain_answer_aborts_every_choice(url, replica_handle):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,
+            "temperature": 0, "n": 2}
+    gave_up = []
+
+    def client() -> None:  # gives up waiting long before 900 tokens (minutes here)
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(60, read=4)) as http:
+            try:
+                http.post("/v1/completions", json=body)
+            except httpx.ReadTimeout:
+                gave_up.append(True)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert wait_until(lambda: _live_requests(replica_handle) >= 2, timeout_s=30, interval_s=0.1)
+    thread.join(60)
+    assert gave_up
     assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
 
 
