@@ -12,6 +12,7 @@ aborts the requests in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -214,28 +215,43 @@ class Ingress:
             return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))),
                                     routing)
 
-    async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
-                       routing: asyncio.Lock) -> fmt.Accumulated:
-        acc, done = fmt.Accumulated(prediction=request.prediction), False
+    async def _deltas(self, request: GenerationRequest, stream, delta: GenerationDelta, acc: fmt.Accumulated,
+                      routing: asyncio.Lock) -> AsyncIterator[GenerationDelta]:
+        """The request's deltas from `delta` on, each added to `acc` before it is yielded, the
+        stream resumed where its replica died (`_following`). An engine error or abort, or a
+        stream that ends without a finish reason, raises ApiError(500). Unless it ran to its
+        last delta (an error, or the consumer stopped), the replica stream is cancelled, which
+        stops the request in the engine."""
+        done = False
         try:
             while True:
                 if delta.finish_reason in ("error", "abort"):
                     raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
                 acc.add(delta)
-                if delta.finish_reason is not None:
-                    done = True
-                    return acc
+                done = delta.finish_reason is not None
+                yield delta
+                if done:
+                    return
                 try:
                     stream, delta = await self._following(request, stream, acc, routing)
                 except StopAsyncIteration:
                     raise ApiError(500, "the engine stream ended without a finish reason") from None
-                except ApiError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    raise _server_error(exc) from exc
         finally:
-            if not done:  # error or client disconnect: stop the request in the engine
+            if not done:
                 _cancel(stream)
+
+    async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
+                       routing: asyncio.Lock) -> fmt.Accumulated:
+        acc = fmt.Accumulated(prediction=request.prediction)
+        try:
+            async with contextlib.aclosing(self._deltas(request, stream, delta, acc, routing)) as deltas:
+                async for _ in deltas:
+                    pass
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _server_error(exc) from exc
+        return acc
 
     async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest], created: int,
                    opened: list[tuple[Any, GenerationDelta]], routing: asyncio.Lock,
@@ -247,32 +263,22 @@ class Ingress:
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
 
         async def choice(index: int) -> None:
-            request, (stream, delta) = requests[index], opened[index]
-            pieces, done = fmt.StreamPieces(output), False
+            pieces = fmt.StreamPieces(output)
             try:
-                while True:
-                    if delta.finish_reason in ("error", "abort"):
-                        raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
-                    accs[index].add(delta)
-                    text, tool_calls, logprobs = pieces.of(delta)
-                    if text or tool_calls or logprobs:
-                        events.put_nowait(fmt.chunk(kind, response_id, created, model, text, logprobs=logprobs,
-                                                    tool_calls=tool_calls, index=index))
-                    if delta.finish_reason is not None:
-                        done = True
-                        events.put_nowait(fmt.chunk(kind, response_id, created, model, None if kind == "chat" else "",
-                                                    pieces.finish_reason(delta.finish_reason), index=index))
-                        events.put_nowait(None)
-                        return
-                    try:
-                        stream, delta = await self._following(request, stream, accs[index], routing)
-                    except StopAsyncIteration:
-                        raise ApiError(500, "the engine stream ended without a finish reason") from None
+                async with contextlib.aclosing(self._deltas(requests[index], *opened[index], accs[index],
+                                                            routing)) as deltas:
+                    async for delta in deltas:
+                        text, tool_calls, logprobs = pieces.of(delta)
+                        if text or tool_calls or logprobs:
+                            events.put_nowait(fmt.chunk(kind, response_id, created, model, text, logprobs=logprobs,
+                                                        tool_calls=tool_calls, index=index))
+                        if delta.finish_reason is not None:
+                            events.put_nowait(fmt.chunk(kind, response_id, created, model,
+                                                        None if kind == "chat" else "",
+                                                        pieces.finish_reason(delta.finish_reason), index=index))
+                            events.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs
                 events.put_nowait(exc)
-            finally:
-                if not done:  # error, another choice's error, or client disconnect: stop it in the engine
-                    _cancel(stream)
 
         tasks = [asyncio.ensure_future(choice(i)) for i in range(len(requests))]
         try:
