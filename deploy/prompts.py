@@ -97,10 +97,15 @@ def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompl
         return tokenizer.encode(render_chat(tokenizer, request), add_special_tokens=False)
     if isinstance(request.prompt, str):
         return tokenizer.encode(request.prompt, add_special_tokens=False)
+    return _in_vocabulary(tokenizer, list(request.prompt), "prompt")
+
+
+def _in_vocabulary(tokenizer: Any, token_ids: list[int], field: str) -> list[int]:
+    """`token_ids` (already >= 0), or ApiError(400) naming `field` if one is past the vocabulary."""
     vocab = len(tokenizer)
-    if any(t >= vocab for t in request.prompt):
-        raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
-    return list(request.prompt)
+    if any(t >= vocab for t in token_ids):
+        raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", field)
+    return token_ids
 
 
 def generation_request(
@@ -129,8 +134,7 @@ def generation_request(
     else:
         logprobs = request.logprobs
     logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
-    if any(token >= len(tokenizer) for token in logit_bias):
-        raise ApiError(400, f"logit_bias: token ids must be in [0, {len(tokenizer)})", "logit_bias")
+    _in_vocabulary(tokenizer, list(logit_bias), "logit_bias")
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
