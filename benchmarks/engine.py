@@ -73,11 +73,13 @@ def workloads(tokenizer, count: int) -> dict[str, list[str]]:
 
 
 async def run_request(engine: TorchEngine, name: str, prompt: str, max_tokens: int,
-                      arrivals: list[tuple[float, int]] | None = None) -> dict:
-    """One request of exactly `max_tokens` tokens: its tokens, submission, first and last token
-    times, speculation usage; (time, tokens) of each delta appended to `arrivals`."""
+                      arrivals: list[tuple[float, int]] | None = None, prediction: tuple[int, ...] = ()) -> dict:
+    """One request of exactly `max_tokens` tokens (with the client's `prediction` of its output,
+    if any): its tokens, submission, first and last token times, speculation usage; (time,
+    tokens) of each delta appended to `arrivals`."""
     req = GenerationRequest(f"{name}-{time.monotonic_ns()}", prompt,
-                            SamplingParams(max_tokens=max_tokens, ignore_eos=True), RequestSpeculation(mode="auto"))
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True), RequestSpeculation(mode="auto"),
+                            prediction=prediction)
     tokens, first, last, submitted = [], None, None, time.perf_counter()
     async for delta in engine.generate(req):
         now = time.perf_counter()

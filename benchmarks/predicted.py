@@ -28,14 +28,14 @@ import dataclasses
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine import run_request, summarize  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from deploy.openai_format import prediction_details  # noqa: E402
-from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
+from replicas.engine import SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from training.corpora import SPEC_BENCH, code_edits  # noqa: E402
 
@@ -63,19 +63,9 @@ def prompts(tokenizer, count: int) -> dict[str, list[tuple[str, str]]]:
             "regenerate": [(q, "") for q in questions[:: max(1, len(questions) // count)][:count]]}
 
 
-async def run(engine: TorchEngine, prompt: str, mode: str, max_tokens: int, prediction: list[int]) -> dict:
-    server_mode, _ = MODES[mode]
-    engine.configure(dataclasses.replace(engine.config.speculation, mode=server_mode))
-    req = GenerationRequest(f"{mode}-{time.monotonic_ns()}", prompt,
-                            SamplingParams(max_tokens=max_tokens, ignore_eos=True), RequestSpeculation(),
-                            prediction=tuple(prediction))
-    tokens, first, submitted = [], None, time.perf_counter()
-    async for delta in engine.generate(req):
-        first = first or time.perf_counter()
-        tokens += delta.token_ids
-        last = delta
-    end = time.perf_counter()
-    return {"tokens": tokens, "decode_s": end - first, "e2e_s": end - submitted, "spec": last.speculation}
+def run(engine: TorchEngine, loop, prompt: str, mode: str, max_tokens: int, prediction: list[int]) -> dict:
+    engine.configure(dataclasses.replace(engine.config.speculation, mode=MODES[mode][0]))
+    return loop.run_until_complete(run_request(engine, mode, prompt, max_tokens, prediction=tuple(prediction)))
 
 
 def stale(tokens: list[int], vocab: int, rng: random.Random) -> list[int]:
@@ -92,30 +82,25 @@ def bench(engine: TorchEngine, loop, work: dict[str, list[tuple[str, str]]], max
             if predicted_text:
                 right = engine.tokenizer.encode(predicted_text, add_special_tokens=False)
             else:  # the answer the client already has: this prompt's, generated once beforehand
-                right = loop.run_until_complete(run(engine, prompt, "off", max_tokens, []))["tokens"]
+                right = run(engine, loop, prompt, "off", max_tokens, [])["tokens"]
             predictions = {None: [], "right": right, "stale": stale(right, vocab, rng)}
             for mode in modes[k % len(modes):] + modes[:k % len(modes)]:
                 prediction = predictions[MODES[mode][1]]
-                result = loop.run_until_complete(run(engine, prompt, mode, max_tokens, prediction))
+                result = run(engine, loop, prompt, mode, max_tokens, prediction)
                 result["prediction"] = prediction_details(prediction, result["tokens"]) if prediction else None
                 runs[mode].append(result)
         reference = [r["tokens"] for r in runs["off"]]
         for mode in modes:
-            rs = runs[mode]
-            steps = sum(r["spec"]["steps"] for r in rs)
-            accepted = sum(r["spec"]["accepted_tokens"] for r in rs)
-            summary = {
-                "tokens_per_s": sum(len(r["tokens"]) - 1 for r in rs) / sum(r["decode_s"] for r in rs),
-                "e2e_tokens_per_s": sum(len(r["tokens"]) for r in rs) / sum(r["e2e_s"] for r in rs),
-                "tokens_per_step": (accepted + steps) / steps if steps else 1.0,
-                "identical_to_off": [r["tokens"] for r in rs] == reference,
-            }
+            rs = runs[mode]  # one after another: their walls add up
+            summary = summarize(rs, sum(r["end_s"] - r["first_s"] for r in rs),
+                                sum(r["end_s"] - r["submit_s"] for r in rs))
+            summary["identical_to_off"] = [r["tokens"] for r in rs] == reference
             if rs[0]["prediction"] is not None:
                 for key in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
                     summary[key] = sum(r["prediction"][key] for r in rs)
             out[f"{workload}/{mode}"] = summary
             print(f"  {workload:10s} {mode:24s} {summary['tokens_per_s']:7.1f} tok/s decode, "
-                  f"{summary['e2e_tokens_per_s']:7.1f} end-to-end, {summary['tokens_per_step']:.2f} tokens/step"
+                  f"{summary['e2e_tokens_per_s']:7.1f} end-to-end, {summary['mat']:.2f} tokens/step"
                   + (f", prediction accepted/rejected {summary['accepted_prediction_tokens']}"
                      f"/{summary['rejected_prediction_tokens']}" if "accepted_prediction_tokens" in summary else ""),
                   flush=True)
