@@ -2,9 +2,10 @@
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
 ignored setting; an OpenAI field we do not implement is accepted only at its neutral
-value (completions' `echo: false`; `user`, a label, is taken and not read). Text a tokenizer
-will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its
-field. The OpenAPI schema FastAPI generates from these models is what schemathesis fuzzes.
+value (completions' `echo: false`; `user`, a label, is taken and not read). Text a
+tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or
+the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI generates
+from these models is what schemathesis fuzzes.
 """
 
 from __future__ import annotations
