@@ -65,6 +65,9 @@ class LimitArgs(_Strict):
     replica_loss_retry_s: float = Field(30.0, ge=0, description=(
         "a request whose replica dies is sent again, to any replica, for up to this long: whole "
         "before its first token, as a continuation after it (0: never)"))
+    stored_responses: int = Field(1024, ge=0, description=(
+        "/v1/responses: the most finished responses (store=true) each Ingress replica keeps in memory for "
+        "previous_response_id and GET /v1/responses/{id}; the oldest go first (0: none kept)"))
 
 
 class ReplicaArgs(_Strict):
@@ -146,6 +149,7 @@ class IngressConfig(_Strict):
     stream_idle_timeout_s: float
     replica_loss_retry_s: float
     api_keys_env: str
+    stored_responses: int
 
     @classmethod
     def from_args(cls, args: AppArgs) -> "IngressConfig":
@@ -160,4 +164,5 @@ class IngressConfig(_Strict):
             stream_idle_timeout_s=limits.stream_idle_timeout_s,
             replica_loss_retry_s=limits.replica_loss_retry_s,
             api_keys_env=args.api_keys_env,
+            stored_responses=limits.stored_responses,
         )

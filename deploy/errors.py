@@ -53,11 +53,20 @@ def param_from_loc(loc: Sequence[Any]) -> Optional[str]:
 
 def validation_error(exc: RequestValidationError) -> ApiError:
     """FastAPI's validation failure -> a 400 naming the first offending field."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    # Each branch of a union reports its own failure (content as text, then as a list of parts):
+    # of the first field's errors, the deepest is the branch the value was meant for.
+    field = tuple(first.get("loc", ()))[:2]
+    first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field), key=lambda e: len(e.get("loc", ())))
     param = param_from_loc(first.get("loc", ()))
     message = first["msg"].removeprefix("Value error, ")
+    if first.get("type") == "union_tag_invalid":  # our tags read "type=..."
+        ctx = first.get("ctx", {})
+        expected = ctx.get("expected_tags", "").replace("'type=", "'")
+        message = f"type {ctx.get('tag', '').removeprefix('type=')!r} is not one of {expected}"
     if param is None:  # the body itself: missing, not JSON, or not an object
         return ApiError(400, f"request body must be a JSON object ({message})")
     return ApiError(400, f"{param}: {message}", param)

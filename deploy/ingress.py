@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Serve's ingress).
 
-`/v1/completions` and `/v1/chat/completions` (SSE when `stream`, JSON otherwise),
-`/v1/models`, `/healthz`. The ingress validates and tokenizes at the edge, streams the
-request (each of its `n` choices an engine request of its own) from a Replica through the
-speculation-gate router, and turns every failure into an OpenAI error: before the first
-token as an HTTP status, after it as an SSE error event followed by `data: [DONE]`, so a
-client never hangs. When the client goes away, the replica streams are cancelled, which
-aborts the requests in the engine.
+`/v1/completions`, `/v1/chat/completions` and `/v1/responses` (SSE when `stream`, JSON
+otherwise; `deploy/responses.py` has the last), `/v1/models`, `/healthz`. The ingress
+validates and tokenizes at the edge, streams the request (each of its `n` choices an engine
+request of its own) from a Replica through the speculation-gate router, and turns every
+failure into an OpenAI error: before the first token as an HTTP status, after it as an SSE
+error event (followed by `data: [DONE]`, or `response.failed`), so a client never hangs.
+When the client goes away, the replica streams are cancelled, which aborts the requests in
+the engine.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy import openai_format as fmt
+from deploy import responses
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
@@ -32,7 +34,7 @@ from deploy.prompts import choice_requests, generation_request
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-    ModelCard, ModelList,
+    ModelCard, ModelList, ResponsesRequest,
 )
 from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
 from replicas.stats import METRIC_RETRIES
@@ -101,6 +103,7 @@ class Ingress:
         self._tokenizer = None
         self._created = int(time.time())
         self._retries = None  # the retry counter, made on first use (a metric needs a live Serve)
+        self.stored = responses.ResponseStore(config.stored_responses)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -115,10 +118,13 @@ class Ingress:
         return self._tokenizer
 
     # -- generation -----------------------------------------------------------------------------
-    async def handle(self, kind: fmt.Kind, body: Union[CompletionRequest, ChatCompletionRequest]):
-        if body.model != self._config.model_name:
-            raise ApiError(404, f"model: {body.model!r} is not served here; try {self._config.model_name!r}",
+    def _served(self, model: str) -> None:
+        if model != self._config.model_name:
+            raise ApiError(404, f"model: {model!r} is not served here; try {self._config.model_name!r}",
                            "model", code="model_not_found")
+
+    async def handle(self, kind: fmt.Kind, body: Union[CompletionRequest, ChatCompletionRequest]):
+        self._served(body.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
         requests = choice_requests(generation_request(request_id, tokenizer, body, self._config), body.n)
@@ -149,6 +155,62 @@ class Ingress:
                                    parse_tool_calls(acc.text) if output.tools else None)
                    for i, acc in enumerate(accs)]
         return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, choices, accs))
+
+    async def respond(self, body: ResponsesRequest):
+        """`POST /v1/responses`: the chat request it means, generated as `handle` would, its output
+        as Responses items; kept in `self.stored` when `store`."""
+        self._served(body.model)
+        tokenizer = await self.tokenizer()
+        history = self.stored.get(body.previous_response_id, "previous_response_id")[1] \
+            if body.previous_response_id else []
+        messages = responses.conversation(body, history)
+        chat = responses.chat_request(body, messages)
+        routing = asyncio.Lock()
+        try:
+            request = generation_request(f"resp_{uuid.uuid4().hex}", tokenizer, chat, self._config)
+            opened = await self._open(request, routing)
+        except ApiError as exc:  # the chat pipeline's, or the engine's refusal
+            raise responses.in_responses_terms(exc) from None
+        response_id = request.request_id
+        created, model = int(time.time()), self._config.model_name
+        items = responses.OutputItems(bool(chat.functions))
+
+        def finished(acc: fmt.Accumulated) -> dict[str, Any]:
+            done = responses.response_body(body, response_id, created, model, items, acc)
+            if body.store:
+                self.stored.put(done, messages + items.as_messages())
+            return done
+
+        if body.stream:
+            begun = responses.response_body(body, response_id, created, model)
+            return StreamingResponse(self._response_events(request, opened, routing, items, begun, finished),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        acc = await self._collect(request, *opened, routing)
+        items.feed(acc.text, acc.finish_reason)
+        return JSONResponse(finished(acc))
+
+    async def _response_events(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta],
+                               routing: asyncio.Lock, items: responses.OutputItems, begun: dict[str, Any],
+                               finished) -> AsyncIterator[str]:
+        """A streamed response's events: created, in progress, its items' events as the deltas come,
+        then completed or incomplete; a failure ends it with an error event and `response.failed`."""
+        for kind in ("response.created", "response.in_progress"):
+            yield responses.sse_event(items.event(kind, response=begun))
+        acc = fmt.Accumulated()
+        try:
+            async with contextlib.aclosing(self._deltas(request, *opened, acc, routing)) as deltas:
+                async for delta in deltas:
+                    for event in items.feed(delta.text, delta.finish_reason):
+                        yield responses.sse_event(event)
+            done = finished(acc)
+            yield responses.sse_event(items.event(f"response.{done['status']}", response=done))
+        except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
+            err = exc if isinstance(exc, ApiError) else _server_error(exc)
+            logger.warning("response stream %s failed: %r", request.request_id, exc)
+            yield responses.sse_event(items.event("error", code=err.code or err.type, message=err.message,
+                                                  param=err.param))
+            failed = {**begun, "status": "failed", "error": {"code": "server_error", "message": err.message}}
+            yield responses.sse_event(items.event("response.failed", response=failed))
 
     async def _open(self, request: GenerationRequest, routing: asyncio.Lock):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses).
@@ -330,6 +392,19 @@ def build_api(ingress: Ingress) -> FastAPI:
               responses={**_ERRORS, 200: _STREAM_DOC})
     async def chat_completions(body: ChatCompletionRequest):
         return await ingress.handle("chat", body)
+
+    @app.post("/v1/responses", responses={**_ERRORS, 200: _STREAM_DOC})
+    async def create_response(body: ResponsesRequest):
+        return await ingress.respond(body)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str):
+        return ingress.stored.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str):
+        ingress.stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models():

@@ -282,7 +282,157 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-# -- responses ---------------------------------------------------------------------------------
+# -- /v1/responses (deploy/responses.py turns one into the chat request it means) ---------------
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class InputText(_Request):
+    type: Literal["input_text"]
+    text: Text
+
+
+class OutputText(_Request):
+    """Text of an earlier answer, as the client got it back (annotations and logprobs unread)."""
+
+    type: Literal["output_text"]
+    text: Text
+    annotations: List[Any] = []
+    logprobs: Optional[List[Any]] = None
+
+
+ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
+                              Annotated[OutputText, Tag("type=output_text")]], Discriminator(_format_tag)]
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[Text, List[ContentPart]]
+    id: Optional[str] = None
+    status: Optional[ItemStatus] = None
+
+    @property
+    def text(self) -> str:
+        return _joined(self.content)
+
+
+class FunctionCallItem(_Request):
+    """A call the model made earlier, as the client got it back."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: FunctionName
+    arguments: Text
+    id: Optional[str] = None
+    status: Optional[ItemStatus] = None
+
+
+class FunctionCallOutputItem(_Request):
+    """The client's result of a call (`call_id`), which the model reads as a tool message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Union[Text, List[InputText]]
+    id: Optional[str] = None
+    status: Optional[ItemStatus] = None
+
+    @property
+    def text(self) -> str:
+        return _joined(self.output)
+
+
+def _item_tag(value: Any) -> Optional[str]:
+    # a message may leave out its type (OpenAI's "easy input message")
+    return _format_tag({"type": "message", **value} if isinstance(value, dict) else value)
+
+
+InputItem = Annotated[Union[
+    Annotated[InputMessage, Tag("type=message")],
+    Annotated[FunctionCallItem, Tag("type=function_call")],
+    Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
+], Discriminator(_item_tag)]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[JsonSchema] = None
+    strict: Optional[bool] = None
+
+
+class FunctionToolChoice(_Request):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class TextFormatJsonSchema(_Request):
+    type: Literal["json_schema"]
+    name: FunctionName
+    description: Optional[Text] = None
+    schema_: JsonSchema = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+TextFormat = Annotated[Union[
+    Annotated[ResponseFormatText, Tag("type=text")],
+    Annotated[ResponseFormatJsonObject, Tag("type=json_object")],
+    Annotated[TextFormatJsonSchema, Tag("type=json_schema")],
+], Discriminator(_format_tag)]
+
+
+class TextConfig(_Request):
+    format: TextFormat = ResponseFormatText(type="text")
+
+
+class ResponsesRequest(_Request):
+    """`POST /v1/responses`. Fields OpenAI has and we do not implement are accepted only at
+    their neutral values (`truncation: "disabled"`, `background: false`); `include` takes only
+    what needs nothing from us (no output of ours has reasoning or search results)."""
+
+    model: str = Field(min_length=1)
+    input: Union[Text, List[InputItem]]
+    instructions: Optional[Text] = None
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    tools: List[FunctionTool] = []
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig = TextConfig()
+    metadata: Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = \
+        Field(None, max_length=16)
+    include: List[Literal["reasoning.encrypted_content", "file_search_call.results",
+                          "web_search_call.results"]] = []
+    truncation: Literal["disabled"] = "disabled"
+    background: Literal[False] = False
+    user: Optional[str] = None
+    speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, value):
+        if len(value) == 0:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if choice in ("none", "auto"):
+            return choice
+        if not tools:
+            raise ValueError("needs tools")
+        if isinstance(choice, FunctionToolChoice) and choice.name not in {t.name for t in tools}:
+            raise ValueError(f"names {choice.name!r}, which is not among the tools")
+        return choice
+
+
+# -- response bodies ---------------------------------------------------------------------------
 class SpeculationUsage(BaseModel):
     draft_tokens: int = 0
     accepted_tokens: int = 0

@@ -10,11 +10,9 @@ from typing import List, Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.serve_support import APP, deploy_config, embedded_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
 
@@ -48,19 +46,8 @@ TIME = {"type": "function", "function": {
 WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-@pytest.fixture(scope="module")
-def url(serve_url):
-    deploy_config(embedded_config(batch_gate=8, mtp_weights="default"), APP, timeout_s=240)
-    return serve_url
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def test_parse_returns_a_validated_object(client):
-    completion = client.chat.completions.parse(
+def test_parse_returns_a_validated_object(agent_client):
+    completion = agent_client.chat.completions.parse(
         model=MODEL, messages=[{"role": "user", "content": "Invent a pet and describe it."}],
         response_format=Pet, max_completion_tokens=120, temperature=0)
     assert completion.choices[0].finish_reason == "stop"
@@ -68,41 +55,41 @@ def test_parse_returns_a_validated_object(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_schema_output_validates_over_prompts_and_seeds(client, stream):
+def test_json_schema_output_validates_over_prompts_and_seeds(agent_client, stream):
     response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA, "strict": True}}
     for topic in ("a farm animal", "a lazy cat", "a loud parrot"):
         for seed in (1, 2):
             kwargs = dict(model=MODEL, messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
                           response_format=response_format, max_tokens=100, temperature=1.0, seed=seed)
             if stream:
-                text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                text = "".join(c.choices[0].delta.content or "" for c in agent_client.chat.completions.create(
                     **kwargs, stream=True) if c.choices)
             else:
-                text = client.chat.completions.create(**kwargs).choices[0].message.content
+                text = agent_client.chat.completions.create(**kwargs).choices[0].message.content
             jsonschema.validate(json.loads(text), PET_SCHEMA)
 
 
-def test_json_object_on_completions(client):
-    out = client.completions.create(model=MODEL, prompt="A JSON object describing the planet Mars:\n",
+def test_json_object_on_completions(agent_client):
+    out = agent_client.completions.create(model=MODEL, prompt="A JSON object describing the planet Mars:\n",
                                     max_tokens=150, temperature=0, extra_body={"response_format": {"type": "json_object"}})
     assert out.choices[0].finish_reason == "stop", out.choices[0].text
     assert isinstance(json.loads(out.choices[0].text), dict)
 
 
-def test_constrained_output_identical_with_speculation_off(client):
+def test_constrained_output_identical_with_speculation_off(agent_client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a dog as JSON."}], max_tokens=80,
                   temperature=0, logprobs=True, top_logprobs=2,
                   response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}})
-    spec = client.chat.completions.create(**kwargs)
-    off = client.chat.completions.create(**kwargs, extra_body=OFF)
+    spec = agent_client.chat.completions.create(**kwargs)
+    off = agent_client.chat.completions.create(**kwargs, extra_body=OFF)
     assert spec.choices[0].message.content == off.choices[0].message.content
     assert spec.choices[0].logprobs == off.choices[0].logprobs  # floats compared exactly
     assert spec.usage.model_extra["speculation"]["draft_tokens"] > 0  # grammar-forced tokens at least
     assert off.usage.model_extra["speculation"]["steps"] == 0
 
 
-def test_tool_round_trip(client):
-    first = client.chat.completions.create(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME],
+def test_tool_round_trip(agent_client):
+    first = agent_client.chat.completions.create(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME],
                                            tool_choice="required", parallel_tool_calls=False, max_tokens=80,
                                            temperature=0)
     choice = first.choices[0]
@@ -115,19 +102,19 @@ def test_tool_round_trip(client):
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
     ]
-    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=40,
+    final = agent_client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=40,
                                            temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert final.choices[0].message.content or final.choices[0].message.tool_calls
 
 
-def test_named_tool_choice_streamed_assembles_into_the_plain_call(client):
+def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):
     # one call: with parallel calls allowed, this 135M model repeats its call until max_tokens
     kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
                   tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
-    plain = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    plain = agent_client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     names, arguments, finish = {}, {}, None
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
+    for chunk in agent_client.chat.completions.create(**kwargs, stream=True):
         if not chunk.choices:
             continue
         for fragment in chunk.choices[0].delta.tool_calls or []:
@@ -141,10 +128,10 @@ def test_named_tool_choice_streamed_assembles_into_the_plain_call(client):
     assert "timezone" in json.loads(arguments[0])
 
 
-def test_chat_logprobs_shapes_and_streaming(client):
+def test_chat_logprobs_shapes_and_streaming(agent_client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
                   temperature=0, logprobs=True, top_logprobs=3)
-    plain = client.chat.completions.create(**kwargs)
+    plain = agent_client.chat.completions.create(**kwargs)
     content = plain.choices[0].logprobs.content
     shown = plain.usage.completion_tokens - (plain.choices[0].finish_reason == "stop")
     assert len(content) == shown
@@ -152,17 +139,17 @@ def test_chat_logprobs_shapes_and_streaming(client):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
         assert entry.logprob == entry.top_logprobs[0].logprob <= 0
         assert entry.bytes == list(entry.token.encode("utf-8"))
-    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True)
+    streamed = [e for c in agent_client.chat.completions.create(**kwargs, stream=True)
                 if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed == content
-    assert client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None}).choices[0].logprobs \
-        is None
+    plain_off = agent_client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain_off.choices[0].logprobs is None
 
 
-def test_completion_logprobs_shapes_and_speculation(client):
+def test_completion_logprobs_shapes_and_speculation(agent_client):
     kwargs = dict(model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=12, temperature=0, logprobs=2)
-    spec = client.completions.create(**kwargs)
-    off = client.completions.create(**kwargs, extra_body=OFF)
+    spec = agent_client.completions.create(**kwargs)
+    off = agent_client.completions.create(**kwargs, extra_body=OFF)
     lp = spec.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
     assert all(len(top) <= 2 for top in lp.top_logprobs)
@@ -171,48 +158,48 @@ def test_completion_logprobs_shapes_and_speculation(client):
     assert spec.choices[0].text == off.choices[0].text and lp == off.choices[0].logprobs
 
 
-def test_logit_bias_bans_and_forces_tokens(client):
+def test_logit_bias_bans_and_forces_tokens(agent_client):
     # (exact under speculation, drafts asserted: tests/torch_engine/test_engine_exactness.py)
     from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir())
     (banana,) = tokenizer.encode(" banana", add_special_tokens=False)
     kwargs = dict(model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=6, temperature=0)
-    plain = client.completions.create(**kwargs).choices[0].text
-    assert client.completions.create(**kwargs, logit_bias={str(banana): 100}).choices[0].text == " banana" * 6
+    plain = agent_client.completions.create(**kwargs).choices[0].text
+    assert agent_client.completions.create(**kwargs, logit_bias={str(banana): 100}).choices[0].text == " banana" * 6
     first = tokenizer.encode(plain, add_special_tokens=False)[0]
-    banned = client.completions.create(**kwargs, logit_bias={str(first): -100})
-    off = client.completions.create(**kwargs, logit_bias={str(first): -100}, extra_body=OFF)
+    banned = agent_client.completions.create(**kwargs, logit_bias={str(first): -100})
+    off = agent_client.completions.create(**kwargs, logit_bias={str(first): -100}, extra_body=OFF)
     assert banned.choices[0].text == off.choices[0].text != plain
 
 
-def test_grammar_errors_are_400s_naming_the_field(url):
+def test_grammar_errors_are_400s_naming_the_field(agent_url):
     body = {"model": MODEL, "messages": WEATHER_CHAT, "max_tokens": 8,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    response = httpx.post(f"{agent_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format.json_schema.schema"
 
 
-def test_predicted_outputs(client, url):
+def test_predicted_outputs(agent_client, agent_url):
     # OpenAI's Predicted Outputs (`prediction`), as editors send a file they expect back: the
     # answer is the one without it, streamed or not, and usage counts the prediction's tokens
     # the answer has (accepted) and those it has not (rejected).
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Write a haiku about autumn leaves."}],
                   max_tokens=48, temperature=0)
-    answer = client.chat.completions.create(**kwargs, extra_body=OFF).choices[0].message.content
+    answer = agent_client.chat.completions.create(**kwargs, extra_body=OFF).choices[0].message.content
     for prediction, rejected in ((answer, 0), ("Spreadsheets of quarterly tax law amendments." + answer, 1)):
-        right = client.chat.completions.create(**kwargs, prediction={"type": "content", "content": prediction})
+        right = agent_client.chat.completions.create(**kwargs, prediction={"type": "content", "content": prediction})
         assert right.choices[0].message.content == answer
         details = right.usage.completion_tokens_details
         assert details.accepted_prediction_tokens >= right.usage.completion_tokens - 1
         assert (details.rejected_prediction_tokens > 0) == bool(rejected)
-        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
-                                                     prediction={"type": "content", "content": [
-                                                         {"type": "text", "text": prediction}]}))
+        chunks = list(agent_client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True},
+            prediction={"type": "content", "content": [{"type": "text", "text": prediction}]}))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
         assert chunks[-1].usage.completion_tokens_details == details
-    assert client.chat.completions.create(**kwargs).usage.completion_tokens_details is None  # no prediction
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+    assert agent_client.chat.completions.create(**kwargs).usage.completion_tokens_details is None  # no prediction
+    response = httpx.post(f"{agent_url}/v1/chat/completions", timeout=60,
                           json={**kwargs, "prediction": {"type": "text", "content": answer}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prediction.type", response.text

@@ -60,6 +60,10 @@ def chat(**kw):
     return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
 
 
+def respond(**kw):
+    return {"model": "fake", "input": "hi", "max_output_tokens": 4, **kw}
+
+
 BAD_INPUT = [
     # (name, path, body or raw bytes, headers, status, param)
     ("malformed json", "/v1/completions", b'{"model": "fake",', {}, 400, None),
@@ -141,6 +145,33 @@ BAD_INPUT = [
      chat(messages=[{"role": "user", "content": "x", "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), {}, 400,
      "messages[0].tool_calls"),
+    ("responses: unknown model", "/v1/responses", respond(model="gpt-9"), {}, 404, "model"),
+    ("responses: empty input", "/v1/responses", respond(input=[]), {}, 400, "input"),
+    ("responses: input too long", "/v1/responses", respond(input="x" * 300), {}, 400, "input"),
+    ("responses: image input", "/v1/responses",
+     respond(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]), {},
+     400, "input[0].content[0]"),
+    ("responses: reasoning item", "/v1/responses", respond(input=[{"type": "reasoning", "summary": []}]), {}, 400,
+     "input[0]"),
+    ("responses: call output the template refuses", "/v1/responses",
+     respond(input=[{"type": "function_call_output", "call_id": "c1", "output": "18"}]), {}, 400, "input"),
+    ("responses: hosted tool", "/v1/responses", respond(tools=[{"type": "web_search"}]), {}, 400, "tools[0].type"),
+    ("responses: tool_choice without tools", "/v1/responses", respond(tool_choice="required"), {}, 400,
+     "tool_choice"),
+    ("responses: json_schema without schema", "/v1/responses",
+     respond(text={"format": {"type": "json_schema", "name": "x"}}), {}, 400, "text.format.schema"),
+    ("responses: engine refuses a grammar", "/v1/responses", respond(text={"format": {"type": "json_object"}}), {},
+     400, "text.format"),
+    ("responses: huge max_output_tokens", "/v1/responses", respond(max_output_tokens=10**6), {}, 400,
+     "max_output_tokens"),
+    ("responses: over the engine window", "/v1/responses", respond(input="x" * 60, max_output_tokens=50), {}, 400,
+     "max_output_tokens"),
+    ("responses: truncation auto", "/v1/responses", respond(truncation="auto"), {}, 400, "truncation"),
+    ("responses: logprobs asked", "/v1/responses", respond(include=["message.output_text.logprobs"]), {}, 400,
+     "include[0]"),
+    ("responses: unknown previous response", "/v1/responses", respond(previous_response_id="resp_x"), {}, 400,
+     "previous_response_id"),
+    ("responses: get an unknown one", "/v1/responses/resp_x", None, {}, 404, None),
     ("missing key", "/v1/completions", completion(), {"Authorization": ""}, 401, None),
     ("wrong key", "/v1/completions", completion(), {"Authorization": "Bearer sk-wrong"}, 401, None),
     ("not bearer", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, None),
@@ -195,6 +226,31 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
     with pytest.raises(openai.APIError):
         for _ in client.completions.create(model="fake", prompt=prompt, max_tokens=10, stream=True):
             pass
+
+
+@pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
+def test_a_response_stream_that_fails_ends_with_error_and_failed_events(url, prompt):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        response = client.post("/v1/responses", json=respond(input=prompt, max_output_tokens=10, stream=True))
+    assert response.status_code == 200
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_response_streamed_through_a_replica_death_loses_nothing(url, tmp_path_factory):
+    marker = tmp_path_factory.mktemp("r") / "died"  # a short path: the prompt fits the fake's window
+    body = respond(input=f"DIE_AT:3:{marker} ", max_output_tokens=8, stream=True)
+    with httpx.Client(base_url=f"{url}/pair", headers=AUTH, timeout=120) as client:
+        response = client.post("/v1/responses", json=body)
+    assert marker.exists() and response.status_code == 200
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"  # max_output_tokens reached
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "abcdefgh" == events[-1]["response"]["output"][0]["content"][0]["text"]
 
 
 @pytest.mark.parametrize("die_at", [0, 3], ids=["before the first token", "mid-stream"])

@@ -1,0 +1,233 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline.
+
+A Responses request is turned into the chat request it means (`chat_request`: `instructions`
+as the system message, input items as messages, `function_call` items as an assistant's
+tool calls, `function_call_output` items as tool messages, flat function tools, `text.format`
+as `response_format`), so it is rendered, tokenized, constrained and generated exactly as
+`/v1/chat/completions` would, and the output comes back as Responses output items: a
+`message` with its `output_text`, and a `function_call` item per call (`OutputItems`, one
+state machine for the streamed events and the final body, so the two agree on every id).
+
+Kept: with `store` (the default, as OpenAI's), a finished response and its conversation stay
+in the Ingress's memory (`ResponseStore`, the last `limits.stored_responses`), for
+`previous_response_id` and `GET`/`DELETE /v1/responses/{id}`; each Ingress replica keeps its
+own. Only function tools and text in and out: another tool type or content part is a 400.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import time
+import uuid
+from typing import Any, List, Optional
+
+from deploy.errors import ApiError
+from deploy.openai_format import Accumulated, tool_call_id
+from deploy.protocol import (
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionCallOutputItem, FunctionDefinition,
+    FunctionToolChoice, InputMessage, ItemStatus, NamedToolChoice, ResponsesRequest, TextFormatJsonSchema, Tool,
+    ToolChoiceFunction,
+)
+from deploy.tool_call_stream import StreamEvent, ToolCallStream
+
+
+# -- the chat request it means -----------------------------------------------------------------
+def conversation(body: ResponsesRequest, history: List[ChatMessage]) -> List[ChatMessage]:
+    """The chat the model continues, instructions left out: `history` (what
+    `previous_response_id` names: its input and output) and then `body.input` as messages, each
+    run of function calls one assistant message (with the text the answer began with, if any)."""
+    items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    messages = list(history)
+    for item in items:
+        if isinstance(item, InputMessage):
+            messages.append(ChatMessage(role=item.role, content=item.text))
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(ChatMessage(role="tool", content=item.text, tool_call_id=item.call_id))
+        else:
+            call = AssistantToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+    return messages
+
+
+def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCompletionRequest:
+    """The chat completion `body` asks for, over `messages` (`conversation`)."""
+    system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    fmt = body.text.format
+    if isinstance(fmt, TextFormatJsonSchema):
+        fmt = {"type": "json_schema", "json_schema": {"name": fmt.name, "description": fmt.description,
+                                                      "schema": fmt.schema_, "strict": fmt.strict}}
+    tool_choice = body.tool_choice
+    if isinstance(tool_choice, FunctionToolChoice):
+        tool_choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=tool_choice.name))
+    return ChatCompletionRequest(
+        model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,
+        tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"}, exclude_none=True)))
+               for t in body.tools] or None,
+        tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
+        response_format=fmt, user=body.user)
+
+
+_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema"}
+
+
+def in_responses_terms(exc: ApiError) -> ApiError:
+    """An ApiError of the chat pipeline, its field named as the Responses request names it."""
+    field = _FIELDS.get(exc.param or "")
+    if field is None:
+        return exc
+    message = field + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
+    return ApiError(exc.status, message, field, exc.code, exc.retry_after_s)
+
+
+# -- output --------------------------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """The output items of one response, built from its engine deltas (`feed`), and the stream
+    events each delta makes (`feed` returns them; every event has its `sequence_number`).
+
+    Text goes to a `message` item opened at its first text; with tools offered, the text is
+    split by `ToolCallStream`, each call a `function_call` item whose arguments stream as the
+    model writes them. A non-streamed response feeds its whole output at once."""
+
+    def __init__(self, tools: bool) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._calls = ToolCallStream() if tools else None
+        self._open: Optional[dict[str, Any]] = None  # the item being written
+        self._seq = 0
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def feed(self, text: str, finish_reason: Optional[str]) -> list[dict[str, Any]]:
+        if self._calls is None:
+            pieces = [StreamEvent(content=text)] if text else []
+        else:
+            pieces = self._calls.feed(text) + (self._calls.finish() if finish_reason else [])
+        events = []
+        for piece in pieces:
+            if piece.content is not None:
+                events += self._text(piece.content)
+            elif piece.name is not None:  # a call's first fragment
+                events += self._close() + self._add({"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                                                     "call_id": tool_call_id(), "name": piece.name, "arguments": ""})
+            if piece.arguments:
+                self._open["arguments"] += piece.arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                         output_index=len(self.items) - 1, delta=piece.arguments))
+        if finish_reason is not None:
+            events += self._close("incomplete" if finish_reason == "length" else "completed")
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self._open = item
+        return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._open is None or self._open["type"] != "message":
+            events += self._close() + self._add({"id": _id("msg"), "type": "message", "status": "in_progress",
+                                                 "role": "assistant", "content": []})
+            part = {"type": "output_text", "text": "", "annotations": []}
+            self._open["content"].append(part)
+            events.append(self.event("response.content_part.added", item_id=self._open["id"],
+                                     output_index=len(self.items) - 1, content_index=0, part=copy.deepcopy(part)))
+        self._open["content"][0]["text"] += text
+        events.append(self.event("response.output_text.delta", item_id=self._open["id"],
+                                 output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _close(self, status: ItemStatus = "completed") -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
+                      self.event("response.content_part.done", **where, content_index=0, part=copy.deepcopy(part))]
+        else:
+            events = [self.event("response.function_call_arguments.done", **where, name=item["name"],
+                                 arguments=item["arguments"])]
+        return events + [self.event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    def as_messages(self) -> List[ChatMessage]:
+        """The output as the chat messages a later turn reads (`previous_response_id`)."""
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        calls = [AssistantToolCall(id=i["call_id"], function=FunctionCall(name=i["name"], arguments=i["arguments"]))
+                 for i in self.items if i["type"] == "function_call"]
+        return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
+
+
+def response_body(body: ResponsesRequest, response_id: str, created_at: int, model: str,
+                  items: Optional[OutputItems] = None, acc: Optional[Accumulated] = None) -> dict[str, Any]:
+    """The Response object: in progress (no `acc` yet), or finished with its output and usage."""
+    status, incomplete, usage = "in_progress", None, None
+    if acc is not None:
+        status = "incomplete" if acc.finish_reason == "length" else "completed"
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        usage = {"input_tokens": acc.prompt_tokens, "input_tokens_details": {"cached_tokens": acc.cached_tokens},
+                 "output_tokens": acc.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": acc.prompt_tokens + acc.completion_tokens, "speculation": acc.speculation}
+    text = body.text.model_dump(by_alias=True, exclude_none=True)
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "completed_at": int(time.time()) if acc is not None else None, "error": None,
+        "incomplete_details": incomplete, "instructions": body.instructions, "model": model,
+        "output": items.items if items is not None and acc is not None else [],
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump(),
+        "tools": [t.model_dump() for t in body.tools], "text": text, "truncation": body.truncation,
+        "store": body.store, "metadata": body.metadata or {}, "user": body.user, "usage": usage,
+    }
+
+
+def sse_event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+# -- kept responses ------------------------------------------------------------------------------
+class ResponseStore:
+    """The last `capacity` stored responses, each with its conversation (input and output as
+    chat messages, instructions left out), in this process's memory."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: collections.OrderedDict[str, tuple[dict[str, Any], List[ChatMessage]]] = \
+            collections.OrderedDict()
+
+    def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
+        if self.capacity <= 0:
+            return
+        self._kept[body["id"]] = (body, messages)
+        self._kept.move_to_end(body["id"])
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict[str, Any], List[ChatMessage]]:
+        kept = self._kept.get(response_id)
+        if kept is None:
+            raise ApiError(404 if param is None else 400,
+                           f"{param + ': ' if param else ''}no stored response {response_id!r} (this server keeps "
+                           f"the last {self.capacity} responses made with store=true, each in the memory of the "
+                           "Ingress replica that made it)", param, code="response_not_found")
+        return kept
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._kept[response_id]

@@ -1,0 +1,64 @@
+"""`deploy/responses.py` without a server: Responses input items as the chat they mean, and the
+output items (and stream events) made from a model's text."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.protocol import ResponsesRequest
+from deploy.responses import OutputItems, chat_request, conversation
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_calls_after_an_answer_join_its_assistant_message_and_outputs_become_tool_messages():
+    body = ResponsesRequest(model="m", instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text",
+                                                                                    "text": "Paris and Rome?"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "21 C"}]},
+    ])
+    messages = conversation(body, [])
+    assert [(m.role, m.text) for m in messages] == [
+        ("user", "Weather in Paris and Rome?"), ("assistant", "Let me look."), ("tool", "18 C"), ("tool", "21 C")]
+    assert [(c.id, c.function.arguments) for c in messages[1].tool_calls] == [
+        ("c1", '{"city": "Paris"}'), ("c2", '{"city": "Rome"}')]
+    assert [m.tool_call_id for m in messages[2:]] == ["c1", "c2"]
+    chat = chat_request(body, messages)
+    assert chat.messages[0].role == "system" and chat.messages[0].text == "Be brief." and chat.messages[1:] == messages
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000])
+def test_items_and_events_do_not_depend_on_how_the_text_arrives(piece):
+    text = f"Checking.\n{CALL}\nDone."
+    items = OutputItems(tools=True)
+    events = []
+    for i in range(0, len(text), piece):
+        events += items.feed(text[i:i + piece], None)
+    events += items.feed("", "stop")
+    without_ids = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items.items]
+    assert without_ids == [
+        {"type": "message", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "status": "completed", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "message", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "\nDone.", "annotations": []}]}]  # as the model wrote it
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == [0, 1, 2]
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert arguments == '{"city": "Paris"}'
+    assert items.as_messages()[0].text == "Checking.\nDone."
+
+
+def test_an_answer_cut_short_leaves_its_item_incomplete():
+    items = OutputItems(tools=False)
+    items.feed("Once upon", None)
+    events = items.feed(" a time", "length")
+    assert items.items[0]["status"] == "incomplete" and items.items[0]["content"][0]["text"] == "Once upon a time"
+    assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == "incomplete"

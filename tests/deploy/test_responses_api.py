@@ -1,0 +1,188 @@
+"""`/v1/responses` against the real application (real model, MTP on) over HTTP with the official
+`openai` client: answers equal to the chat completion they mean, streamed events that rebuild
+the response, function calls and their round trip (sent back whole or by
+`previous_response_id`), structured output, stored responses, and clear 4xx errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.polling import wait_until
+from tests.serve_support import APP
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
+
+MODEL = "smollm2-135m-instruct"
+OFF = {"speculation": {"mode": "off"}}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+ASK_WEATHER = "What is the weather in Paris right now?"
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    size: Literal["small", "medium", "large"]
+
+
+def _events(stream) -> list:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events
+
+
+def test_an_answer_is_the_chat_completion_it_means_exactly_under_speculation(agent_client):
+    chat = agent_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Answer in one sentence."},
+                               {"role": "user", "content": "Why is the sky blue?"}],
+        max_completion_tokens=48, temperature=0, extra_body=OFF)
+    response = agent_client.responses.create(model=MODEL, instructions="Answer in one sentence.",
+                                       input="Why is the sky blue?", max_output_tokens=48, temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    assert [item.type for item in response.output] == ["message"]
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    finished = {"stop": "completed", "length": "incomplete"}[chat.choices[0].finish_reason]
+    assert response.status == finished
+    assert response.model_extra is not None and response.id.startswith("resp_")
+
+
+def test_a_stream_rebuilds_the_response_and_the_stored_one(agent_client):
+    kwargs = dict(model=MODEL, input="Name three colours of the rainbow.", max_output_tokens=24, temperature=0)
+    plain = agent_client.responses.create(**kwargs)
+    events = _events(agent_client.responses.create(**kwargs, stream=True))
+    final = events[-1].response
+    assert events[-1].type == f"response.{final.status}"
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == final.output_text == plain.output_text
+    assert {e.item_id for e in deltas} == {final.output[0].id}
+    assert [e.type for e in events if e.type.startswith("response.output_item")] == \
+        ["response.output_item.added", "response.output_item.done"]
+    assert agent_client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_max_output_tokens_leaves_the_response_incomplete(agent_client):
+    response = agent_client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=5,
+                                       temperature=0)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].status == "incomplete" and response.usage.output_tokens == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_and_its_round_trip(agent_client, stream):
+    ask = dict(model=MODEL, input=ASK_WEATHER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+               temperature=0, max_output_tokens=80)
+    if stream:
+        events = _events(agent_client.responses.create(**ask, stream=True))
+        response = events[-1].response
+        arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert [(e.item_id, e.arguments) for e in done] == [(response.output[0].id, arguments)]
+    else:
+        response = agent_client.responses.create(**ask)
+    assert response.status == "completed"
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 18}'}
+    answer = dict(model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=40)
+    whole = agent_client.responses.create(**answer, input=[
+        {"role": "user", "content": ASK_WEATHER}, *[item.model_dump(exclude_none=True) for item in response.output],
+        result])
+    chained = agent_client.responses.create(**answer, input=[result], previous_response_id=response.id)
+    assert whole.output_text and chained.output_text == whole.output_text
+    assert chained.previous_response_id == response.id
+
+
+def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cache(agent_client):
+    from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
+
+    ask = dict(model=MODEL, instructions="You are a patient teacher.", max_output_tokens=24, temperature=0)
+    question = "Explain in simple words how a rainbow forms after the rain, and why its colours come in that order."
+    first = agent_client.responses.create(**ask, input=question)
+    follow = {"role": "user", "content": "Now explain it to a five-year-old."}
+    whole = agent_client.responses.create(**ask, input=[{"role": "user", "content": question},
+                                                  *[item.model_dump(exclude_none=True) for item in first.output],
+                                                  follow])
+    chained = agent_client.responses.create(**ask, input=[follow], previous_response_id=first.id)
+    assert chained.output_text == whole.output_text and chained.usage.input_tokens == whole.usage.input_tokens
+    # the earlier turn's prompt is the prefix cache's (in whole blocks)
+    assert whole.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // BLOCK_TOKENS * BLOCK_TOKENS > 0
+
+
+def test_parse_returns_a_validated_object(agent_client):
+    response = agent_client.responses.parse(model=MODEL, input="Describe a city as JSON.", text_format=City,
+                                       max_output_tokens=80, temperature=0)
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, City)
+
+
+def test_json_object_format_gives_json(agent_client):
+    response = agent_client.responses.create(model=MODEL, input="Give the capital of France as JSON.",
+                                       text={"format": {"type": "json_object"}}, max_output_tokens=40, temperature=0)
+    assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
+    unkept = agent_client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        agent_client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        agent_client.responses.create(model=MODEL, input="again", previous_response_id=unkept.id)
+    assert err.value.param == "previous_response_id"
+    kept = agent_client.responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+    agent_client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        agent_client.responses.retrieve(kept.id)
+
+
+def test_a_client_gone_mid_stream_aborts_in_the_engine(agent_url):
+    from ray import serve
+
+    replica = serve.get_deployment_handle("Replica", APP)
+
+    def live() -> int:
+        return int(replica.stats.remote().result()["live_requests"])
+
+    body = {"model": MODEL, "input": "Once upon a time", "max_output_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=agent_url, timeout=120) as http:
+        with http.stream("POST", "/v1/responses", json=body) as response:
+            assert response.status_code == 200
+            deltas = (line for line in response.iter_lines() if "response.output_text.delta" in line)
+            assert next(deltas) and live() == 1
+    assert wait_until(lambda: live() == 0, timeout_s=60, interval_s=0.2)
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool(agent_url):
+    """The Agents SDK's own model class (streamed Responses) drives the call; its tool's result is
+    the run's answer (a 135M model, left to choose, calls the tool again rather than answer)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no trace export to OpenAI's servers
+    asked = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        asked.append(city)
+        return f"It is 18 degrees and sunny in {city}."
+
+    model = OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(base_url=f"{agent_url}/v1", api_key="unused", max_retries=0))
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    agent = Agent(name="weather", instructions="Answer in one short sentence.", tools=[get_weather], model=model,
+                  model_settings=settings, tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(agent, ASK_WEATHER, max_turns=2)
+    assert len(asked) == 1 and 0 < len(asked[0]) <= 100
+    assert result.final_output == f"It is 18 degrees and sunny in {asked[0]}."
