@@ -173,7 +173,7 @@ class Ingress:
             raise responses.in_responses_terms(exc) from None
         response_id = request.request_id
         created, model = int(time.time()), self._config.model_name
-        items = responses.OutputItems(bool(chat.functions))
+        items = responses.OutputItems(bool(chat.functions), fmt.TokenTexts(tokenizer.decode) if body.logprobs else None)
 
         def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = responses.response_body(body, response_id, created, model, items, acc)
@@ -186,7 +186,7 @@ class Ingress:
             return StreamingResponse(self._response_events(request, opened, routing, items, begun, finished),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         acc = await self._collect(request, *opened, routing)
-        items.feed(acc.text, acc.finish_reason)
+        items.feed(acc.text, acc.finish_reason, acc.logprobs)
         return JSONResponse(finished(acc))
 
     async def _response_events(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta],
@@ -200,7 +200,7 @@ class Ingress:
         try:
             async with contextlib.aclosing(self._deltas(request, *opened, acc, routing)) as deltas:
                 async for delta in deltas:
-                    for event in items.feed(delta.text, delta.finish_reason):
+                    for event in items.feed(delta.text, delta.finish_reason, delta.logprobs):
                         yield responses.sse_event(event)
             done = finished(acc)
             yield responses.sse_event(items.event(f"response.{done['status']}", response=done))

@@ -387,8 +387,9 @@ class TextConfig(_Request):
 
 class ResponsesRequest(_Request):
     """`POST /v1/responses`. Fields OpenAI has and we do not implement are accepted only at
-    their neutral values (`truncation: "disabled"`, `background: false`); `include` takes only
-    what needs nothing from us (no output of ours has reasoning or search results)."""
+    their neutral values (`truncation: "disabled"`, `background: false`); `include` takes
+    logprobs (`top_logprobs` alone asks for them too; not beside tools) and what needs nothing
+    from us (no output of ours has reasoning or search results)."""
 
     model: str = Field(min_length=1)
     input: Union[Text, List[InputItem]]
@@ -405,8 +406,9 @@ class ResponsesRequest(_Request):
     text: TextConfig = TextConfig()
     metadata: Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = \
         Field(None, max_length=16)
-    include: List[Literal["reasoning.encrypted_content", "file_search_call.results",
+    include: List[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
                           "web_search_call.results"]] = []
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     truncation: Literal["disabled"] = "disabled"
     background: Literal[False] = False
     user: Optional[str] = None
@@ -430,6 +432,19 @@ class ResponsesRequest(_Request):
         if isinstance(choice, FunctionToolChoice) and choice.name not in {t.name for t in tools}:
             raise ValueError(f"names {choice.name!r}, which is not among the tools")
         return choice
+
+    @field_validator("include", "top_logprobs")
+    @classmethod
+    def _logprobs(cls, value, info: ValidationInfo):
+        # with tools the text is split into calls and prose, and a token's logprob has no one place
+        asked = "message.output_text.logprobs" in value if info.field_name == "include" else value is not None
+        if asked and info.data.get("tools"):
+            raise ValueError("logprobs are not given beside tools")
+        return value
+
+    @property
+    def logprobs(self) -> bool:
+        return "message.output_text.logprobs" in self.include or self.top_logprobs is not None
 
 
 # -- response bodies ---------------------------------------------------------------------------

@@ -21,16 +21,17 @@ import copy
 import json
 import time
 import uuid
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 from deploy.errors import ApiError
-from deploy.openai_format import Accumulated, tool_call_id
+from deploy.openai_format import Accumulated, TokenTexts, logprobs_body, tool_call_id
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionCallOutputItem, FunctionDefinition,
     FunctionToolChoice, InputMessage, ItemStatus, NamedToolChoice, ResponsesRequest, TextFormatJsonSchema, Tool,
     ToolChoiceFunction,
 )
 from deploy.tool_call_stream import StreamEvent, ToolCallStream
+from replicas.engine import TokenLogprob
 
 
 # -- the chat request it means -----------------------------------------------------------------
@@ -71,7 +72,8 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
         tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"}, exclude_none=True)))
                for t in body.tools] or None,
         tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
-        response_format=fmt, user=body.user)
+        response_format=fmt, user=body.user, logprobs=body.logprobs,
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
 
 _FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -100,9 +102,11 @@ class OutputItems:
     split by `ToolCallStream`, each call a `function_call` item whose arguments stream as the
     model writes them. A non-streamed response feeds its whole output at once."""
 
-    def __init__(self, tools: bool) -> None:
+    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None) -> None:
+        """`logprobs`, given when the request asks for them (never beside tools): what they show."""
         self.items: list[dict[str, Any]] = []
         self._calls = ToolCallStream() if tools else None
+        self._token_texts = logprobs
         self._open: Optional[dict[str, Any]] = None  # the item being written
         self._seq = 0
 
@@ -111,15 +115,17 @@ class OutputItems:
         self._seq += 1
         return event
 
-    def feed(self, text: str, finish_reason: Optional[str]) -> list[dict[str, Any]]:
+    def feed(self, text: str, finish_reason: Optional[str], logprobs: Sequence[TokenLogprob] = ()
+             ) -> list[dict[str, Any]]:
         if self._calls is None:
-            pieces = [StreamEvent(content=text)] if text else []
+            pieces = [StreamEvent(content=text)] if text or logprobs else []
         else:
             pieces = self._calls.feed(text) + (self._calls.finish() if finish_reason else [])
         events = []
         for piece in pieces:
             if piece.content is not None:
-                events += self._text(piece.content)
+                events += self._text(piece.content, logprobs_body("chat", logprobs, self._token_texts)["content"]
+                                     if self._token_texts else None)
             elif piece.name is not None:  # a call's first fragment
                 events += self._close() + self._add({"id": _id("fc"), "type": "function_call", "status": "in_progress",
                                                      "call_id": tool_call_id(), "name": piece.name, "arguments": ""})
@@ -136,18 +142,23 @@ class OutputItems:
         self._open = item
         return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))]
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _text(self, text: str, logprobs: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         events = []
         if self._open is None or self._open["type"] != "message":
             events += self._close() + self._add({"id": _id("msg"), "type": "message", "status": "in_progress",
                                                  "role": "assistant", "content": []})
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part = {"type": "output_text", "text": "", "annotations": [],
+                    **({"logprobs": []} if self._token_texts else {})}
             self._open["content"].append(part)
             events.append(self.event("response.content_part.added", item_id=self._open["id"],
                                      output_index=len(self.items) - 1, content_index=0, part=copy.deepcopy(part)))
-        self._open["content"][0]["text"] += text
+        part = self._open["content"][0]
+        part["text"] += text
+        if logprobs is not None:
+            part["logprobs"] += logprobs
         events.append(self.event("response.output_text.delta", item_id=self._open["id"],
-                                 output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
+                                 output_index=len(self.items) - 1, content_index=0, delta=text,
+                                 logprobs=logprobs or []))
         return events
 
     def _close(self, status: ItemStatus = "completed") -> list[dict[str, Any]]:
@@ -158,7 +169,8 @@ class OutputItems:
         where = {"item_id": item["id"], "output_index": self.items.index(item)}
         if item["type"] == "message":
             part = item["content"][0]
-            events = [self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
+            events = [self.event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                 logprobs=part.get("logprobs", [])),
                       self.event("response.content_part.done", **where, content_index=0, part=copy.deepcopy(part))]
         else:
             events = [self.event("response.function_call_arguments.done", **where, name=item["name"],

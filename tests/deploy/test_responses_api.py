@@ -71,6 +71,20 @@ def test_a_stream_rebuilds_the_response_and_the_stored_one(agent_client):
     assert agent_client.responses.retrieve(final.id).model_dump() == final.model_dump()
 
 
+def test_logprobs_are_the_chat_completions_streamed_or_not(agent_client):
+    chat = agent_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from one to ten."}], max_completion_tokens=24,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=OFF)
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    ask = dict(model=MODEL, input="Count from one to ten.", max_output_tokens=24, temperature=0, top_logprobs=2,
+               include=["message.output_text.logprobs"])
+    plain = agent_client.responses.create(**ask)
+    assert [entry.model_dump() for entry in plain.output[0].content[0].logprobs] == expected
+    events = _events(agent_client.responses.create(**ask, stream=True))
+    streamed = [entry.model_dump() for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert streamed == expected and len(expected) == chat.usage.completion_tokens
+
+
 def test_max_output_tokens_leaves_the_response_incomplete(agent_client):
     response = agent_client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=5,
                                        temperature=0)
