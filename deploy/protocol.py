@@ -2,7 +2,9 @@
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
 ignored setting; an OpenAI field we do not implement is accepted only at its neutral
-value (completions' `echo: false`; `user`, a label, is taken and not read). Text a
+value (completions' `echo: false`, chat's `store: false`, `service_tier` "auto" or
+"default"); labels and hints are taken and not read (`user`, `metadata`, the Responses API's
+`safety_identifier` and `prompt_cache_key`: our prefix cache finds a prompt's prefix by itself). Text a
 tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or
 the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI generates
 from these models is what schemathesis fuzzes.
@@ -40,6 +42,9 @@ def _unicode_json(value: dict) -> dict:
 Text = Annotated[str, AfterValidator(_unicode)]  # text the tokenizer or the grammar engine reads
 JsonSchema = Annotated[Dict[str, Any], AfterValidator(_unicode_json)]
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+Metadata = Annotated[Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]],
+                     Field(max_length=16)]  # OpenAI's: up to 16 labels
+ServiceTier = Optional[Literal["auto", "default"]]  # we have one tier
 
 
 class ResponseFormatText(_Request):
@@ -238,6 +243,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     prediction: Optional[Prediction] = None  # drafted from; never changes the output
+    metadata: Metadata = None
+    store: Literal[False] = False  # no chat completion is kept for later
+    service_tier: ServiceTier = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -404,14 +412,16 @@ class ResponsesRequest(_Request):
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = TextConfig()
-    metadata: Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = \
-        Field(None, max_length=16)
+    metadata: Metadata = None
     include: List[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
                           "web_search_call.results"]] = []
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     truncation: Literal["disabled"] = "disabled"
     background: Literal[False] = False
+    service_tier: ServiceTier = None
     user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
 
     @field_validator("input")

@@ -145,6 +145,10 @@ BAD_INPUT = [
      chat(messages=[{"role": "user", "content": "x", "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), {}, 400,
      "messages[0].tool_calls"),
+    ("chat: store true", "/v1/chat/completions", chat(store=True), {}, 400, "store"),
+    ("chat: another service tier", "/v1/chat/completions", chat(service_tier="flex"), {}, 400, "service_tier"),
+    ("chat: 17 metadata labels", "/v1/chat/completions", chat(metadata={str(i): "x" for i in range(17)}), {}, 400,
+     "metadata"),
     ("responses: unknown model", "/v1/responses", respond(model="gpt-9"), {}, 404, "model"),
     ("responses: empty input", "/v1/responses", respond(input=[]), {}, 400, "input"),
     ("responses: input too long", "/v1/responses", respond(input="x" * 300), {}, 400, "input"),
@@ -229,6 +233,24 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
     with pytest.raises(openai.APIError):
         for _ in client.completions.create(model="fake", prompt=prompt, max_tokens=10, stream=True):
             pass
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto")),
+    ("/v1/responses", respond(user="u1", metadata={"team": "a"}, service_tier="default", safety_identifier="h1",
+                              prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"])),
+])
+def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, body):
+    bare = {k: v for k, v in body.items() if k in ("model", "messages", "input", "max_tokens", "max_output_tokens")}
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        labelled, plain = client.post(path, json=body), client.post(path, json=bare)
+    assert labelled.status_code == plain.status_code == 200, labelled.text
+    labelled, plain = labelled.json(), plain.json()
+    if "choices" in labelled:
+        assert labelled["choices"][0]["message"] == plain["choices"][0]["message"]
+    else:  # a response shows its metadata back, as OpenAI's
+        assert labelled["output"][0]["content"] == plain["output"][0]["content"]
+        assert labelled["metadata"] == {"team": "a"} and plain["metadata"] == {}
 
 
 @pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
