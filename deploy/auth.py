@@ -1,7 +1,8 @@
-"""Optional bearer-token API keys, read once from an environment variable.
+"""Optional API keys, read once from an environment variable.
 
 When the variable is unset or empty the server is open; when it holds comma-separated
-keys, every route but `/healthz` needs `Authorization: Bearer <key>`.
+keys, every route but `/healthz` needs one: `Authorization: Bearer <key>` (OpenAI's
+clients) or `x-api-key: <key>` (Anthropic's).
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ def load_keys(env_var: str, environ: Mapping[str, str] = os.environ) -> tuple[st
     return tuple(key.strip() for key in environ.get(env_var, "").split(",") if key.strip())
 
 
-def check_bearer(keys: tuple[str, ...], path: str, authorization: Optional[str]) -> None:
-    """Raise a 401 ApiError unless the request may pass."""
+def check_key(keys: tuple[str, ...], path: str, authorization: Optional[str], api_key: Optional[str] = None) -> None:
+    """Raise a 401 ApiError unless the request may pass (`api_key`: its x-api-key header)."""
     if not keys or path in OPEN_PATHS:
         return
     scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    token = (token if scheme.lower() == "bearer" else "").strip() or (api_key or "").strip()
+    if not token:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       code="invalid_api_key")
     # compare against every key so timing does not reveal which prefix matched
-    if not any([hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys]):
+    if not any([hmac.compare_digest(token.encode(), key.encode()) for key in keys]):
         raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
 
 class BearerAuth:
-    """ASGI middleware applying `check_bearer` to every HTTP request."""
+    """ASGI middleware applying `check_key` to every HTTP request."""
 
     def __init__(self, app, keys: tuple[str, ...]) -> None:
         self.app = app
@@ -42,8 +45,9 @@ class BearerAuth:
         if scope["type"] == "http" and self.keys:
             headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+            api_key = headers.get(b"x-api-key", b"").decode("latin-1") or None
             try:
-                check_bearer(self.keys, scope.get("path", ""), authorization)
+                check_key(self.keys, scope.get("path", ""), authorization, api_key)
             except ApiError as exc:
                 await exc.response()(scope, receive, send)
                 return

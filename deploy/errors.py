@@ -35,9 +35,20 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def renamed(self, fields: dict[str, str]) -> "ApiError":
+        """This error with its field named as another API names it (`fields`: ours -> theirs)."""
+        field = fields.get(self.param or "")
+        if field is None:
+            return self
+        message = field + self.message.removeprefix(self.param) if self.message.startswith(self.param) else self.message
+        return ApiError(self.status, message, field, self.code, self.retry_after_s)
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The HTTP answer; to Anthropic's API (`path` under /v1/messages) the body says `"type": "error"`
+        too, as Anthropic's do (its `error` has their `type` and `message`, and ours besides)."""
         headers = {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = {"type": "error", **self.body()} if path.startswith("/v1/messages") else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def param_from_loc(loc: Sequence[Any]) -> Optional[str]:
@@ -77,16 +88,16 @@ def http_error(exc: StarletteHTTPException) -> ApiError:
 
 
 def install_error_handlers(app) -> None:
-    """Every error the app can raise leaves as an OpenAI error body."""
+    """Every error the app can raise leaves as an OpenAI error body (Anthropic's, to its API)."""
 
-    async def on_api_error(_request, exc: ApiError):
-        return exc.response()
+    async def on_api_error(request, exc: ApiError):
+        return exc.response(request.url.path)
 
-    async def on_validation(_request, exc: RequestValidationError):
-        return validation_error(exc).response()
+    async def on_validation(request, exc: RequestValidationError):
+        return validation_error(exc).response(request.url.path)
 
-    async def on_http(_request, exc: StarletteHTTPException):
-        return http_error(exc).response()
+    async def on_http(request, exc: StarletteHTTPException):
+        return http_error(exc).response(request.url.path)
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Serve's ingress).
 
-`/v1/completions`, `/v1/chat/completions` and `/v1/responses` (SSE when `stream`, JSON
-otherwise; `deploy/responses.py` has the last), `/v1/models`, `/healthz`. The ingress
-validates and tokenizes at the edge, streams the request (each of its `n` choices an engine
-request of its own) from a Replica through the speculation-gate router, and turns every
-failure into an OpenAI error: before the first token as an HTTP status, after it as an SSE
-error event (followed by `data: [DONE]`, or `response.failed`), so a client never hangs.
-When the client goes away, the replica streams are cancelled, which aborts the requests in
-the engine.
+`/v1/completions`, `/v1/chat/completions`, `/v1/responses` and Anthropic's `/v1/messages`
+(SSE when `stream`, JSON otherwise; `deploy/responses.py` and `deploy/messages.py` have the
+last two), `/v1/models`, `/healthz`. The ingress validates and tokenizes at the edge,
+streams the request (each of its `n` choices an engine request of its own) from a Replica
+through the speculation-gate router, and turns every failure into an error: before the first
+token as an HTTP status, after it as an SSE error event (then `data: [DONE]`, or
+`response.failed`), so a client never hangs. When the client goes away, the replica streams
+are cancelled, which aborts the requests in the engine.
 """
 
 from __future__ import annotations
@@ -19,18 +19,19 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Union
+from typing import Any, AsyncIterator, Callable, Union
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy import openai_format as fmt
-from deploy import responses
+from deploy import messages, openai_format as fmt, responses
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
 from deploy.errors import ApiError, install_error_handlers
-from deploy.prompts import choice_requests, generation_request
+from deploy.messages import CountTokensRequest, MessagesRequest
+from deploy.output_parts import OutputParts
+from deploy.prompts import choice_requests, generation_request, prompt_token_ids
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
@@ -160,57 +161,101 @@ class Ingress:
         """`POST /v1/responses`: the chat request it means, generated as `handle` would, its output
         as Responses items; kept in `self.stored` when `store`."""
         self._served(body.model)
-        tokenizer = await self.tokenizer()
         history = self.stored.get(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id else []
-        messages = responses.conversation(body, history)
-        chat = responses.chat_request(body, messages)
-        routing = asyncio.Lock()
-        try:
-            request = generation_request(f"resp_{uuid.uuid4().hex}", tokenizer, chat, self._config)
-            opened = await self._open(request, routing)
-        except ApiError as exc:  # the chat pipeline's, or the engine's refusal
-            raise responses.in_responses_terms(exc) from None
-        response_id = request.request_id
+        conversation = responses.conversation(body, history)
+        chat = responses.chat_request(body, conversation)
+        request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS)
         created, model = int(time.time()), self._config.model_name
-        items = responses.OutputItems(bool(chat.functions), fmt.TokenTexts(tokenizer.decode) if body.logprobs else None)
+        texts = fmt.TokenTexts((await self.tokenizer()).decode) if body.logprobs else None
+        items = responses.OutputItems(bool(chat.functions), texts)
 
         def finished(acc: fmt.Accumulated) -> dict[str, Any]:
-            done = responses.response_body(body, response_id, created, model, items, acc)
+            done = responses.response_body(body, request.request_id, created, model, items, acc)
             if body.store:
-                self.stored.put(done, messages + items.as_messages())
+                self.stored.put(done, conversation + items.as_messages())
             return done
 
         if body.stream:
-            begun = responses.response_body(body, response_id, created, model)
-            return StreamingResponse(self._response_events(request, opened, routing, items, begun, finished),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            begun = responses.response_body(body, request.request_id, created, model)
+
+            def completed(acc: fmt.Accumulated) -> list[dict[str, Any]]:
+                done = finished(acc)
+                return [items.event(f"response.{done['status']}", response=done)]
+
+            def failed(err: ApiError) -> list[dict[str, Any]]:
+                error = {"code": "server_error", "message": err.message}
+                return [items.event("error", code=err.code or err.type, message=err.message, param=err.param),
+                        items.event("response.failed", response={**begun, "status": "failed", "error": error})]
+
+            opening = [items.event("response.created", response=begun),
+                       items.event("response.in_progress", response=begun)]
+            return self._typed_events(request, opened, routing, items, opening, completed, failed)
         acc = await self._collect(request, *opened, routing)
         items.feed(acc.text, acc.finish_reason, acc.logprobs)
         return JSONResponse(finished(acc))
 
-    async def _response_events(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta],
-                               routing: asyncio.Lock, items: responses.OutputItems, begun: dict[str, Any],
-                               finished) -> AsyncIterator[str]:
-        """A streamed response's events: created, in progress, its items' events as the deltas come,
-        then completed or incomplete; a failure ends it with an error event and `response.failed`."""
-        for kind in ("response.created", "response.in_progress"):
-            yield responses.sse_event(items.event(kind, response=begun))
-        acc = fmt.Accumulated()
+    async def message(self, body: MessagesRequest):
+        """`POST /v1/messages` (Anthropic's): the chat request it means, generated as `handle`
+        would, its answer as content blocks."""
+        self._served(body.model)
+        chat = messages.chat_request(body)
+        request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
+        model, blocks = self._config.model_name, messages.ContentBlocks(bool(chat.functions))
+        if body.stream:
+            begun = messages.message_body(request.request_id, model, blocks, input_tokens=len(request.prompt))
+            return self._typed_events(
+                request, opened, routing, blocks, [{"type": "message_start", "message": begun}],
+                lambda acc: [{"type": "message_delta", "usage": messages.usage(acc),
+                              "delta": {"stop_reason": blocks.stop_reason(acc.finish_reason), "stop_sequence": None}},
+                             {"type": "message_stop"}],
+                lambda err: [{"type": "error", "error": {"type": "api_error", "message": err.message}}])
+        acc = await self._collect(request, *opened, routing)
+        blocks.feed(acc.text, acc.finish_reason)
+        return JSONResponse(messages.message_body(request.request_id, model, blocks, acc))
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        """`POST /v1/messages/count_tokens`: the prompt's tokens, as `message` would render them."""
+        self._served(body.model)
         try:
-            async with contextlib.aclosing(self._deltas(request, *opened, acc, routing)) as deltas:
-                async for delta in deltas:
-                    for event in items.feed(delta.text, delta.finish_reason, delta.logprobs):
-                        yield responses.sse_event(event)
-            done = finished(acc)
-            yield responses.sse_event(items.event(f"response.{done['status']}", response=done))
-        except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
-            err = exc if isinstance(exc, ApiError) else _server_error(exc)
-            logger.warning("response stream %s failed: %r", request.request_id, exc)
-            yield responses.sse_event(items.event("error", code=err.code or err.type, message=err.message,
-                                                  param=err.param))
-            failed = {**begun, "status": "failed", "error": {"code": "server_error", "message": err.message}}
-            yield responses.sse_event(items.event("response.failed", response=failed))
+            return {"input_tokens": len(prompt_token_ids(await self.tokenizer(), messages.chat_request(body)))}
+        except ApiError as exc:
+            raise exc.renamed(messages.FIELDS) from None
+
+    async def _begin(self, chat: ChatCompletionRequest, request_id: str, fields: dict[str, str]):
+        """(engine request, its opened stream, routing lock) for another API's request that means
+        `chat`; an error of the chat pipeline or of the engine names the field as `fields` say."""
+        routing = asyncio.Lock()
+        try:
+            request = generation_request(request_id, await self.tokenizer(), chat, self._config)
+            return request, await self._open(request, routing), routing
+        except ApiError as exc:
+            raise exc.renamed(fields) from None
+
+    def _typed_events(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta], routing: asyncio.Lock,
+                      parts: OutputParts, opening: list[dict[str, Any]],
+                      closing: Callable[[fmt.Accumulated], list[dict[str, Any]]],
+                      failing: Callable[[ApiError], list[dict[str, Any]]]) -> StreamingResponse:
+        """A Responses or Messages stream: `opening`, the events of `parts` as the deltas come, then
+        `closing`'s; a failure after the first event ends it with `failing`'s, so it never hangs."""
+
+        async def events() -> AsyncIterator[str]:
+            for event in opening:
+                yield fmt.typed_sse(event)
+            acc = fmt.Accumulated()
+            try:
+                async with contextlib.aclosing(self._deltas(request, *opened, acc, routing)) as deltas:
+                    async for delta in deltas:
+                        for event in parts.feed(delta.text, delta.finish_reason, delta.logprobs):
+                            yield fmt.typed_sse(event)
+                last = closing(acc)
+            except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
+                logger.warning("stream %s failed: %r", request.request_id, exc)
+                last = failing(exc if isinstance(exc, ApiError) else _server_error(exc))
+            for event in last:
+                yield fmt.typed_sse(event)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _open(self, request: GenerationRequest, routing: asyncio.Lock):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses).
@@ -396,6 +441,14 @@ def build_api(ingress: Ingress) -> FastAPI:
     @app.post("/v1/responses", responses={**_ERRORS, 200: _STREAM_DOC})
     async def create_response(body: ResponsesRequest):
         return await ingress.respond(body)
+
+    @app.post("/v1/messages", responses={**_ERRORS, 200: _STREAM_DOC})
+    async def create_message(body: MessagesRequest):
+        return await ingress.message(body)
+
+    @app.post("/v1/messages/count_tokens", responses=_ERRORS)
+    async def count_message_tokens(body: CountTokensRequest):
+        return await ingress.count_tokens(body)
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(response_id: str):

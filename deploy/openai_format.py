@@ -167,6 +167,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def typed_sse(event: dict[str, Any]) -> str:
+    """An event of the Responses or Anthropic Messages API: its `type` named on the `event:` line too."""
+    return f"event: {event['type']}\n{sse(event)}"
+
+
 @dataclass(frozen=True)
 class Output:
     """What a response shows besides text: logprobs (when asked), tool calls (chat with tools)."""

@@ -22,7 +22,9 @@ from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
 MAX_CHOICES = 8  # most choices (`n`) one request may ask for: as many as a replica has KV slots by default
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """A request body or a part of one: unknown fields are a 400, values frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
@@ -47,27 +49,28 @@ Metadata = Annotated[Optional[Dict[Annotated[str, Field(max_length=64)], Annotat
 ServiceTier = Optional[Literal["auto", "default"]]  # we have one tier
 
 
-class ResponseFormatText(_Request):
+class ResponseFormatText(RequestModel):
     type: Literal["text"]
 
 
-class ResponseFormatJsonObject(_Request):
+class ResponseFormatJsonObject(RequestModel):
     type: Literal["json_object"]
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
     schema_: JsonSchema = Field(default_factory=dict, alias="schema")
     strict: Optional[bool] = None
 
 
-class ResponseFormatJsonSchema(_Request):
+class ResponseFormatJsonSchema(RequestModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
 
-def _format_tag(value: Any) -> Optional[str]:
+def type_tag(value: Any) -> Optional[str]:
+    """A union member's tag, "type=<its type>" (see ResponseFormat)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return f"type={kind}" if isinstance(kind, str) else None
 
@@ -78,14 +81,21 @@ ResponseFormat = Annotated[Union[
     Annotated[ResponseFormatText, Tag("type=text")],
     Annotated[ResponseFormatJsonObject, Tag("type=json_object")],
     Annotated[ResponseFormatJsonSchema, Tag("type=json_schema")],
-], Discriminator(_format_tag)]
+], Discriminator(type_tag)]
 
 
-class StreamOptions(_Request):
+def check_stops(stop: Union[str, List[str], None]) -> Union[str, List[str], None]:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > 4 or any(not s for s in stops):
+        raise ValueError("at most 4 non-empty stop strings")
+    return stop
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class _Sampling(RequestModel):
     model: str = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
     temperature: float = Field(1.0, ge=0, le=2)
@@ -107,10 +117,7 @@ class _Sampling(_Request):
     @field_validator("stop")
     @classmethod
     def _stop(cls, stop):
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("at most 4 non-empty stop strings")
-        return stop
+        return check_stops(stop)
 
     @field_validator("logit_bias")
     @classmethod
@@ -142,7 +149,7 @@ class CompletionRequest(_Sampling):
         return prompt
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Text
 
@@ -154,18 +161,18 @@ def _joined(content: Union[str, List[TextPart], None]) -> str:
     return content or ""
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestModel):
     name: FunctionName
     arguments: Text  # JSON text, as OpenAI sends it
 
 
-class AssistantToolCall(_Request):
+class AssistantToolCall(RequestModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # only an assistant's may be left out (OpenAI's rule; its calls are in tool_calls)
     content: Optional[Union[Text, List[TextPart]]] = Field(None, validate_default=True)
@@ -194,7 +201,7 @@ class ChatMessage(_Request):
         return _joined(self.content)
 
 
-class Prediction(_Request):
+class Prediction(RequestModel):
     """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being edited)."""
 
     type: Literal["content"]
@@ -205,23 +212,23 @@ class Prediction(_Request):
         return _joined(self.content)
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
     parameters: Optional[JsonSchema] = None  # none: any object
     strict: Optional[bool] = None
 
 
-class Tool(_Request):
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(_Request):
+class ToolChoiceFunction(RequestModel):
     name: FunctionName
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: ToolChoiceFunction
 
@@ -294,12 +301,12 @@ class ChatCompletionRequest(_Sampling):
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class InputText(_Request):
+class InputText(RequestModel):
     type: Literal["input_text"]
     text: Text
 
 
-class OutputText(_Request):
+class OutputText(RequestModel):
     """Text of an earlier answer, as the client got it back (annotations and logprobs unread)."""
 
     type: Literal["output_text"]
@@ -309,10 +316,10 @@ class OutputText(_Request):
 
 
 ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
-                              Annotated[OutputText, Tag("type=output_text")]], Discriminator(_format_tag)]
+                              Annotated[OutputText, Tag("type=output_text")]], Discriminator(type_tag)]
 
 
-class InputMessage(_Request):
+class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[Text, List[ContentPart]]
@@ -324,7 +331,7 @@ class InputMessage(_Request):
         return _joined(self.content)
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(RequestModel):
     """A call the model made earlier, as the client got it back."""
 
     type: Literal["function_call"]
@@ -335,7 +342,7 @@ class FunctionCallItem(_Request):
     status: Optional[ItemStatus] = None
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(RequestModel):
     """The client's result of a call (`call_id`), which the model reads as a tool message."""
 
     type: Literal["function_call_output"]
@@ -351,7 +358,7 @@ class FunctionCallOutputItem(_Request):
 
 def _item_tag(value: Any) -> Optional[str]:
     # a message may leave out its type (OpenAI's "easy input message")
-    return _format_tag({"type": "message", **value} if isinstance(value, dict) else value)
+    return type_tag({"type": "message", **value} if isinstance(value, dict) else value)
 
 
 InputItem = Annotated[Union[
@@ -361,7 +368,7 @@ InputItem = Annotated[Union[
 ], Discriminator(_item_tag)]
 
 
-class FunctionTool(_Request):
+class FunctionTool(RequestModel):
     type: Literal["function"]
     name: FunctionName
     description: Optional[Text] = None
@@ -369,12 +376,12 @@ class FunctionTool(_Request):
     strict: Optional[bool] = None
 
 
-class FunctionToolChoice(_Request):
+class FunctionToolChoice(RequestModel):
     type: Literal["function"]
     name: FunctionName
 
 
-class TextFormatJsonSchema(_Request):
+class TextFormatJsonSchema(RequestModel):
     type: Literal["json_schema"]
     name: FunctionName
     description: Optional[Text] = None
@@ -386,14 +393,14 @@ TextFormat = Annotated[Union[
     Annotated[ResponseFormatText, Tag("type=text")],
     Annotated[ResponseFormatJsonObject, Tag("type=json_object")],
     Annotated[TextFormatJsonSchema, Tag("type=json_schema")],
-], Discriminator(_format_tag)]
+], Discriminator(type_tag)]
 
 
-class TextConfig(_Request):
+class TextConfig(RequestModel):
     format: TextFormat = ResponseFormatText(type="text")
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestModel):
     """`POST /v1/responses`. Fields OpenAI has and we do not implement are accepted only at
     their neutral values (`truncation: "disabled"`, `background: false`); `include` takes
     logprobs (`top_logprobs` alone asks for them too; not beside tools) and what needs nothing

@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import time
 import uuid
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 from deploy.errors import ApiError
-from deploy.openai_format import Accumulated, TokenTexts, logprobs_body, tool_call_id
+from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
+from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionCallOutputItem, FunctionDefinition,
-    FunctionToolChoice, InputMessage, ItemStatus, NamedToolChoice, ResponsesRequest, TextFormatJsonSchema, Tool,
-    ToolChoiceFunction,
+    FunctionToolChoice, InputMessage, NamedToolChoice, ResponsesRequest, TextFormatJsonSchema, Tool, ToolChoiceFunction,
 )
-from deploy.tool_call_stream import StreamEvent, ToolCallStream
-from replicas.engine import TokenLogprob
 
 
 # -- the chat request it means -----------------------------------------------------------------
@@ -76,17 +73,9 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
 
-_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema"}
-
-
-def in_responses_terms(exc: ApiError) -> ApiError:
-    """An ApiError of the chat pipeline, its field named as the Responses request names it."""
-    field = _FIELDS.get(exc.param or "")
-    if field is None:
-        return exc
-    message = field + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
-    return ApiError(exc.status, message, field, exc.code, exc.retry_after_s)
+# the chat pipeline's fields as a Responses request names them (ApiError.renamed)
+FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema"}
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -94,20 +83,13 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class OutputItems:
-    """The output items of one response, built from its engine deltas (`feed`), and the stream
-    events each delta makes (`feed` returns them; every event has its `sequence_number`).
-
-    Text goes to a `message` item opened at its first text; with tools offered, the text is
-    split by `ToolCallStream`, each call a `function_call` item whose arguments stream as the
-    model writes them. A non-streamed response feeds its whole output at once."""
+class OutputItems(OutputParts):
+    """The output items of one response (`parts`) and the stream events each delta makes, each
+    with its `sequence_number`: a `message` item per run of text, a `function_call` item per
+    call, its arguments streamed as the model writes them."""
 
     def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None) -> None:
-        """`logprobs`, given when the request asks for them (never beside tools): what they show."""
-        self.items: list[dict[str, Any]] = []
-        self._calls = ToolCallStream() if tools else None
-        self._token_texts = logprobs
-        self._open: Optional[dict[str, Any]] = None  # the item being written
+        super().__init__(tools, logprobs)
         self._seq = 0
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -115,58 +97,40 @@ class OutputItems:
         self._seq += 1
         return event
 
-    def feed(self, text: str, finish_reason: Optional[str], logprobs: Sequence[TokenLogprob] = ()
-             ) -> list[dict[str, Any]]:
-        if self._calls is None:
-            pieces = [StreamEvent(content=text)] if text or logprobs else []
-        else:
-            pieces = self._calls.feed(text) + (self._calls.finish() if finish_reason else [])
-        events = []
-        for piece in pieces:
-            if piece.content is not None:
-                events += self._text(piece.content, logprobs_body("chat", logprobs, self._token_texts)["content"]
-                                     if self._token_texts else None)
-            elif piece.name is not None:  # a call's first fragment
-                events += self._close() + self._add({"id": _id("fc"), "type": "function_call", "status": "in_progress",
-                                                     "call_id": tool_call_id(), "name": piece.name, "arguments": ""})
-            if piece.arguments:
-                self._open["arguments"] += piece.arguments
-                events.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
-                                         output_index=len(self.items) - 1, delta=piece.arguments))
-        if finish_reason is not None:
-            events += self._close("incomplete" if finish_reason == "length" else "completed")
-        return events
+    def text_part(self) -> dict[str, Any]:
+        text = {"type": "output_text", "text": "", "annotations": [], **({"logprobs": []} if self._token_texts else {})}
+        return {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": [text]}
 
-    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        self.items.append(item)
-        self._open = item
-        return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))]
+    def call_part(self, name: str) -> dict[str, Any]:
+        return {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": tool_call_id(),
+                "name": name, "arguments": ""}
 
-    def _text(self, text: str, logprobs: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-        events = []
-        if self._open is None or self._open["type"] != "message":
-            events += self._close() + self._add({"id": _id("msg"), "type": "message", "status": "in_progress",
-                                                 "role": "assistant", "content": []})
-            part = {"type": "output_text", "text": "", "annotations": [],
-                    **({"logprobs": []} if self._token_texts else {})}
-            self._open["content"].append(part)
-            events.append(self.event("response.content_part.added", item_id=self._open["id"],
-                                     output_index=len(self.items) - 1, content_index=0, part=copy.deepcopy(part)))
-        part = self._open["content"][0]
+    def on_open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        if item["type"] != "message":
+            return [self.event("response.output_item.added", output_index=self.index, item=copy.deepcopy(item))]
+        text = item["content"][0]
+        return [self.event("response.output_item.added", output_index=self.index,
+                           item={**copy.deepcopy(item), "content": []}),
+                self.event("response.content_part.added", item_id=item["id"], output_index=self.index,
+                           content_index=0, part=copy.deepcopy(text))]
+
+    def on_text(self, item: dict[str, Any], text: str,
+                logprobs: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        part = item["content"][0]
         part["text"] += text
         if logprobs is not None:
             part["logprobs"] += logprobs
-        events.append(self.event("response.output_text.delta", item_id=self._open["id"],
-                                 output_index=len(self.items) - 1, content_index=0, delta=text,
-                                 logprobs=logprobs or []))
-        return events
+        return [self.event("response.output_text.delta", item_id=item["id"], output_index=self.index,
+                           content_index=0, delta=text, logprobs=logprobs or [])]
 
-    def _close(self, status: ItemStatus = "completed") -> list[dict[str, Any]]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        item["status"] = status
-        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+    def on_arguments(self, item: dict[str, Any], arguments: str) -> list[dict[str, Any]]:
+        item["arguments"] += arguments
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.index,
+                           delta=arguments)]
+
+    def on_close(self, item: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
+        item["status"] = "incomplete" if finish_reason == "length" else "completed"
+        where = {"item_id": item["id"], "output_index": self.parts.index(item)}
         if item["type"] == "message":
             part = item["content"][0]
             events = [self.event("response.output_text.done", **where, content_index=0, text=part["text"],
@@ -175,13 +139,14 @@ class OutputItems:
         else:
             events = [self.event("response.function_call_arguments.done", **where, name=item["name"],
                                  arguments=item["arguments"])]
-        return events + [self.event("response.output_item.done", output_index=where["output_index"], item=item)]
+        return events + [self.event("response.output_item.done", output_index=where["output_index"],
+                                    item=copy.deepcopy(item))]
 
     def as_messages(self) -> List[ChatMessage]:
         """The output as the chat messages a later turn reads (`previous_response_id`)."""
-        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        text = "".join(i["content"][0]["text"] for i in self.parts if i["type"] == "message")
         calls = [AssistantToolCall(id=i["call_id"], function=FunctionCall(name=i["name"], arguments=i["arguments"]))
-                 for i in self.items if i["type"] == "function_call"]
+                 for i in self.parts if i["type"] == "function_call"]
         return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
 
 
@@ -200,17 +165,13 @@ def response_body(body: ResponsesRequest, response_id: str, created_at: int, mod
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "completed_at": int(time.time()) if acc is not None else None, "error": None,
         "incomplete_details": incomplete, "instructions": body.instructions, "model": model,
-        "output": items.items if items is not None and acc is not None else [],
+        "output": items.parts if items is not None and acc is not None else [],
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump(),
         "tools": [t.model_dump() for t in body.tools], "text": text, "truncation": body.truncation,
         "store": body.store, "metadata": body.metadata or {}, "user": body.user, "usage": usage,
     }
-
-
-def sse_event(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 # -- kept responses ------------------------------------------------------------------------------

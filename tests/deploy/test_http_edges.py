@@ -64,6 +64,10 @@ def respond(**kw):
     return {"model": "fake", "input": "hi", "max_output_tokens": 4, **kw}
 
 
+def message(**kw):
+    return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
 BAD_INPUT = [
     # (name, path, body or raw bytes, headers, status, param)
     ("malformed json", "/v1/completions", b'{"model": "fake",', {}, 400, None),
@@ -179,6 +183,29 @@ BAD_INPUT = [
     ("responses: unknown previous response", "/v1/responses", respond(previous_response_id="resp_x"), {}, 400,
      "previous_response_id"),
     ("responses: get an unknown one", "/v1/responses/resp_x", None, {}, 404, None),
+    ("messages: no max_tokens", "/v1/messages", {"model": "fake", "messages": [{"role": "user", "content": "x"}]},
+     {}, 400, "max_tokens"),
+    ("messages: unknown model", "/v1/messages", message(model="claude-9"), {}, 404, "model"),
+    ("messages: image block", "/v1/messages", message(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]), {}, 400,
+     "messages[0].content[0]"),
+    ("messages: a tool result from the assistant", "/v1/messages", message(messages=[{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "18"}]}]), {}, 400, "messages[0].content"),
+    ("messages: tool result the template refuses", "/v1/messages", message(messages=[{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "18"}]}]), {}, 400, "messages"),
+    ("messages: any tool without tools", "/v1/messages", message(tool_choice={"type": "any"}), {}, 400,
+     "tool_choice"),
+    ("messages: a server tool", "/v1/messages", message(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+     {}, 400, "tools[0].type"),
+    ("messages: thinking", "/v1/messages", message(thinking={"type": "enabled", "budget_tokens": 1024}), {}, 400,
+     "thinking.type"),
+    ("messages: temperature over 1", "/v1/messages", message(temperature=1.5), {}, 400, "temperature"),
+    ("messages: huge max_tokens", "/v1/messages", message(max_tokens=10**6), {}, 400, "max_tokens"),
+    ("messages: over the engine window", "/v1/messages", message(messages=[{"role": "user", "content": "x" * 60}],
+                                                                 max_tokens=50), {}, 400, "max_tokens"),
+    ("messages: five stop sequences", "/v1/messages", message(stop_sequences=list("abcde")), {}, 400,
+     "stop_sequences"),
+    ("messages: count without messages", "/v1/messages/count_tokens", {"model": "fake"}, {}, 400, "messages"),
     ("missing key", "/v1/completions", completion(), {"Authorization": ""}, 401, None),
     ("wrong key", "/v1/completions", completion(), {"Authorization": "Bearer sk-wrong"}, 401, None),
     ("not bearer", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, None),
@@ -199,6 +226,19 @@ def test_bad_input(url, name, path, body, headers, status, param):
     error = response.json()["error"]
     assert error["message"] and error["type"]
     assert error["param"] == param, error
+
+
+def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape(url):
+    def post(path, body, **headers):
+        return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=30)
+
+    assert post("/v1/messages", message(), **{"x-api-key": KEY}).json()["content"] == [{"type": "text", "text": "abcd"}]
+    assert post("/v1/chat/completions", chat(), **{"x-api-key": KEY}).status_code == 200
+    assert post("/v1/messages", message(), **{"x-api-key": "sk-wrong"}).status_code == 401
+    refused = post("/v1/messages", message(temperature=3), **{"x-api-key": KEY})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "invalid_request_error" and refused.json()["error"]["message"]
+    assert "type" not in post("/v1/chat/completions", chat(temperature=3), **AUTH).json()  # OpenAI's shape
 
 
 def test_healthz_needs_no_key_and_everything_else_does(url):
@@ -263,6 +303,18 @@ def test_a_response_stream_that_fails_ends_with_error_and_failed_events(url, pro
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["message"]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
+def test_a_message_stream_that_fails_ends_with_an_error_event(url, prompt):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        response = client.post("/v1/messages", json=message(messages=[{"role": "user", "content": prompt}],
+                                                             max_tokens=10, stream=True))
+    assert response.status_code == 200
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: ")]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "error"
+    assert events[-1]["error"]["message"] and not any(e["type"] == "message_stop" for e in events)
 
 
 def test_a_response_streamed_through_a_replica_death_loses_nothing(url, tmp_path_factory):

@@ -204,8 +204,10 @@ def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle, n):
 
 
 def test_a_client_gone_before_a_plain_answer_aborts_every_choice(url, replica_handle):
+    # undrafted: with speculation the SA pool, which has seen this module's other stories, may
+    # draft so much of the answer that it is done before the client gives up
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,
-            "temperature": 0, "n": 2}
+            "temperature": 0, "n": 2, "speculation": {"mode": "off"}}
     gave_up = []
 
     def client() -> None:  # gives up waiting long before 900 tokens (minutes here)

@@ -40,7 +40,7 @@ def test_items_and_events_do_not_depend_on_how_the_text_arrives(piece):
     for i in range(0, len(text), piece):
         events += items.feed(text[i:i + piece], None)
     events += items.feed("", "stop")
-    without_ids = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items.items]
+    without_ids = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items.parts]
     assert without_ids == [
         {"type": "message", "status": "completed", "role": "assistant",
          "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
@@ -60,5 +60,5 @@ def test_an_answer_cut_short_leaves_its_item_incomplete():
     items = OutputItems(tools=False)
     items.feed("Once upon", None)
     events = items.feed(" a time", "length")
-    assert items.items[0]["status"] == "incomplete" and items.items[0]["content"][0]["text"] == "Once upon a time"
+    assert items.parts[0]["status"] == "incomplete" and items.parts[0]["content"][0]["text"] == "Once upon a time"
     assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == "incomplete"

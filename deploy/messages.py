@@ -1,0 +1,304 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) on the chat
+pipeline, for the clients that speak it (the `anthropic` SDK, Claude Code with
+`ANTHROPIC_BASE_URL`).
+
+A request is turned into the chat completion it means (`chat_request`: `system` as the system
+message, `tool_use` blocks as an assistant's tool calls, `tool_result` blocks as tool messages,
+`input_schema` tools, `tool_choice` auto / any / tool / none), so it is rendered, tokenized,
+constrained and generated exactly as `/v1/chat/completions` would; the answer comes back as
+content blocks (`ContentBlocks`: a `text` block per run of text, a `tool_use` block per call),
+streamed as Anthropic's events. `cache_control` marks are taken and not read: the prefix cache
+finds a prompt's cached prefix by itself. Text only: an image or document block is a 400.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+
+from deploy.openai_format import Accumulated
+from deploy.output_parts import OutputParts
+from deploy.protocol import (
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
+    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, type_tag,
+)
+from replicas.engine import RequestSpeculation
+
+
+# -- request -----------------------------------------------------------------------------------
+class CacheControl(RequestModel):
+    type: Literal["ephemeral"]
+    ttl: Optional[Literal["5m", "1h"]] = None
+
+
+class TextBlock(RequestModel):
+    type: Literal["text"]
+    text: Text
+    cache_control: Optional[CacheControl] = None
+    citations: Optional[List[Any]] = None
+
+
+class ToolUseBlock(RequestModel):
+    """A call the model made earlier, as the client got it back."""
+
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: FunctionName
+    input: Dict[str, Any]
+    cache_control: Optional[CacheControl] = None
+
+
+class ToolResultBlock(RequestModel):
+    """The client's result of call `tool_use_id`, which the model reads as a tool message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: Union[Text, List[TextBlock]] = ""
+    is_error: bool = False
+    cache_control: Optional[CacheControl] = None
+
+    @property
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+ContentBlock = Annotated[Union[
+    Annotated[TextBlock, Tag("type=text")],
+    Annotated[ToolUseBlock, Tag("type=tool_use")],
+    Annotated[ToolResultBlock, Tag("type=tool_result")],
+], Discriminator(type_tag)]
+
+
+class Message(RequestModel):
+    role: Literal["user", "assistant"]
+    content: Union[Text, List[ContentBlock]]
+
+    @field_validator("content")
+    @classmethod
+    def _blocks(cls, content, info: ValidationInfo):
+        role = info.data.get("role")
+        misplaced = "tool_result" if role == "assistant" else "tool_use"
+        if isinstance(content, list) and any(block.type == misplaced for block in content):
+            raise ValueError(f"a {role} message has no {misplaced} blocks")
+        return content
+
+
+class ToolDefinition(RequestModel):
+    type: Optional[Literal["custom"]] = None
+    name: FunctionName
+    description: Optional[Text] = None
+    input_schema: JsonSchema
+    strict: Optional[bool] = None  # a forced call always follows the schema; a chosen one is parsed as written
+    cache_control: Optional[CacheControl] = None
+
+
+class ToolChoiceAuto(RequestModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(RequestModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(RequestModel):
+    type: Literal["tool"]
+    name: FunctionName
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(RequestModel):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[Union[
+    Annotated[ToolChoiceAuto, Tag("type=auto")],
+    Annotated[ToolChoiceAny, Tag("type=any")],
+    Annotated[ToolChoiceTool, Tag("type=tool")],
+    Annotated[ToolChoiceNone, Tag("type=none")],
+], Discriminator(type_tag)]
+
+
+class ThinkingDisabled(RequestModel):
+    type: Literal["disabled"]  # the model has no thinking mode
+
+
+class MessagesMetadata(RequestModel):
+    user_id: Optional[str] = None  # a label, not read
+
+
+class JsonOutputFormat(RequestModel):
+    type: Literal["json_schema"]
+    schema_: JsonSchema = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    format: Optional[JsonOutputFormat] = None  # the answer is JSON valid against the schema
+    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None  # a hint; the model has one effort
+
+
+class CountTokensRequest(RequestModel):
+    """`POST /v1/messages/count_tokens`: what the prompt of these messages costs."""
+
+    model: str = Field(min_length=1)
+    messages: List[Message] = Field(min_length=1)
+    system: Optional[Union[Text, List[TextBlock]]] = None
+    tools: List[ToolDefinition] = []
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[ThinkingDisabled] = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if choice is None or choice.type in ("auto", "none"):
+            return choice
+        if not tools:
+            raise ValueError("needs tools")
+        if choice.type == "tool" and choice.name not in {t.name for t in tools}:
+            raise ValueError(f"names {choice.name!r}, which is not among the tools")
+        return choice
+
+
+class MessagesRequest(CountTokensRequest):
+    """`POST /v1/messages`. Anthropic's current API has no sampling settings (its clients send
+    none: temperature 1); earlier clients' `temperature`, `top_p` and `top_k` are honoured."""
+
+    max_tokens: int = Field(ge=1, description="capped by the server's limit")
+    stop_sequences: Optional[List[Text]] = None
+    stream: bool = False
+    output_config: Optional[OutputConfig] = None
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    metadata: Optional[MessagesMetadata] = None
+    cache_control: Optional[CacheControl] = None  # a hint, not read
+    service_tier: Optional[Literal["auto", "standard_only"]] = None  # we have one tier
+    speed: Optional[Literal["standard"]] = None
+    inference_geo: Optional[str] = None  # a label, not read
+    user_profile_id: Optional[str] = None  # a label, not read
+    speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_sequences(cls, stops):
+        return check_stops(stops)
+
+
+# -- the chat request it means -----------------------------------------------------------------
+def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
+    system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
+    messages = [ChatMessage(role="system", content=system)] if system else []
+    for m in body.messages:
+        if isinstance(m.content, str):
+            messages.append(ChatMessage(role=m.role, content=m.content))
+        elif m.role == "assistant":
+            text = "".join(b.text for b in m.content if b.type == "text")
+            calls = [AssistantToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(
+                b.input, ensure_ascii=False))) for b in m.content if b.type == "tool_use"]
+            messages.append(ChatMessage(role="assistant", content=(text or None) if calls else text,
+                                        tool_calls=calls or None))
+        else:  # results first (Anthropic's order), each a tool message; each run of text a user message
+            text = None
+            for b in m.content:
+                if b.type == "tool_result":
+                    messages.append(ChatMessage(role="tool", content=b.text, tool_call_id=b.tool_use_id))
+                    text = None
+                elif text is None:
+                    text = ChatMessage(role="user", content=b.text)
+                    messages.append(text)
+                else:
+                    messages[-1] = text = text.model_copy(update={"content": text.text + b.text})
+    return messages
+
+
+def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion `body` asks for (a count's: one token, greedy)."""
+    choice = body.tool_choice
+    if choice is None or choice.type != "tool":
+        tool_choice = {"auto": "auto", "none": "none", "any": "required"}.get(getattr(choice, "type", None))
+    else:
+        tool_choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
+    sampling = {}
+    if isinstance(body, MessagesRequest):
+        fmt = body.output_config and body.output_config.format
+        sampling = dict(max_completion_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                        top_k=body.top_k, stop=body.stop_sequences, stream=body.stream, speculation=body.speculation,
+                        user=body.metadata.user_id if body.metadata else None, response_format=fmt and {
+                            "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
+    tools = [Tool(type="function", function=FunctionDefinition(name=t.name, description=t.description,
+                                                               parameters=t.input_schema)) for t in body.tools]
+    return ChatCompletionRequest(
+        model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
+        tool_choice=tool_choice if body.tools else None,
+        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False))
+
+
+# the chat pipeline's fields as a Messages request names them (ApiError.renamed)
+FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
+          "response_format.json_schema.schema": "output_config.format.schema"}
+
+
+# -- output --------------------------------------------------------------------------------------
+class ContentBlocks(OutputParts):
+    """The answer's content blocks (`parts`) and the stream events each delta makes: a `text`
+    block per run of text, a `tool_use` block per call, its input streamed as JSON text."""
+
+    def __init__(self, tools: bool) -> None:
+        super().__init__(tools)
+        self._arguments: dict[str, str] = {}  # a tool_use block's id -> its input as JSON text so far
+
+    def text_part(self) -> dict[str, Any]:
+        return {"type": "text", "text": ""}
+
+    def call_part(self, name: str) -> dict[str, Any]:
+        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": {}}
+        self._arguments[block["id"]] = ""
+        return block
+
+    def on_open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"type": "content_block_start", "index": self.index, "content_block": copy.deepcopy(block)}]
+
+    def on_text(self, block: dict[str, Any], text: str, logprobs: Any) -> list[dict[str, Any]]:
+        block["text"] += text
+        return [{"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}]
+
+    def on_arguments(self, block: dict[str, Any], arguments: str) -> list[dict[str, Any]]:
+        self._arguments[block["id"]] += arguments
+        return [{"type": "content_block_delta", "index": self.index,
+                 "delta": {"type": "input_json_delta", "partial_json": arguments}}]
+
+    def on_close(self, block: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
+        if block["type"] == "tool_use":
+            try:  # a call cut by max_tokens leaves its input as far as it parsed: none
+                block["input"] = json.loads(self._arguments[block["id"]] or "{}")
+            except ValueError:
+                pass
+        return [{"type": "content_block_stop", "index": self.parts.index(block)}]
+
+    def stop_reason(self, finish_reason: Optional[str]) -> str:
+        if finish_reason == "length":
+            return "max_tokens"
+        return "tool_use" if any(b["type"] == "tool_use" for b in self.parts) else "end_turn"
+
+
+def usage(acc: Accumulated) -> dict[str, int]:
+    return {"input_tokens": acc.prompt_tokens - acc.cached_tokens, "output_tokens": acc.completion_tokens,
+            "cache_read_input_tokens": acc.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def message_body(message_id: str, model: str, blocks: ContentBlocks, acc: Optional[Accumulated] = None,
+                 input_tokens: int = 0) -> dict[str, Any]:
+    """The Message object: begun (no `acc`; `input_tokens` for its usage), or finished."""
+    return {
+        "id": message_id, "type": "message", "role": "assistant", "model": model,
+        "content": blocks.parts if acc is not None else [],
+        "stop_reason": blocks.stop_reason(acc.finish_reason) if acc is not None else None, "stop_sequence": None,
+        "usage": usage(acc) if acc is not None else {"input_tokens": input_tokens, "output_tokens": 0},
+    }

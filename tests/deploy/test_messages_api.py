@@ -1,0 +1,96 @@
+"""Anthropic's `/v1/messages` against the real application (real model, MTP on) over HTTP with the
+official `anthropic` client: answers equal to the chat completion they mean, the client's stream
+helper rebuilding the same message, tool use and its round trip, token counts."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
+
+MODEL = "smollm2-135m-instruct"
+OFF = {"speculation": {"mode": "off"}}
+GREEDY = {"temperature": 0}  # earlier clients' setting; the current client sends none
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                            "required": ["city"], "additionalProperties": False}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def claude(agent_url):
+    return anthropic.Anthropic(base_url=agent_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_an_answer_is_the_chat_completion_it_means_exactly_under_speculation(claude, agent_client):
+    chat = agent_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Answer in one sentence."},
+                               {"role": "user", "content": "Why is the sky blue?"}],
+        max_completion_tokens=48, temperature=0, extra_body=OFF)
+    message = claude.messages.create(model=MODEL, system="Answer in one sentence.", max_tokens=48, extra_body=GREEDY,
+                                     messages=[{"role": "user", "content": "Why is the sky blue?"}])
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert usage.output_tokens == chat.usage.completion_tokens
+    counted = claude.messages.count_tokens(model=MODEL, system="Answer in one sentence.",
+                                           messages=[{"role": "user", "content": "Why is the sky blue?"}])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_the_stream_helper_rebuilds_the_message(claude):
+    kwargs = dict(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": "Name three colours of the rainbow."}])
+    plain = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == plain.content[0].text
+    assert final.stop_reason == plain.stop_reason and final.usage.output_tokens == plain.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_use_and_its_round_trip(claude, stream):
+    ask = dict(model=MODEL, max_tokens=80, extra_body=GREEDY, messages=ASK_WEATHER, tools=[WEATHER],
+               tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    if stream:
+        with claude.messages.stream(**ask) as events:
+            partial = "".join(e.delta.partial_json for e in events
+                              if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+            message = events.get_final_message()
+        assert json.loads(partial) == message.content[-1].input
+    else:
+        message = claude.messages.create(**ask)
+    assert message.stop_reason == "tool_use"
+    call = message.content[-1]
+    assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+
+    turn = [block.model_dump(exclude_none=True) for block in message.content]
+    answer = claude.messages.create(model=MODEL, max_tokens=40, extra_body=GREEDY, tools=[WEATHER], messages=[
+        *ASK_WEATHER, {"role": "assistant", "content": turn},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C, sunny"}]}])
+    assert answer.content and answer.usage.cache_read_input_tokens > 0  # the turn before is the prefix cache's
+
+
+def test_output_config_format_gives_json_valid_against_the_schema(claude):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    message = claude.messages.create(model=MODEL, max_tokens=60, messages=[
+        {"role": "user", "content": "Name a large city and its country as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_max_tokens_stops_the_message(claude):
+    message = claude.messages.create(model=MODEL, max_tokens=5, extra_body=GREEDY,
+                                     messages=[{"role": "user", "content": "Tell me a long story."}])
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
