@@ -207,7 +207,7 @@ class Ingress:
             return self._typed_events(
                 request, opened, routing, blocks, [{"type": "message_start", "message": begun}],
                 lambda acc: [{"type": "message_delta", "usage": messages.usage(acc),
-                              "delta": {"stop_reason": blocks.stop_reason(acc.finish_reason), "stop_sequence": None}},
+                              "delta": {"stop_reason": blocks.stop_reason(acc), "stop_sequence": acc.stop_string}},
                              {"type": "message_stop"}],
                 lambda err: [{"type": "error", "error": {"type": "api_error", "message": err.message}}])
         acc = await self._collect(request, *opened, routing)

@@ -282,9 +282,11 @@ class ContentBlocks(OutputParts):
                 pass
         return [{"type": "content_block_stop", "index": self.parts.index(block)}]
 
-    def stop_reason(self, finish_reason: Optional[str]) -> str:
-        if finish_reason == "length":
+    def stop_reason(self, acc: Accumulated) -> str:
+        if acc.finish_reason == "length":
             return "max_tokens"
+        if acc.stop_string is not None:
+            return "stop_sequence"
         return "tool_use" if any(b["type"] == "tool_use" for b in self.parts) else "end_turn"
 
 
@@ -299,6 +301,7 @@ def message_body(message_id: str, model: str, blocks: ContentBlocks, acc: Option
     return {
         "id": message_id, "type": "message", "role": "assistant", "model": model,
         "content": blocks.parts if acc is not None else [],
-        "stop_reason": blocks.stop_reason(acc.finish_reason) if acc is not None else None, "stop_sequence": None,
+        "stop_reason": blocks.stop_reason(acc) if acc is not None else None,
+        "stop_sequence": acc.stop_string if acc is not None else None,
         "usage": usage(acc) if acc is not None else {"input_tokens": input_tokens, "output_tokens": 0},
     }

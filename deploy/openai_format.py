@@ -27,6 +27,7 @@ class Accumulated:
 
     text: str = ""
     finish_reason: Optional[str] = None
+    stop_string: Optional[str] = None  # the stop string that ended it, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -40,7 +41,7 @@ class Accumulated:
         self.logprobs += delta.logprobs
         self.token_ids += delta.token_ids
         if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+            self.finish_reason, self.stop_string = delta.finish_reason, delta.stop_string
             self.prompt_tokens = delta.prompt_tokens
             self.completion_tokens = delta.completion_tokens
             self.cached_tokens = delta.cached_tokens

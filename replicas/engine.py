@@ -232,6 +232,17 @@ class GenerationDelta:
     # when asked for: one per emitted token of `token_ids`, except a final EOS / stop id
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
+    stop_string: str | None = None  # the stop string that ended the output, if one did
+
+
+def find_stop(text: str, sent_chars: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(where it begins, which) of the stop string that comes first in `text`, searched from
+    where one could still begin with `sent_chars` of the text sent; None if none is there."""
+    if not stops:
+        return None
+    start = max(0, sent_chars - max(map(len, stops)))
+    hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
 @runtime_checkable

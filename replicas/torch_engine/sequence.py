@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob
+from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob, find_stop
 from replicas.speculation.draft_length import MtpYield, SaAcceptance
 from replicas.stats import SpecCounters
 
@@ -52,6 +52,7 @@ class Sequence:
     mtp_yield: MtpYield = field(default_factory=MtpYield)  # what its asks of the head drafted and had accepted
     counters: SpecCounters = field(default_factory=SpecCounters)
     finish_reason: FinishReason | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for; none for a final stop id
     # text streaming state
@@ -133,12 +134,10 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     if detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
         seq.settled_text, seq.settled_tokens = text, len(ids)
     stops = seq.sampling.stop
-    if stops:
-        search_from = max(0, seq.num_sent_chars - max(map(len, stops)))
-        hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
-        if hits:
-            text = text[: min(hits)]
-            seq.finish_reason = "stop"
+    found = find_stop(text, seq.num_sent_chars, stops)
+    if found is not None:
+        text = text[: found[0]]
+        seq.finish_reason, seq.stop_string = "stop", found[1]
     releasable = len(text)
     if seq.finish_reason is None:
         if text.endswith("\ufffd"):  # an incomplete multi-byte character
@@ -168,4 +167,5 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
         cached_tokens=seq.cached_tokens,
         speculation=seq.counters.usage(),
         logprobs=new_logprobs,
+        stop_string=seq.stop_string,
     )

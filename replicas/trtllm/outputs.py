@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from replicas.engine import FinishReason, GenerationDelta
+from replicas.engine import FinishReason, GenerationDelta, find_stop
 from replicas.stats import acceptance_length
 
 # CompletionOutput.finish_reason: 'stop' | 'length' | 'timeout' | 'cancelled'
@@ -20,14 +20,12 @@ from replicas.stats import acceptance_length
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "error"}
 
 
-def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: bool) -> tuple[str, int, bool]:
-    """(text with any stop string cut, how much of it may be sent, whether a stop string hit)."""
-    if stops:
-        start = max(0, sent_chars - max(map(len, stops)))
-        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-        if hits:
-            text = text[: min(hits)]
-            return text, len(text), True
+def releasable_text(text: str, sent_chars: int, stops: Sequence[str],
+                    finished: bool) -> tuple[str, int, str | None]:
+    """(text with any stop string cut, how much of it may be sent, the stop string that hit)."""
+    found = find_stop(text, sent_chars, stops)
+    if found is not None:
+        return text[: found[0]], found[0], found[1]
     end = len(text)
     if not finished:
         end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
@@ -36,7 +34,7 @@ def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: 
                 if text[end - n : end] == s[:n]:
                     end -= n
                     break
-    return text, end, False
+    return text, end, None
 
 
 def request_usage(perf_metrics: Any, decoding_iter: int, completion_tokens: int) -> dict[str, float]:
@@ -94,6 +92,7 @@ class OutputTracker:
     cached_tokens: int = 0  # of prompt_tokens, served from upstream's prefix cache (block reuse)
     usage: dict[str, float] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
+    stop_string: str | None = None
 
     @property
     def done(self) -> bool:
@@ -107,8 +106,8 @@ class OutputTracker:
         finish = FINISH_REASONS.get(upstream_finish) if upstream_finish else None
         if upstream_finish and finish is None:
             finish = "error"
-        text, end, hit = releasable_text(text, self.sent_chars, self.stops, finish is not None)
-        if hit:
+        text, end, self.stop_string = releasable_text(text, self.sent_chars, self.stops, finish is not None)
+        if self.stop_string is not None:
             finish = "stop"
         ids = list(token_ids)
         new_ids = tuple(ids[self.sent_tokens :])  # empty once upstream trims a stop sequence
@@ -134,5 +133,5 @@ class OutputTracker:
         return GenerationDelta(
             request_id=self.request_id, token_ids=ids, text=text, finish_reason=finish, error=error,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens, speculation=dict(self.usage),
+            cached_tokens=self.cached_tokens, speculation=dict(self.usage), stop_string=self.stop_string,
         )

@@ -90,6 +90,16 @@ def test_output_config_format_gives_json_valid_against_the_schema(claude):
     jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
+def test_a_stop_sequence_is_named(claude):
+    kwargs = dict(model=MODEL, max_tokens=40, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": "Count from one to ten, in words."}])
+    whole = claude.messages.create(**kwargs).content[0].text
+    stop = whole.split()[2]  # the third word
+    message = claude.messages.create(**kwargs, stop_sequences=["zzzz", stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == whole[:whole.find(stop)]
+
+
 def test_max_tokens_stops_the_message(claude):
     message = claude.messages.create(model=MODEL, max_tokens=5, extra_body=GREEDY,
                                      messages=[{"role": "user", "content": "Tell me a long story."}])

@@ -33,7 +33,7 @@ def idle(engine) -> bool:
 def test_eos_finishes_with_stop_and_no_special_text(engine, loop):
     prompt = chat_prompt(engine, "What is the capital of France? Answer in one word.")
     tokens, text, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=64)))
-    assert last.finish_reason == "stop"
+    assert last.finish_reason == "stop" and last.stop_string is None
     assert "Paris" in text and "<|im_end|>" not in text
     assert tokens[-1] == engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -52,8 +52,10 @@ def test_stop_string_spanning_tokens(engine, loop, mode):
     i = next(i for i in range(5, len(tokens)) if len(pieces[i]) - len(pieces[i - 1]) >= 3
              and len(pieces[i + 1]) - len(pieces[i]) >= 3)
     stop = text[len(pieces[i]) - 2: len(pieces[i]) + 2]
-    _, stopped, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode=mode, stop=(stop,))))
-    assert last.finish_reason == "stop"
+    never = "\u2603\u2603"  # listed first, never written: the stop string named is the one that ended it
+    _, stopped, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode=mode,
+                                                                       stop=(never, stop))))
+    assert last.finish_reason == "stop" and last.stop_string == stop
     assert stopped == text[: text.find(stop)]
 
 

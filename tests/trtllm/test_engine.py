@@ -191,10 +191,11 @@ def test_finish_reason_mapping(upstream, ours):
 
 
 @pytest.mark.parametrize("text,sent,stops,finished,expected", [
-    ("hello wo", 0, ("wor",), False, ("hello wo", 6, False)),  # "wo" may grow into "wor"
-    ("hello wor", 0, ("wor",), False, ("hello ", 6, True)),
-    ("hello wo", 0, ("wor",), True, ("hello wo", 8, False)),
-    ("caf\ufffd", 0, (), False, ("caf\ufffd", 3, False)),  # an incomplete UTF-8 character
+    ("hello wo", 0, ("wor",), False, ("hello wo", 6, None)),  # "wo" may grow into "wor"
+    ("hello wor", 0, ("wor",), False, ("hello ", 6, "wor")),
+    ("a stop b end", 0, ("end", "stop"), False, ("a ", 2, "stop")),  # the first in the text, not in the list
+    ("hello wo", 0, ("wor",), True, ("hello wo", 8, None)),
+    ("caf\ufffd", 0, (), False, ("caf\ufffd", 3, None)),  # an incomplete UTF-8 character
 ])
 def test_releasable_text(text, sent, stops, finished, expected):
     assert releasable_text(text, sent, stops, finished) == expected
