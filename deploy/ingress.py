@@ -32,10 +32,11 @@ from deploy.errors import ApiError, install_error_handlers
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import choice_requests, generation_request, prompt_token_ids
+from deploy.responses import ResponsesRequest
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-    ModelCard, ModelList, ResponsesRequest,
+    ModelCard, ModelList,
 )
 from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
 from replicas.stats import METRIC_RETRIES

@@ -20,15 +20,186 @@ import collections
 import copy
 import time
 import uuid
-from typing import Any, List, Optional
+from typing import Annotated, Any, List, Literal, Optional, Union
+
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionCallOutputItem, FunctionDefinition,
-    FunctionToolChoice, InputMessage, NamedToolChoice, ResponsesRequest, TextFormatJsonSchema, Tool, ToolChoiceFunction,
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
+    Metadata, NamedToolChoice, RequestModel, ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool,
+    ToolChoiceFunction, joined_text, type_tag,
 )
+from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
+
+
+# -- request -----------------------------------------------------------------------------------
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class InputText(RequestModel):
+    type: Literal["input_text"]
+    text: Text
+
+
+class OutputText(RequestModel):
+    """Text of an earlier answer, as the client got it back (annotations and logprobs unread)."""
+
+    type: Literal["output_text"]
+    text: Text
+    annotations: List[Any] = []
+    logprobs: Optional[List[Any]] = None
+
+
+ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
+                              Annotated[OutputText, Tag("type=output_text")]], Discriminator(type_tag)]
+
+
+class InputMessage(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[Text, List[ContentPart]]
+    id: Optional[str] = None
+    status: Optional[ItemStatus] = None
+
+    @property
+    def text(self) -> str:
+        return joined_text(self.content)
+
+
+class FunctionCallItem(RequestModel):
+    """A call the model made earlier, as the client got it back."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: FunctionName
+    arguments: Text
+    id: Optional[str] = None
+    status: Optional[ItemStatus] = None
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The client's result of a call (`call_id`), which the model reads as a tool message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Union[Text, List[InputText]]
+    id: Optional[str] = None
+    status: Optional[ItemStatus] = None
+
+    @property
+    def text(self) -> str:
+        return joined_text(self.output)
+
+
+def _item_tag(value: Any) -> Optional[str]:
+    # a message may leave out its type (OpenAI's "easy input message")
+    return type_tag({"type": "message", **value} if isinstance(value, dict) else value)
+
+
+InputItem = Annotated[Union[
+    Annotated[InputMessage, Tag("type=message")],
+    Annotated[FunctionCallItem, Tag("type=function_call")],
+    Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
+], Discriminator(_item_tag)]
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[JsonSchema] = None
+    strict: Optional[bool] = None
+
+
+class FunctionToolChoice(RequestModel):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class TextFormatJsonSchema(RequestModel):
+    type: Literal["json_schema"]
+    name: FunctionName
+    description: Optional[Text] = None
+    schema_: JsonSchema = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+TextFormat = Annotated[Union[
+    Annotated[ResponseFormatText, Tag("type=text")],
+    Annotated[ResponseFormatJsonObject, Tag("type=json_object")],
+    Annotated[TextFormatJsonSchema, Tag("type=json_schema")],
+], Discriminator(type_tag)]
+
+
+class TextConfig(RequestModel):
+    format: TextFormat = ResponseFormatText(type="text")
+
+
+class ResponsesRequest(RequestModel):
+    """`POST /v1/responses`. Fields OpenAI has and we do not implement are accepted only at
+    their neutral values (`truncation: "disabled"`, `background: false`); `include` takes
+    logprobs (`top_logprobs` alone asks for them too; not beside tools) and what needs nothing
+    from us (no output of ours has reasoning or search results)."""
+
+    model: str = Field(min_length=1)
+    input: Union[Text, List[InputItem]]
+    instructions: Optional[Text] = None
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    tools: List[FunctionTool] = []
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig = TextConfig()
+    metadata: Metadata = None
+    include: List[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                          "web_search_call.results"]] = []
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    truncation: Literal["disabled"] = "disabled"
+    background: Literal[False] = False
+    service_tier: ServiceTier = None
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, value):
+        if len(value) == 0:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if choice in ("none", "auto"):
+            return choice
+        if not tools:
+            raise ValueError("needs tools")
+        if isinstance(choice, FunctionToolChoice) and choice.name not in {t.name for t in tools}:
+            raise ValueError(f"names {choice.name!r}, which is not among the tools")
+        return choice
+
+    @field_validator("include", "top_logprobs")
+    @classmethod
+    def _logprobs(cls, value, info: ValidationInfo):
+        # with tools the text is split into calls and prose, and a token's logprob has no one place
+        asked = "message.output_text.logprobs" in value if info.field_name == "include" else value is not None
+        if asked and info.data.get("tools"):
+            raise ValueError("logprobs are not given beside tools")
+        return value
+
+    @property
+    def logprobs(self) -> bool:
+        return "message.output_text.logprobs" in self.include or self.top_logprobs is not None
 
 
 # -- the chat request it means -----------------------------------------------------------------

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.protocol import ResponsesRequest
-from deploy.responses import OutputItems, chat_request, conversation
+from deploy.responses import OutputItems, ResponsesRequest, chat_request, conversation
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
