@@ -219,7 +219,7 @@ def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat completion `body` asks for (a count's: one token, greedy)."""
+    """The chat completion `body` asks for (of a count, only the prompt it renders is read)."""
     choice = body.tool_choice
     if choice is None or choice.type != "tool":
         tool_choice = {"auto": "auto", "none": "none", "any": "required"}.get(getattr(choice, "type", None))

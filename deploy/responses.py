@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline.
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline: its request models, their
+translation, its output items and the responses it keeps.
 
 A Responses request is turned into the chat request it means (`chat_request`: `instructions`
 as the system message, input items as messages, `function_call` items as an assistant's
