@@ -24,7 +24,7 @@ from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
-    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, type_tag,
+    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, type_tag,
 )
 from replicas.engine import RequestSpeculation
 
@@ -156,13 +156,9 @@ class CountTokensRequest(RequestModel):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        tools = info.data.get("tools") or []
-        if choice is None or choice.type in ("auto", "none"):
-            return choice
-        if not tools:
-            raise ValueError("needs tools")
-        if choice.type == "tool" and choice.name not in {t.name for t in tools}:
-            raise ValueError(f"names {choice.name!r}, which is not among the tools")
+        forces = choice is not None and choice.type in ("any", "tool")
+        named = choice.name if forces and choice.type == "tool" else None
+        check_tool_choice(forces, named, {t.name for t in info.data.get("tools") or []})
         return choice
 
 

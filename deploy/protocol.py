@@ -85,6 +85,15 @@ ResponseFormat = Annotated[Union[
 ], Discriminator(type_tag)]
 
 
+def check_tool_choice(needs_tools: bool, name: Optional[str], tools: set[str]) -> None:
+    """A tool choice that forces a call has tools to call, and one that names a function names one
+    of `tools` (ValueError otherwise): chat's, the Responses API's and the Messages API's."""
+    if needs_tools and not tools:
+        raise ValueError("needs tools")
+    if name is not None and name not in tools:
+        raise ValueError(f"names {name!r}, which is not among the tools")
+
+
 def check_stops(stop: Union[str, List[str], None]) -> Union[str, List[str], None]:
     stops = [stop] if isinstance(stop, str) else stop or []
     if len(stops) > 4 or any(not s for s in stops):
@@ -265,13 +274,8 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        tools = info.data.get("tools") or []
-        if choice in (None, "none"):
-            return choice
-        if not tools:
-            raise ValueError("needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
-            raise ValueError(f"names {choice.function.name!r}, which is not among the tools")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        check_tool_choice(choice not in (None, "none"), named, {t.function.name for t in info.data.get("tools") or []})
         return choice
 
     @property

@@ -31,7 +31,7 @@ from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
     Metadata, NamedToolChoice, RequestModel, ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool,
-    ToolChoiceFunction, joined_text, type_tag,
+    ToolChoiceFunction, check_tool_choice, joined_text, type_tag,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
 
@@ -180,13 +180,8 @@ class ResponsesRequest(RequestModel):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        tools = info.data.get("tools") or []
-        if choice in ("none", "auto"):
-            return choice
-        if not tools:
-            raise ValueError("needs tools")
-        if isinstance(choice, FunctionToolChoice) and choice.name not in {t.name for t in tools}:
-            raise ValueError(f"names {choice.name!r}, which is not among the tools")
+        named = choice.name if isinstance(choice, FunctionToolChoice) else None
+        check_tool_choice(choice not in ("none", "auto"), named, {t.name for t in info.data.get("tools") or []})
         return choice
 
     @field_validator("include", "top_logprobs")
