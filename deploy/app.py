@@ -1,7 +1,8 @@
 """`build_app(args)`: the Serve application `serve run deploy.yaml` imports.
 
-Two deployments: `Ingress` (HTTP, OpenAI API, tokenization, limits) -> `Replica` (one
-engine each, routed by the speculation-gate router). The speculation settings are the
+Three deployments: `Ingress` (HTTP, OpenAI API, tokenization, limits) -> `Replica` (one
+engine each, routed by the speculation-gate router), and `ResponseStore` (the responses
+`/v1/responses` keeps, one replica on the head node). The speculation settings are the
 Replica's `user_config` (deploy.yaml's `deployments: - name: Replica`; the defaults when the
 file sets none): the replica builds its engine with them, and changing them in deploy.yaml
 (or through the Serve REST API) reconfigures live replicas without a restart.
@@ -20,6 +21,7 @@ from ray.serve.config import RequestRouterConfig
 from deploy.config import AppArgs, IngressConfig
 from deploy.engine_factory import engine_factory
 from deploy.ingress import Ingress
+from deploy.response_store import ResponseStore
 from replicas.engine import Engine, SpeculationConfig
 from replicas.replica import Replica
 
@@ -72,11 +74,23 @@ def ingress_deployment(args: AppArgs):
     )
 
 
+def response_store_deployment():
+    """The kept responses: one replica, on the head node, which a cluster that loses its head
+    loses whole anyway (what it keeps is state the Ingress replicas share)."""
+    return serve.deployment(ResponseStore).options(
+        name="ResponseStore",
+        num_replicas=1,
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0, "resources": ON_HEAD_NODE},
+    )
+
+
 def compose_app(args: AppArgs, factory: Callable[[SpeculationConfig], Engine],
                 speculation: SpeculationConfig = SpeculationConfig()) -> Application:
-    """Ingress.bind(Replica.bind(factory)): the application around any engine."""
+    """Ingress.bind(Replica.bind(factory), ResponseStore.bind(...)): the application around any engine."""
     replica = replica_deployment(args, speculation).bind(factory)
-    return ingress_deployment(args).bind(replica, IngressConfig.from_args(args))
+    store = response_store_deployment().bind(args.limits.stored_responses)
+    return ingress_deployment(args).bind(replica, store, IngressConfig.from_args(args))
 
 
 def build_app(args: AppArgs) -> Application:

@@ -66,8 +66,9 @@ class LimitArgs(_Strict):
         "a request whose replica dies is sent again, to any replica, for up to this long: whole "
         "before its first token, as a continuation after it (0: never)"))
     stored_responses: int = Field(1024, ge=0, description=(
-        "/v1/responses: the most finished responses (store=true) each Ingress replica keeps in memory for "
-        "previous_response_id and GET /v1/responses/{id}; the oldest go first (0: none kept)"))
+        "/v1/responses: the most finished responses (store=true) kept in memory (the ResponseStore "
+        "deployment, on the head node) for previous_response_id and GET /v1/responses/{id}; the oldest go first "
+        "(0: none kept)"))
 
 
 class ReplicaArgs(_Strict):

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from deploy.config import AppArgs
 from replicas.engine import SpeculationConfig
 
-DEPLOYMENT_NAMES = ("Ingress", "Replica")
+DEPLOYMENT_NAMES = ("Ingress", "Replica", "ResponseStore")
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

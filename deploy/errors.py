@@ -6,6 +6,7 @@ The body is `{"error": {"message", "type", "param", "code"}}`, the shape the off
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional, Sequence
 
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,7 @@ _TYPES = {
     405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
     503: "service_unavailable", 504: "timeout",
 }
+RETRY_AFTER_S = 1.0  # what a 503 asks a client to wait
 
 
 class ApiError(Exception):
@@ -49,6 +51,23 @@ class ApiError(Exception):
         headers = {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s else None
         body = {"type": "error", **self.body()} if path.startswith("/v1/messages") else self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def server_error(exc: BaseException) -> ApiError:
+    """Map a failure from the Serve handle (or the stream) to an HTTP error."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    cause = getattr(exc, "cause", None)
+    for candidate in (exc, cause):
+        if isinstance(candidate, BackPressureError):
+            return ApiError(503, "server overloaded: too many queued requests, retry later",
+                            code="overloaded", retry_after_s=RETRY_AFTER_S)
+        if isinstance(candidate, DeploymentUnavailableError):
+            return ApiError(503, "no engine replica is available yet, retry later", retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, asyncio.TimeoutError):
+        return ApiError(504, "the engine produced no token within the idle timeout")
+    summary = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+    return ApiError(500, f"engine failure: {type(exc).__name__}: {summary}"[:500])
 
 
 def param_from_loc(loc: Sequence[Any]) -> Optional[str]:

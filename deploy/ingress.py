@@ -7,19 +7,18 @@ streams the request (each of its `n` choices an engine request of its own) from 
 through the speculation-gate router, and turns every failure into an error: before the first
 token as an HTTP status, after it as an SSE error event (then `data: [DONE]`, or
 `response.failed`), so a client never hangs. When the client goes away, the replica streams
-are cancelled, which aborts the requests in the engine.
+are cancelled, which aborts the requests in the engine (`deploy/replica_streams.py`). The
+Responses API's kept responses live in a deployment of their own (`deploy/response_store.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import itertools
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,84 +27,38 @@ from deploy import messages, openai_format as fmt, responses
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
-from deploy.errors import ApiError, install_error_handlers
+from deploy.errors import ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import choice_requests, generation_request, prompt_token_ids
+from deploy.replica_streams import ReplicaStreams, all_choices, cancel
+from deploy.response_store import KeptResponses
 from deploy.responses import ResponsesRequest
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelCard, ModelList,
 )
-from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
-from replicas.stats import METRIC_RETRIES
+from replicas.engine import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1.0
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 _STREAM_DOC = {"content": {"text/event-stream": {}}, "description": "SSE chunks ending with data: [DONE]"}
-
-
-def _server_error(exc: BaseException) -> ApiError:
-    """Map a failure from the Serve handle (or the stream) to an HTTP error."""
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    cause = getattr(exc, "cause", None)
-    for candidate in (exc, cause):
-        if isinstance(candidate, BackPressureError):
-            return ApiError(503, "server overloaded: too many queued requests, retry later",
-                            code="overloaded", retry_after_s=RETRY_AFTER_S)
-        if isinstance(candidate, DeploymentUnavailableError):
-            return ApiError(503, "no engine replica is available yet, retry later", retry_after_s=RETRY_AFTER_S)
-    if isinstance(exc, asyncio.TimeoutError):
-        return ApiError(504, "the engine produced no token within the idle timeout")
-    summary = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-    return ApiError(500, f"engine failure: {type(exc).__name__}: {summary}"[:500])
-
-
-def _replica_lost(exc: BaseException) -> bool:
-    """The replica holding the request died or became unreachable (not the request's fault)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    lost = (ActorDiedError, ActorUnavailableError, RayActorError)
-    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
-
-
-async def _all_choices(coroutines: list) -> list:
-    """Run a request's choices together; when one fails (or the request is cancelled), cancel
-    the rest (each stops its stream) and raise."""
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def _cancel(stream) -> None:
-    """Cancel a replica stream; best effort (Serve's cancel re-raises a failed assignment)."""
-    try:
-        stream.cancel()
-    except Exception:  # noqa: BLE001 - the request already failed; nothing left to stop
-        pass
 
 
 class Ingress:
     """Serve ingress deployment; `deploy/app.py` wraps it with `serve.ingress()`."""
 
-    def __init__(self, replica: Any, config: IngressConfig) -> None:
-        self._replica = replica  # DeploymentHandle to Replica
-        self._streams = replica.options(stream=True)
-        self._config = config
-        self._keys = load_keys(config.api_keys_env)
+    def __init__(self, replica: Any, store: Any, config: IngressConfig) -> None:
+        """`replica` and `store`: handles to the Replica and ResponseStore deployments."""
+        self._replica = replica
+        self._replicas = ReplicaStreams(replica, config)
+        self.config = config
+        self.keys = load_keys(config.api_keys_env)
         self._tokenizer = None
         self._created = int(time.time())
-        self._retries = None  # the retry counter, made on first use (a metric needs a live Serve)
-        self.stored = responses.ResponseStore(config.stored_responses)
+        self.stored = KeptResponses(store, config.stored_responses)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -116,20 +69,20 @@ class Ingress:
             try:
                 self._tokenizer = await self._replica.tokenizer.remote()
             except Exception as exc:  # noqa: BLE001
-                raise _server_error(exc) from exc
+                raise server_error(exc) from exc
         return self._tokenizer
 
     # -- generation -----------------------------------------------------------------------------
     def _served(self, model: str) -> None:
-        if model != self._config.model_name:
-            raise ApiError(404, f"model: {model!r} is not served here; try {self._config.model_name!r}",
+        if model != self.config.model_name:
+            raise ApiError(404, f"model: {model!r} is not served here; try {self.config.model_name!r}",
                            "model", code="model_not_found")
 
     async def handle(self, kind: fmt.Kind, body: Union[CompletionRequest, ChatCompletionRequest]):
         self._served(body.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
-        requests = choice_requests(generation_request(request_id, tokenizer, body, self._config), body.n)
+        requests = choice_requests(generation_request(request_id, tokenizer, body, self.config), body.n)
         output = fmt.Output(kind, requests[0].sampling.logprobs is not None,
                          isinstance(body, ChatCompletionRequest) and bool(body.functions),
                          fmt.TokenTexts(tokenizer.decode))
@@ -141,47 +94,47 @@ class Ingress:
         opened = []
         try:
             for r in requests:
-                opened.append(await self._open(r, routing))
+                opened.append(await self._replicas.open(r, routing))
         except BaseException:
             for stream, _ in opened:
-                _cancel(stream)
+                cancel(stream)
             raise
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(output, request_id, requests, created, opened, routing, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        accs = await _all_choices([self._collect(r, *o, routing) for r, o in zip(requests, opened)])
+        accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
         choices = [fmt.full_choice(kind, i, acc,
                                    fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None,
                                    parse_tool_calls(acc.text) if output.tools else None)
                    for i, acc in enumerate(accs)]
-        return JSONResponse(fmt.full_response(kind, request_id, created, self._config.model_name, choices, accs))
+        return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs))
 
     async def respond(self, body: ResponsesRequest):
         """`POST /v1/responses`: the chat request it means, generated as `handle` would, its output
         as Responses items; kept in `self.stored` when `store`."""
         self._served(body.model)
-        history = self.stored.get(body.previous_response_id, "previous_response_id")[1] \
+        history = (await self.stored.get(body.previous_response_id, "previous_response_id"))[1] \
             if body.previous_response_id else []
         conversation = responses.conversation(body, history)
         chat = responses.chat_request(body, conversation)
         request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS)
-        created, model = int(time.time()), self._config.model_name
+        created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts((await self.tokenizer()).decode) if body.logprobs else None
         items = responses.OutputItems(bool(chat.functions), texts)
 
-        def finished(acc: fmt.Accumulated) -> dict[str, Any]:
+        async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = responses.response_body(body, request.request_id, created, model, items, acc)
-            if body.store:
-                self.stored.put(done, conversation + items.as_messages())
+            if body.store:  # kept before the client can see it done and ask for it
+                await self.stored.put(done, conversation + items.as_messages())
             return done
 
         if body.stream:
             begun = responses.response_body(body, request.request_id, created, model)
 
-            def completed(acc: fmt.Accumulated) -> list[dict[str, Any]]:
-                done = finished(acc)
+            async def completed(acc: fmt.Accumulated) -> list[dict[str, Any]]:
+                done = await finished(acc)
                 return [items.event(f"response.{done['status']}", response=done)]
 
             def failed(err: ApiError) -> list[dict[str, Any]]:
@@ -192,9 +145,9 @@ class Ingress:
             opening = [items.event("response.created", response=begun),
                        items.event("response.in_progress", response=begun)]
             return self._typed_events(request, opened, routing, items, opening, completed, failed)
-        acc = await self._collect(request, *opened, routing)
+        acc = await self._replicas.collect(request, *opened, routing)
         items.feed(acc.text, acc.finish_reason, acc.logprobs)
-        return JSONResponse(finished(acc))
+        return JSONResponse(await finished(acc))
 
     async def message(self, body: MessagesRequest):
         """`POST /v1/messages` (Anthropic's): the chat request it means, generated as `handle`
@@ -202,16 +155,19 @@ class Ingress:
         self._served(body.model)
         chat = messages.chat_request(body)
         request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
-        model, blocks = self._config.model_name, messages.ContentBlocks(bool(chat.functions))
+        model, blocks = self.config.model_name, messages.ContentBlocks(bool(chat.functions))
         if body.stream:
             begun = messages.message_body(request.request_id, model, blocks, input_tokens=len(request.prompt))
+
+            async def closing(acc: fmt.Accumulated) -> list[dict[str, Any]]:
+                return [{"type": "message_delta", "usage": messages.usage(acc),
+                         "delta": {"stop_reason": blocks.stop_reason(acc), "stop_sequence": acc.stop_string}},
+                        {"type": "message_stop"}]
+
             return self._typed_events(
-                request, opened, routing, blocks, [{"type": "message_start", "message": begun}],
-                lambda acc: [{"type": "message_delta", "usage": messages.usage(acc),
-                              "delta": {"stop_reason": blocks.stop_reason(acc), "stop_sequence": acc.stop_string}},
-                             {"type": "message_stop"}],
+                request, opened, routing, blocks, [{"type": "message_start", "message": begun}], closing,
                 lambda err: [{"type": "error", "error": {"type": "api_error", "message": err.message}}])
-        acc = await self._collect(request, *opened, routing)
+        acc = await self._replicas.collect(request, *opened, routing)
         blocks.feed(acc.text, acc.finish_reason)
         return JSONResponse(messages.message_body(request.request_id, model, blocks, acc))
 
@@ -228,14 +184,14 @@ class Ingress:
         `chat`; an error of the chat pipeline or of the engine names the field as `fields` say."""
         routing = asyncio.Lock()
         try:
-            request = generation_request(request_id, await self.tokenizer(), chat, self._config)
-            return request, await self._open(request, routing), routing
+            request = generation_request(request_id, await self.tokenizer(), chat, self.config)
+            return request, await self._replicas.open(request, routing), routing
         except ApiError as exc:
             raise exc.renamed(fields) from None
 
     def _typed_events(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta], routing: asyncio.Lock,
                       parts: OutputParts, opening: list[dict[str, Any]],
-                      closing: Callable[[fmt.Accumulated], list[dict[str, Any]]],
+                      closing: Callable[[fmt.Accumulated], Awaitable[list[dict[str, Any]]]],
                       failing: Callable[[ApiError], list[dict[str, Any]]]) -> StreamingResponse:
         """A Responses or Messages stream: `opening`, the events of `parts` as the deltas come, then
         `closing`'s; a failure after the first event ends it with `failing`'s, so it never hangs."""
@@ -245,135 +201,32 @@ class Ingress:
                 yield fmt.typed_sse(event)
             acc = fmt.Accumulated()
             try:
-                async with contextlib.aclosing(self._deltas(request, *opened, acc, routing)) as deltas:
+                async with contextlib.aclosing(self._replicas.deltas(request, *opened, acc, routing)) as deltas:
                     async for delta in deltas:
                         for event in parts.feed(delta.text, delta.finish_reason, delta.logprobs):
                             yield fmt.typed_sse(event)
-                last = closing(acc)
+                last = await closing(acc)
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
                 logger.warning("stream %s failed: %r", request.request_id, exc)
-                last = failing(exc if isinstance(exc, ApiError) else _server_error(exc))
+                last = failing(exc if isinstance(exc, ApiError) else server_error(exc))
             for event in last:
                 yield fmt.typed_sse(event)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def _open(self, request: GenerationRequest, routing: asyncio.Lock):
-        """Start the replica stream and wait for its first item (errors are still HTTP statuses).
-
-        Nothing has reached the client yet, so a request whose replica dies here is sent again
-        (the router picks a live replica, or waits for Serve to restart one) for up to
-        `replica_loss_retry_s`: the client sees only latency. Held under `routing`, the HTTP
-        request's lock: one of its choices routed at a time (see `handle`).
-        """
-        async with routing:
-            deadline = time.monotonic() + self._config.replica_loss_retry_s
-            for attempt in itertools.count(1):
-                stream = None
-                try:
-                    stream = self._streams.generate.remote(request)  # may raise BackPressureError here
-                    first = await self._next(stream)
-                    break
-                except BaseException as exc:
-                    if stream is not None:
-                        _cancel(stream)
-                    if isinstance(exc, StopAsyncIteration):
-                        raise ApiError(500, "the engine stream ended before any output") from None
-                    if _replica_lost(exc) and time.monotonic() < deadline:
-                        logger.warning("request %s lost its replica before any output (%s); sending it again",
-                                       request.request_id, type(exc).__name__)
-                        self._count_retry("resume" if request.resume is not None else "retry")
-                        await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
-                        continue
-                    if isinstance(exc, Exception):
-                        raise _server_error(exc) from exc
-                    raise
-        if isinstance(first, RequestRejected):
-            raise ApiError(400, first.message, first.param)
-        return stream, first
-
-    def _count_retry(self, kind: str) -> None:
-        """kind: "retry" (sent again whole, nothing had reached the client) or "resume"."""
-        if self._retries is None:
-            from ray.serve import metrics
-
-            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died: whole "
-                                            "(kind=retry) or as a continuation mid-stream (kind=resume)",
-                                            tag_keys=("kind",))
-        self._retries.inc(tags={"kind": kind})
-
-    async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
-        return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
-
-    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated, routing: asyncio.Lock):
-        """(stream, its next delta). When the replica died mid-stream, the request is sent again
-        as a continuation of what the client already has (`Resume`): the rest of the stream
-        comes from the new replica, exactly what the dead one would have produced."""
-        try:
-            return stream, await self._next(stream)
-        except StopAsyncIteration:
-            raise
-        except Exception as exc:
-            if not _replica_lost(exc) or self._config.replica_loss_retry_s <= 0:
-                raise
-            _cancel(stream)
-            logger.warning("request %s lost its replica after %d tokens (%s); resuming it",
-                           request.request_id, len(acc.token_ids), type(exc).__name__)
-            self._count_retry("resume")
-            return await self._open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))),
-                                    routing)
-
-    async def _deltas(self, request: GenerationRequest, stream, delta: GenerationDelta, acc: fmt.Accumulated,
-                      routing: asyncio.Lock) -> AsyncIterator[GenerationDelta]:
-        """The request's deltas from `delta` on, each added to `acc` before it is yielded, the
-        stream resumed where its replica died (`_following`). An engine error or abort, or a
-        stream that ends without a finish reason, raises ApiError(500). Unless it ran to its
-        last delta (an error, or the consumer stopped), the replica stream is cancelled, which
-        stops the request in the engine."""
-        done = False
-        try:
-            while True:
-                if delta.finish_reason in ("error", "abort"):
-                    raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
-                acc.add(delta)
-                done = delta.finish_reason is not None
-                yield delta
-                if done:
-                    return
-                try:
-                    stream, delta = await self._following(request, stream, acc, routing)
-                except StopAsyncIteration:
-                    raise ApiError(500, "the engine stream ended without a finish reason") from None
-        finally:
-            if not done:
-                _cancel(stream)
-
-    async def _collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
-                       routing: asyncio.Lock) -> fmt.Accumulated:
-        acc = fmt.Accumulated(prediction=request.prediction)
-        try:
-            async with contextlib.aclosing(self._deltas(request, stream, delta, acc, routing)) as deltas:
-                async for _ in deltas:
-                    pass
-        except ApiError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise _server_error(exc) from exc
-        return acc
 
     async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest], created: int,
                    opened: list[tuple[Any, GenerationDelta]], routing: asyncio.Lock,
                    include_usage: bool) -> AsyncIterator[str]:
         """The response's SSE: each choice's chunks as its replica stream delivers them (one
         task per choice), each choice's last chunk as it finishes, then the usage and [DONE]."""
-        kind, model = output.kind, self._config.model_name
+        kind, model = output.kind, self.config.model_name
         accs = [fmt.Accumulated(prediction=r.prediction) for r in requests]
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
 
         async def choice(index: int) -> None:
             pieces = fmt.StreamPieces(output)
             try:
-                async with contextlib.aclosing(self._deltas(requests[index], *opened[index], accs[index],
+                async with contextlib.aclosing(self._replicas.deltas(requests[index], *opened[index], accs[index],
                                                             routing)) as deltas:
                     async for delta in deltas:
                         text, tool_calls, logprobs = pieces.of(delta)
@@ -409,7 +262,7 @@ class Ingress:
                 yield fmt.sse({"error": {**exc.body()["error"], "code": exc.status}})
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
                 logger.warning("stream %s failed: %r", response_id, exc)
-                err = _server_error(exc)
+                err = server_error(exc)
                 yield fmt.sse({"error": {**err.body()["error"], "code": err.status}})
             yield fmt.DONE
         finally:
@@ -418,17 +271,17 @@ class Ingress:
 
     # -- models ---------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
-        return ModelCard(id=self._config.model_name, created=self._created).model_dump()
+        return ModelCard(id=self.config.model_name, created=self._created).model_dump()
 
 
 def build_api(ingress: Ingress) -> FastAPI:
     """The FastAPI app, its routes bound to one Ingress instance."""
-    config = ingress._config
+    config = ingress.config
     app = FastAPI(title="specserve", version="0.1.0",
                   description="OpenAI-compatible LLM serving with hybrid speculative decoding")
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(BearerAuth, keys=ingress._keys)  # outermost: auth before reading bodies
+    app.add_middleware(BearerAuth, keys=ingress.keys)  # outermost: auth before reading bodies
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _STREAM_DOC})
     async def completions(body: CompletionRequest):
@@ -453,11 +306,11 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(response_id: str):
-        return ingress.stored.get(response_id)[0]
+        return (await ingress.stored.get(response_id))[0]
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str):
-        ingress.stored.delete(response_id)
+        await ingress.stored.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)

@@ -1,5 +1,5 @@
 """OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline: its request models, their
-translation, its output items and the responses it keeps.
+translation and its output items.
 
 A Responses request is turned into the chat request it means (`chat_request`: `instructions`
 as the system message, input items as messages, `function_call` items as an assistant's
@@ -9,15 +9,13 @@ as `response_format`), so it is rendered, tokenized, constrained and generated e
 `message` with its `output_text`, and a `function_call` item per call (`OutputItems`, one
 state machine for the streamed events and the final body, so the two agree on every id).
 
-Kept: with `store` (the default, as OpenAI's), a finished response and its conversation stay
-in the Ingress's memory (`ResponseStore`, the last `limits.stored_responses`), for
-`previous_response_id` and `GET`/`DELETE /v1/responses/{id}`; each Ingress replica keeps its
-own. Only function tools and text in and out: another tool type or content part is a 400.
+Kept: with `store` (the default, as OpenAI's), a finished response and its conversation are
+kept (`deploy/response_store.py`) for `previous_response_id` and `GET`/`DELETE
+/v1/responses/{id}`. Only function tools and text in and out: another tool type or content part is a 400.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import time
 import uuid
@@ -25,7 +23,6 @@ from typing import Annotated, Any, List, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
@@ -340,34 +337,3 @@ def response_body(body: ResponsesRequest, response_id: str, created_at: int, mod
         "store": body.store, "metadata": body.metadata or {}, "user": body.user, "usage": usage,
     }
 
-
-# -- kept responses ------------------------------------------------------------------------------
-class ResponseStore:
-    """The last `capacity` stored responses, each with its conversation (input and output as
-    chat messages, instructions left out), in this process's memory."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._kept: collections.OrderedDict[str, tuple[dict[str, Any], List[ChatMessage]]] = \
-            collections.OrderedDict()
-
-    def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
-        if self.capacity <= 0:
-            return
-        self._kept[body["id"]] = (body, messages)
-        self._kept.move_to_end(body["id"])
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
-
-    def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict[str, Any], List[ChatMessage]]:
-        kept = self._kept.get(response_id)
-        if kept is None:
-            raise ApiError(404 if param is None else 400,
-                           f"{param + ': ' if param else ''}no stored response {response_id!r} (this server keeps "
-                           f"the last {self.capacity} responses made with store=true, each in the memory of the "
-                           "Ingress replica that made it)", param, code="response_not_found")
-        return kept
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        del self._kept[response_id]

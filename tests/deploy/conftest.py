@@ -20,8 +20,11 @@ def serve_url(request):
 
 @pytest.fixture(scope="module")
 def agent_url(serve_url):
-    """The real application (the embedded model, MTP on, batch gate 8) for what agent clients send."""
-    deploy_config(embedded_config(batch_gate=8, mtp_weights="default"), APP, timeout_s=240)
+    """The real application (the embedded model, MTP on, batch gate 8, two Ingress replicas) for
+    what agent clients send."""
+    document = embedded_config(batch_gate=8, mtp_weights="default")
+    document["applications"][0]["args"]["ingress_replicas"] = 2
+    deploy_config(document, APP, timeout_s=240)
     return serve_url
 
 

@@ -431,7 +431,7 @@ def _openapi_document() -> dict:
     from deploy.config import IngressConfig
     from deploy.ingress import Ingress, build_api
 
-    return build_api(Ingress(_NoReplica(), IngressConfig.from_args(fake_args()))).openapi()
+    return build_api(Ingress(_NoReplica(), None, IngressConfig.from_args(fake_args()))).openapi()
 
 
 schema = schemathesis.openapi.from_dict(_openapi_document())

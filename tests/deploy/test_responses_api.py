@@ -6,6 +6,8 @@ the response, function calls and their round trip (sent back whole or by
 from __future__ import annotations
 
 import json
+import os
+import signal
 from typing import Literal
 
 import httpx
@@ -15,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.polling import wait_until
-from tests.serve_support import APP
+from tests.serve_support import APP, live_actors
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Serve cluster running the real model
 
@@ -160,6 +162,40 @@ def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
     agent_client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         agent_client.responses.retrieve(kept.id)
+
+
+
+def test_kept_responses_outlive_the_ingress_replicas_that_made_them(agent_client, agent_url):
+    """The app runs two Ingress replicas; the responses they keep live in the ResponseStore
+    deployment, so after both Ingress replicas are killed and Serve has made new ones, every
+    kept response is still there, and a conversation continues from it."""
+    from ray import serve
+
+    kept = [agent_client.responses.create(model=MODEL, input=f"Name a {thing}.", max_output_tokens=6, temperature=0)
+            for thing in ("colour", "fruit", "river", "planet")]
+    dead = live_actors(":Ingress")
+    assert len(dead) == 2
+    for actor in dead:
+        os.kill(actor["Pid"], signal.SIGKILL)
+    gone = {actor["ActorID"] for actor in dead}
+
+    def new_ingresses_serve() -> bool:
+        states = serve.status().applications[APP].deployments["Ingress"].replica_states
+        live = live_actors(":Ingress")
+        if states.get("RUNNING", 0) != 2 or sum(states.values()) != 2 or len(live) != 2 \
+                or gone & {a["ActorID"] for a in live}:
+            return False
+        try:
+            return httpx.get(f"{agent_url}/healthz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_until(new_ingresses_serve, 120, interval_s=0.5)
+    for response in kept:
+        assert agent_client.responses.retrieve(response.id).output_text == response.output_text
+    follow = agent_client.responses.create(model=MODEL, input="And another?", max_output_tokens=6,
+                                           previous_response_id=kept[0].id)
+    assert follow.previous_response_id == kept[0].id
 
 
 def test_a_client_gone_mid_stream_aborts_in_the_engine(agent_url):

@@ -1,0 +1,168 @@
+"""The Ingress's streams from engine replicas: opened, followed, resumed, cancelled.
+
+`ReplicaStreams.open` starts a request on a Replica (through the speculation-gate router) and
+waits for its first delta, sending the request again whole while its replica dies before any
+output; `deltas` follows the stream, resuming the request on another replica as a continuation
+(`Resume`) when its replica dies mid-stream, and cancels the stream (which aborts the request
+in the engine) when its consumer stops early; `collect` gathers a whole answer. Every failure
+leaves as an `ApiError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any, AsyncIterator, Union
+
+from deploy import openai_format as fmt
+from deploy.config import IngressConfig
+from deploy.errors import RETRY_AFTER_S, ApiError, server_error
+from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
+from replicas.stats import METRIC_RETRIES
+
+logger = logging.getLogger(__name__)
+
+
+def _replica_lost(exc: BaseException) -> bool:
+    """The replica holding the request died or became unreachable (not the request's fault)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    lost = (ActorDiedError, ActorUnavailableError, RayActorError)
+    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
+
+async def all_choices(coroutines: list) -> list:
+    """Run a request's choices together; when one fails (or the request is cancelled), cancel
+    the rest (each stops its stream) and raise."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def cancel(stream) -> None:
+    """Cancel a replica stream; best effort (Serve's cancel re-raises a failed assignment)."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - the request already failed; nothing left to stop
+        pass
+
+
+class ReplicaStreams:
+    """Streams of engine requests from the Replica deployment behind `replica` (a handle)."""
+
+    def __init__(self, replica: Any, config: IngressConfig) -> None:
+        self._streams = replica.options(stream=True)
+        self._config = config
+        self._retries = None  # the retry counter, made on first use (a metric needs a live Serve)
+
+    async def open(self, request: GenerationRequest, routing: asyncio.Lock):
+        """Start the replica stream and wait for its first item (errors are still HTTP statuses).
+
+        Nothing has reached the client yet, so a request whose replica dies here is sent again
+        (the router picks a live replica, or waits for Serve to restart one) for up to
+        `replica_loss_retry_s`: the client sees only latency. Held under `routing`, the HTTP
+        request's lock: one of its choices routed at a time (see `Ingress.handle`).
+        """
+        async with routing:
+            deadline = time.monotonic() + self._config.replica_loss_retry_s
+            for attempt in itertools.count(1):
+                stream = None
+                try:
+                    stream = self._streams.generate.remote(request)  # may raise BackPressureError here
+                    first = await self._next(stream)
+                    break
+                except BaseException as exc:
+                    if stream is not None:
+                        cancel(stream)
+                    if isinstance(exc, StopAsyncIteration):
+                        raise ApiError(500, "the engine stream ended before any output") from None
+                    if _replica_lost(exc) and time.monotonic() < deadline:
+                        logger.warning("request %s lost its replica before any output (%s); sending it again",
+                                       request.request_id, type(exc).__name__)
+                        self._count_retry("resume" if request.resume is not None else "retry")
+                        await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
+                        continue
+                    if isinstance(exc, Exception):
+                        raise server_error(exc) from exc
+                    raise
+        if isinstance(first, RequestRejected):
+            raise ApiError(400, first.message, first.param)
+        return stream, first
+
+    def _count_retry(self, kind: str) -> None:
+        """kind: "retry" (sent again whole, nothing had reached the client) or "resume"."""
+        if self._retries is None:
+            from ray.serve import metrics
+
+            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died: whole "
+                                            "(kind=retry) or as a continuation mid-stream (kind=resume)",
+                                            tag_keys=("kind",))
+        self._retries.inc(tags={"kind": kind})
+
+    async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
+        return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
+
+    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated, routing: asyncio.Lock):
+        """(stream, its next delta). When the replica died mid-stream, the request is sent again
+        as a continuation of what the client already has (`Resume`): the rest of the stream
+        comes from the new replica, exactly what the dead one would have produced."""
+        try:
+            return stream, await self._next(stream)
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            if not _replica_lost(exc) or self._config.replica_loss_retry_s <= 0:
+                raise
+            cancel(stream)
+            logger.warning("request %s lost its replica after %d tokens (%s); resuming it",
+                           request.request_id, len(acc.token_ids), type(exc).__name__)
+            self._count_retry("resume")
+            return await self.open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))),
+                                    routing)
+
+    async def deltas(self, request: GenerationRequest, stream, delta: GenerationDelta, acc: fmt.Accumulated,
+                      routing: asyncio.Lock) -> AsyncIterator[GenerationDelta]:
+        """The request's deltas from `delta` on, each added to `acc` before it is yielded, the
+        stream resumed where its replica died (`_following`). An engine error or abort, or a
+        stream that ends without a finish reason, raises ApiError(500). Unless it ran to its
+        last delta (an error, or the consumer stopped), the replica stream is cancelled, which
+        stops the request in the engine."""
+        done = False
+        try:
+            while True:
+                if delta.finish_reason in ("error", "abort"):
+                    raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
+                acc.add(delta)
+                done = delta.finish_reason is not None
+                yield delta
+                if done:
+                    return
+                try:
+                    stream, delta = await self._following(request, stream, acc, routing)
+                except StopAsyncIteration:
+                    raise ApiError(500, "the engine stream ended without a finish reason") from None
+        finally:
+            if not done:
+                cancel(stream)
+
+    async def collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
+                       routing: asyncio.Lock) -> fmt.Accumulated:
+        acc = fmt.Accumulated(prediction=request.prediction)
+        try:
+            async with contextlib.aclosing(self.deltas(request, stream, delta, acc, routing)) as deltas:
+                async for _ in deltas:
+                    pass
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise server_error(exc) from exc
+        return acc

@@ -1,0 +1,82 @@
+"""The responses `/v1/responses` keeps (`store: true`, the default, as OpenAI's) for
+`previous_response_id` and `GET`/`DELETE /v1/responses/{id}`.
+
+`ResponseStore` is a Serve deployment of its own: one replica per application, on the head
+node beside Serve's controller (`deploy/app.py`), so a follow-up finds its response whichever
+Ingress replica it reaches, and an Ingress replica that restarts loses nothing. It holds the
+last `limits.stored_responses` in memory, oldest out first: they go with the head node or a
+redeploy. `KeptResponses` is an Ingress's side of it: a missing response as the API's error.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, List, Optional
+
+from deploy.errors import ApiError, server_error
+from deploy.protocol import ChatMessage
+
+logger = logging.getLogger(__name__)
+Kept = tuple[dict[str, Any], List[ChatMessage]]  # the response body, its conversation as chat messages
+
+
+class ResponseStore:
+    """The last `capacity` stored responses, each with its conversation (input and output as
+    chat messages, instructions left out). Its methods run on the replica's event loop, one at
+    a time."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
+
+    async def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
+        if self.capacity <= 0:
+            return
+        self._kept[body["id"]] = (body, messages)
+        self._kept.move_to_end(body["id"])
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    async def get(self, response_id: str) -> Optional[Kept]:
+        return self._kept.get(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return self._kept.pop(response_id, None) is not None
+
+
+class KeptResponses:
+    """The store as the Ingress asks it, through `store` (a handle to the deployment)."""
+
+    def __init__(self, store: Any, capacity: int) -> None:
+        self._store, self._capacity = store, capacity
+
+    async def get(self, response_id: str, param: Optional[str] = None) -> Kept:
+        """The kept response; a 404 (or, for a request's `param`, a 400) when there is none."""
+        kept = await self._call("get", response_id)
+        if kept is None:
+            self._missing(response_id, param)
+        return kept
+
+    async def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
+        """Keep a finished response. The answer has been made: a store that cannot take it is
+        logged, not the request's failure."""
+        try:
+            await self._store.put.remote(body, messages)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("response %s was not stored: %r", body["id"], exc)
+
+    async def delete(self, response_id: str) -> None:
+        if not await self._call("delete", response_id):
+            self._missing(response_id, None)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._store, method).remote(*args)
+        except Exception as exc:  # noqa: BLE001
+            raise server_error(exc) from exc
+
+    def _missing(self, response_id: str, param: Optional[str]) -> None:
+        raise ApiError(404 if param is None else 400,
+                       f"{param + ': ' if param else ''}no stored response {response_id!r} (this server keeps the "
+                       f"last {self._capacity} responses made with store=true)", param, code="response_not_found")
