@@ -24,9 +24,10 @@ MAX_CHOICES = 8  # most choices (`n`) one request may ask for: as many as a repl
 
 
 class RequestModel(BaseModel):
-    """A request body or a part of one: unknown fields are a 400, values frozen."""
+    """A request body or a part of one: unknown fields are a 400, values frozen, types strict
+    (as OpenAI's: `"5"` is not an integer, nor `true`, nor `2.0`; an integer is a number)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
 
 
 def _unicode(text: str) -> str:

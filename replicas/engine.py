@@ -102,7 +102,7 @@ class RequestSpeculation:
     setting, never widen it."""
 
     mode: RequestMode = "auto"
-    max_draft_len: Optional[Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN)]] = None
+    max_draft_len: Optional[Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN, strict=True)]] = None  # "3" is no count
 
 
 @dataclass(frozen=True)
