@@ -135,21 +135,24 @@ def generation_request(
         logprobs = request.logprobs
     logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
     _in_vocabulary(tokenizer, list(logit_bias), "logit_bias")
+    _in_vocabulary(tokenizer, list(request.stop_token_ids), "stop_token_ids")
+    prediction = ()
+    if isinstance(request, ChatCompletionRequest) and request.prediction is not None:
+        prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings,
-            ignore_eos=request.ignore_eos, logprobs=logprobs, presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty, logit_bias=logit_bias,
+            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos, logprobs=logprobs,
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            logit_bias=logit_bias, repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens,
+            min_p=request.min_p,
         )
+        return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
+                                 speculation=request.speculation or RequestSpeculation(),
+                                 grammar=grammar_spec(request), prediction=prediction)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
-    prediction = ()
-    if isinstance(request, ChatCompletionRequest) and request.prediction is not None:
-        prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
-    return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
-                             speculation=request.speculation or RequestSpeculation(), grammar=grammar_spec(request),
-                             prediction=prediction)
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:

@@ -121,6 +121,12 @@ class _Sampling(RequestModel):
     response_format: Optional[ResponseFormat] = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # vLLM's: for clients and harnesses written against it
+    repetition_penalty: float = Field(1.0, gt=0, le=2, description="a seen token's logit / this (x this if negative)")
+    min_p: float = Field(0.0, ge=0, le=1, description="keep tokens at least this times as likely as the top one")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids held back until this many tokens")
+    stop_token_ids: List[Annotated[int, Field(ge=0)]] = Field([], max_length=64,
+                                                              description="token ids that end the output")
     logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id -> bias
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each generated as a request of its own")
     user: Optional[str] = None

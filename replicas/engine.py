@@ -123,6 +123,13 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first (a
     # mapping is taken too); -100 all but bans a token, 100 all but forces it
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: a token seen in the prompt or the output has its logit divided by
+    # repetition_penalty where positive, multiplied where negative (greedy too); EOS and
+    # stop_token_ids cannot end the output before min_tokens tokens; min_p keeps only the
+    # tokens at least min_p times as likely as the most likely one (after top-k and top-p)
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, not its characters
@@ -142,6 +149,11 @@ class SamplingParams:
             _require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)}")
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
                  f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        _require(0 < self.repetition_penalty <= 2, "repetition_penalty",
+                 f"must be in (0, 2], got {self.repetition_penalty}")
+        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
+        _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
 
 
 GrammarKind = Literal["json_object", "json_schema", "lark"]
@@ -201,6 +213,10 @@ class GenerationRequest:
     # token ids of the output the client expects (OpenAI's Predicted Outputs): one more text
     # to draft from, so a good prediction is accepted in long runs; never changes the output
     prediction: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        if self.grammar is not None and self.sampling.min_tokens:  # it may allow only the end there
+            raise RequestError("min_tokens", f"not with a constrained output ({self.grammar.param})")
 
 
 @dataclass(frozen=True)

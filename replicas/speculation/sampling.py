@@ -35,13 +35,15 @@ def greedy_tokens(logits: Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int) -> Tensor:
-    """Temperature, then top-k, then top-p over `logits [T, V]`; returns `probs [T, V]` float32.
+def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> Tensor:
+    """Temperature, then top-k, then top-p, then min-p over `logits [T, V]`; returns `probs [T, V]`
+    float32.
 
     Top-k keeps the `top_k` most likely tokens (0 = off) and renormalises. Top-p then keeps
     the smallest set of most likely tokens whose mass is at least `top_p`; the most likely
-    token is always kept. Rows sum to 1. Ties are broken deterministically, in no documented
-    order. Greedy decoding (temperature 0) never comes here: it is an argmax.
+    token is always kept. Min-p then keeps the tokens at least `min_p` times as likely as the
+    most likely one (0 = off). Rows sum to 1. Ties are broken deterministically, in no
+    documented order. Greedy decoding (temperature 0) never comes here: it is an argmax.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits: expected [T, V], got shape {tuple(logits.shape)}")
@@ -51,8 +53,16 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int)
         raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k: must be >= 0, got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p: must be in [0, 1], got {min_p}")
+    probs = _top_k_top_p(logits.float() / temperature, top_p, top_k)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
-    scaled = logits.float() / temperature  # [T, V]
+
+def _top_k_top_p(scaled: Tensor, top_p: float, top_k: int) -> Tensor:
     vocab_size = scaled.shape[-1]
     use_top_k = 0 < top_k < vocab_size
     if not use_top_k and top_p >= 1:
@@ -101,6 +111,29 @@ def penalize_(logits: Tensor, output_ids: Sequence[int], draft: Sequence[int], p
             logits[row, token_ids] -= frequency * occurrences + presence
         if row < len(draft):
             counts[int(draft[row])] += 1
+    return logits
+
+
+def repetition_penalize_(logits: Tensor, seen: Sequence[int], draft: Sequence[int], penalty: float) -> Tensor:
+    """vLLM's repetition penalty on `logits [K+1, V]` in place: row i's tokens among `seen` (the
+    prompt and the output) and `draft[:i]` have a positive logit divided by `penalty`, a
+    negative one multiplied, the same operation on the same values as plain decoding."""
+    token_ids = set(seen)
+    for row in range(len(draft) + 1):
+        ids = torch.tensor(sorted(token_ids), dtype=torch.long, device=logits.device)
+        values = logits[row, ids]
+        logits[row, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        if row < len(draft):
+            token_ids.add(int(draft[row]))
+    return logits
+
+
+def hold_stops_(logits: Tensor, first_position: int, min_tokens: int, stop_ids: Sequence[int]) -> Tensor:
+    """`min_tokens` on `logits [K+1, V]` in place: row i samples output position first_position + i,
+    and below min_tokens none of `stop_ids` may come there."""
+    rows = min(max(min_tokens - first_position, 0), logits.shape[0])
+    if rows and stop_ids:
+        logits[:rows, torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)] = float("-inf")
     return logits
 
 

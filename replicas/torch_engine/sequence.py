@@ -10,6 +10,7 @@ point are decoded again, so a long output costs the same per step as a short one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable
 
 from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob, find_stop
@@ -83,17 +84,20 @@ class Sequence:
         for token in tokens:
             if self.finish_reason is not None:
                 return
-            stop_id = token in self.sampling.stop_token_ids
-            eos = token in self.eos_ids and not self.sampling.ignore_eos
             self.output_ids.append(token)
-            if stop_id or eos:
+            if self.is_visible_stop(token):
                 self.finish_reason = "stop"
             elif self.tokens_left <= 0:
                 self.finish_reason = "length"
 
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end the output (without being part of its text): stop ids and EOS."""
+        return frozenset(self.sampling.stop_token_ids) | (frozenset() if self.sampling.ignore_eos else self.eos_ids)
+
     def is_visible_stop(self, token: int) -> bool:
         """EOS and stop ids end the output without being part of its text."""
-        return token in self.sampling.stop_token_ids or (token in self.eos_ids and not self.sampling.ignore_eos)
+        return token in self.stop_ids
 
 
 SETTLE_TOKENS = 16  # decoded again at most ~2x this many tokens per step (Detokenizer.joins)

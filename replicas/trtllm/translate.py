@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams, SpeculationConfig
+from replicas.engine import JSON_LAYOUT, GrammarSpec, RequestError, SamplingParams, SpeculationConfig
 from replicas.speculation.gate import gates_by_batch, speculate_this_step
 from replicas.stats import NOT_GATED
 from replicas.trtllm.api import UnsupportedRelease
@@ -133,9 +133,12 @@ def sampling_kwargs(sampling: SamplingParams, have: frozenset[str]) -> dict[str,
         kwargs["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         kwargs["ignore_eos"] = True
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if getattr(sampling, penalty):
-            kwargs[penalty] = getattr(sampling, penalty)
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("min_p", 0.0), ("min_tokens", 0)):
+        if getattr(sampling, name) != off:
+            if name not in have:
+                raise RequestError(name, "this TensorRT-LLM release's SamplingParams has no such setting")
+            kwargs[name] = getattr(sampling, name)
     if "return_perf_metrics" in have:  # per-request speculative_decoding figures
         kwargs["return_perf_metrics"] = True
     return kwargs

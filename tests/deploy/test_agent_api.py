@@ -173,6 +173,30 @@ def test_logit_bias_bans_and_forces_tokens(agent_client):
     assert banned.choices[0].text == off.choices[0].text != plain
 
 
+def test_vllm_sampling_extras_reach_the_engine(agent_client):
+    """vLLM's `min_tokens`, `stop_token_ids`, `repetition_penalty` and `min_p`, as its clients send
+    them (`extra_body`); exact under speculation (tests/torch_engine/test_engine_grammar.py)."""
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir())
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Reply with the single word: yes."}],
+               max_tokens=40, temperature=0)
+    short = agent_client.chat.completions.create(**ask)
+    ended = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and ended < 30
+    held = agent_client.chat.completions.create(**ask, extra_body={"min_tokens": ended + 8})
+    assert held.usage.completion_tokens >= ended + 8
+    ids = tokenizer.encode(short.choices[0].message.content, add_special_tokens=False)
+    at = next(i for i in range(len(ids) // 2, len(ids)) if ids[i] not in ids[:i])  # a token first met there
+    cut = agent_client.chat.completions.create(**ask, extra_body={"stop_token_ids": [ids[at]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == tokenizer.decode(ids[:at])
+    repeat = dict(model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=12, temperature=0)
+    plain = agent_client.completions.create(**repeat).choices[0].text
+    assert agent_client.completions.create(**repeat, extra_body={"repetition_penalty": 1.8}).choices[0].text != plain
+    assert agent_client.completions.create(**{**repeat, "temperature": 1.5}, seed=3,
+                                           extra_body={"min_p": 1.0}).choices[0].text == plain
+
+
 def test_grammar_errors_are_400s_naming_the_field(agent_url):
     body = {"model": MODEL, "messages": WEATHER_CHAT, "max_tokens": 8,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.speculation.sampling import greedy_tokens, position_uniforms, sample_at, sampling_probs
+from replicas.speculation.sampling import (
+    greedy_tokens, hold_stops_, position_uniforms, repetition_penalize_, sample_at, sampling_probs,
+)
 from replicas.speculation.verify import Verdict, verify_greedy, verify_point_mass
 from tests.speculation.sampling_reference import make_generator, sample, verify_sampling
 
@@ -355,9 +357,55 @@ def test_sampling_probs_matches_reference(vocab_size, scale, top_p, top_k):
     assert np.allclose(out.numpy(), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("min_p, top_p, kept", [
+    (0.5, 1.0, {1, 3}),  # at least half of 0.4: 0.3 stays, 0.2 does not
+    (0.45, 1.0, {1, 3, 2}),  # 0.2 >= 0.18
+    (1.0, 1.0, {1}),  # only the top token
+    (0.5, 0.5, {1, 3}),  # top-p first keeps {1, 3}; min-p keeps both (0.3 / 0.7 >= 0.5 * 0.4 / 0.7)
+    (0.8, 0.95, {1}),
+])
+def test_min_p_keeps_tokens_near_the_top_one(min_p, top_p, kept):
+    probs = [0.1, 0.4, 0.2, 0.3]
+    out = sampling_probs(logits_from_probs(probs), 1.0, top_p, 0, min_p)[0]
+    assert set(torch.nonzero(out).flatten().tolist()) == kept
+    kept_mass = sum(probs[i] for i in kept)
+    for i in kept:
+        assert out[i].item() == pytest.approx(probs[i] / kept_mass, rel=1e-5)
+
+
+def test_min_p_rows_equal_one_row_at_a_time():
+    logits = torch.randn(5, 3000, generator=make_generator(3)) * 4
+    together = sampling_probs(logits, 0.9, 0.95, 50, 0.05)
+    assert all(torch.equal(together[i], sampling_probs(logits[i:i + 1], 0.9, 0.95, 50, 0.05)[0]) for i in range(5))
+
+
+def test_repetition_penalty_row_i_sees_the_draft_before_it():
+    """Row i of a verify step penalises what plain decoding would at that position: the prompt
+    and output, plus draft[:i]; positive logits divided, negative ones multiplied."""
+    logits = torch.randn(3, 50, generator=make_generator(5))
+    seen, draft = [4, 7, 7, 9], [11, 7]
+    out = repetition_penalize_(logits.clone(), seen, draft, 1.5)
+    for row, tokens in enumerate(({4, 7, 9}, {4, 7, 9, 11}, {4, 7, 9, 11})):
+        expected = logits[row].clone()
+        for t in tokens:
+            expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
+        assert torch.equal(out[row], expected), row
+        plain = repetition_penalize_(logits[row:row + 1].clone(), seen + draft[:row], [], 1.5)
+        assert torch.equal(out[row], plain[0]), row
+
+
+def test_hold_stops_masks_only_the_positions_below_min_tokens():
+    logits = torch.zeros(4, 10)
+    hold_stops_(logits, first_position=5, min_tokens=7, stop_ids=[2, 8])
+    assert torch.isinf(logits[:2, [2, 8]]).all() and (logits[:2, [0, 1, 3]] == 0).all()
+    assert (logits[2:] == 0).all()
+    assert (hold_stops_(torch.zeros(2, 10), 7, 7, [2]) == 0).all()
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
+        (dict(min_p=1.5), "min_p"),
         (dict(temperature=0.0), "temperature"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),

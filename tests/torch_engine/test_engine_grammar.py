@@ -140,6 +140,8 @@ def test_logprobs_shape(engine, loop):
     {"presence_penalty": 0.8, "frequency_penalty": 0.6},
     {"frequency_penalty": 1.5, "temperature": 0.9, "seed": 5},
     {"presence_penalty": -1.0},
+    {"repetition_penalty": 1.4},
+    {"repetition_penalty": 0.7, "temperature": 0.9, "seed": 5, "min_p": 0.1},
 ])
 def test_penalties_identical_with_and_without_speculation(engine, loop, penalties):
     """Row i of a verify step counts the output plus draft[:i], as plain decoding would."""
@@ -151,6 +153,38 @@ def test_penalties_identical_with_and_without_speculation(engine, loop, penaltie
     for mode in MODES[1:]:
         tokens, _, logprobs, _ = run(engine, loop, request(prompt, max_tokens=40, logprobs=2, mode=mode, **penalties))
         assert (tokens, logprobs) == (plain[0], plain[2]), mode
+
+
+def test_min_p_sampling_identical_with_and_without_speculation(engine, loop):
+    """Min-p is part of the target distribution: a seeded request draws the same tokens in every mode,
+    and a threshold that leaves only the top token samples what greedy picks."""
+    prompt = "one two three four one two three four one two three four one two"
+    seeded = {"temperature": 1.5, "seed": 11}
+    plain = run(engine, loop, request(prompt, max_tokens=32, logprobs=2, mode="off", min_p=0.3, **seeded))
+    assert plain[0] != run(engine, loop, request(prompt, max_tokens=32, mode="off", **seeded))[0]
+    for mode in MODES[1:]:
+        tokens, _, logprobs, _ = run(engine, loop, request(prompt, max_tokens=32, logprobs=2, mode=mode, min_p=0.3,
+                                                           **seeded))
+        assert (tokens, logprobs) == (plain[0], plain[2]), mode
+    greedy = run(engine, loop, request(prompt, max_tokens=32, mode="off"))[0]
+    assert run(engine, loop, request(prompt, max_tokens=32, mode="auto", min_p=1.0, **seeded))[0] == greedy
+
+
+def test_min_tokens_holds_the_end_back_in_every_mode(engine, loop):
+    """An answer that ends early (EOS) runs on to min_tokens, then may end; the same in every mode."""
+    prompt = chat_prompt(engine, "Reply with the single word: yes.")
+    short = run(engine, loop, request(prompt, max_tokens=64, mode="off"))
+    assert short[3].finish_reason == "stop" and len(short[0]) < 20
+    held = [run(engine, loop, request(prompt, max_tokens=64, mode=mode, min_tokens=20)) for mode in MODES]
+    for tokens, _, _, last in held:
+        assert tokens == held[0][0]
+        assert len(tokens) >= 20 and not set(tokens[:20]) & engine._eos_ids
+    # a stop id first met past min_tokens ends the answer there (held back before, where it never led)
+    tokens = held[0][0]
+    at = next(i for i in range(20, len(tokens)) if tokens[i] not in tokens[:20])
+    stopped = run(engine, loop, request(prompt, max_tokens=64, mode="auto", min_tokens=20,
+                                        stop_token_ids=(tokens[at],)))
+    assert stopped[0] == tokens[:at + 1] and stopped[3].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from replicas.engine import JSON_LAYOUT, GrammarSpec, SamplingParams
+from replicas.engine import JSON_LAYOUT, GrammarSpec, RequestError, SamplingParams
 from replicas.stats import NOT_GATED
 from replicas.trtllm.gate import draft_len_schedule
 from replicas.trtllm.translate import (
@@ -151,7 +151,9 @@ def test_draft_len_schedule_must_start_at_max_draft_len():
      {"stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True}, set()),
     (SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0),
      {"presence_penalty": 0.5, "frequency_penalty": -1.0}, set()),
-    (SamplingParams(), {}, {"presence_penalty", "frequency_penalty"}),
+    (SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3),
+     {"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3}, set()),
+    (SamplingParams(), {}, {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"}),
 ])
 def test_sampling_kwargs(sampling, expected, absent):
     have = fake_api().sampling_fields
@@ -160,6 +162,12 @@ def test_sampling_kwargs(sampling, expected, absent):
     assert not absent & set(kwargs)
     assert kwargs["return_perf_metrics"] is True
     assert "return_perf_metrics" not in sampling_kwargs(sampling, have - {"return_perf_metrics"})
+
+
+def test_a_setting_the_release_lacks_is_a_request_error_naming_it():
+    with pytest.raises(RequestError, match="min_p") as info:
+        sampling_kwargs(SamplingParams(min_p=0.1), fake_api().sampling_fields - {"min_p"})
+    assert info.value.param == "min_p"
 
 
 @pytest.mark.parametrize("grammar, expected", [

@@ -104,6 +104,8 @@ class SamplingParams:
     seed: Optional[int] = None
     temperature: Optional[float] = None
     min_tokens: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logprobs: Optional[int] = None
