@@ -220,14 +220,14 @@ class Ingress:
         """The response's SSE: each choice's chunks as its replica stream delivers them (one
         task per choice), each choice's last chunk as it finishes, then the usage and [DONE]."""
         kind, model = output.kind, self.config.model_name
-        accs = [fmt.Accumulated(prediction=r.prediction) for r in requests]
+        accs = [fmt.Accumulated.of(r) for r in requests]
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
 
         async def choice(index: int) -> None:
             pieces = fmt.StreamPieces(output)
             try:
                 async with contextlib.aclosing(self._replicas.deltas(requests[index], *opened[index], accs[index],
-                                                            routing)) as deltas:
+                                                                     routing)) as deltas:
                     async for delta in deltas:
                         text, tool_calls, logprobs = pieces.of(delta)
                         if text or tool_calls or logprobs:
@@ -236,7 +236,8 @@ class Ingress:
                         if delta.finish_reason is not None:
                             events.put_nowait(fmt.chunk(kind, response_id, created, model,
                                                         None if kind == "chat" else "",
-                                                        pieces.finish_reason(delta.finish_reason), index=index))
+                                                        pieces.finish_reason(delta.finish_reason), index=index,
+                                                        stop_reason=accs[index].stop_reason))
                             events.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs
                 events.put_nowait(exc)

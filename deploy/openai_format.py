@@ -11,11 +11,11 @@ import difflib
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from deploy.tool_call_stream import ToolCallStream
 from deploy.tool_calls import ToolCall
-from replicas.engine import GenerationDelta, TokenLogprob
+from replicas.engine import GenerationDelta, GenerationRequest, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -35,6 +35,21 @@ class Accumulated:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
     prediction: Sequence[int] = ()  # the request's predicted output (token ids), if any
+    stop_token_ids: Sequence[int] = ()  # the request's
+
+    @classmethod
+    def of(cls, request: GenerationRequest) -> "Accumulated":
+        return cls(prediction=request.prediction, stop_token_ids=request.sampling.stop_token_ids)
+
+    @property
+    def stop_reason(self) -> Union[str, int, None]:
+        """vLLM's: the stop string or stop token id that ended the output; None when EOS or
+        the length did."""
+        if self.stop_string is not None:
+            return self.stop_string
+        if self.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in self.stop_token_ids:
+            return self.token_ids[-1]
+        return None
 
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
@@ -119,16 +134,18 @@ def tool_call_id() -> str:
 def full_choice(kind: Kind, index: int, acc: Accumulated, logprobs: Optional[dict[str, Any]] = None,
                 tool_calls: tuple[Optional[str], list[ToolCall]] | None = None) -> dict[str, Any]:
     """One choice of a non-streaming body; `tool_calls` is (content, calls) when the output made calls."""
-    finish_reason = acc.finish_reason
+    finish_reason, stop_reason = acc.finish_reason, acc.stop_reason
     if kind != "chat":
-        return {"index": index, "text": acc.text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": acc.text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
     message: dict[str, Any] = {"role": "assistant", "content": acc.text}
     if tool_calls is not None and tool_calls[1]:
         message["content"] = tool_calls[0]
         message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
         finish_reason = "tool_calls"
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -140,9 +157,11 @@ def full_response(kind: Kind, response_id: str, created: int, model: str, choice
 
 def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional[str],
           finish_reason: Optional[str] = None, role: bool = False, logprobs: Optional[dict[str, Any]] = None,
-          tool_calls: Optional[list[dict[str, Any]]] = None, index: int = 0) -> dict[str, Any]:
+          tool_calls: Optional[list[dict[str, Any]]] = None, index: int = 0,
+          stop_reason: Union[str, int, None] = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; for chat, `role=True` opens the assistant message
-    and `tool_calls` carries `delta.tool_calls` fragments."""
+    and `tool_calls` carries `delta.tool_calls` fragments; the last one (`finish_reason` set)
+    says `stop_reason` too."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
@@ -154,6 +173,8 @@ def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 

@@ -342,6 +342,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str]
+    stop_reason: Union[str, int, None] = Field(None, description="vLLM's: the stop string or stop id that ended it")
 
 
 class CompletionResponse(BaseModel):
@@ -378,6 +379,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str]
+    stop_reason: Union[str, int, None] = Field(None, description="vLLM's: the stop string or stop id that ended it")
 
 
 class ChatCompletionResponse(BaseModel):

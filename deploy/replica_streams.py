@@ -156,7 +156,7 @@ class ReplicaStreams:
 
     async def collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
                        routing: asyncio.Lock) -> fmt.Accumulated:
-        acc = fmt.Accumulated(prediction=request.prediction)
+        acc = fmt.Accumulated.of(request)
         try:
             async with contextlib.aclosing(self.deltas(request, stream, delta, acc, routing)) as deltas:
                 async for _ in deltas:

@@ -190,6 +190,14 @@ def test_vllm_sampling_extras_reach_the_engine(agent_client):
     at = next(i for i in range(len(ids) // 2, len(ids)) if ids[i] not in ids[:i])  # a token first met there
     cut = agent_client.chat.completions.create(**ask, extra_body={"stop_token_ids": [ids[at]]})
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == tokenizer.decode(ids[:at])
+    # which stop ended it (vLLM's `stop_reason`): the stop id, the stop string, or none for EOS
+    assert short.choices[0].model_extra["stop_reason"] is None
+    assert cut.choices[0].model_extra["stop_reason"] == ids[at]
+    word = tokenizer.decode(ids[at:at + 1]).strip() or tokenizer.decode(ids[at:at + 2]).strip()
+    by_string = agent_client.chat.completions.create(**ask, stop=[word])
+    assert by_string.choices[0].model_extra["stop_reason"] == word
+    chunks = list(agent_client.chat.completions.create(**ask, stop=[word], stream=True))
+    assert [c.choices[0].model_extra.get("stop_reason") for c in chunks if c.choices[0].finish_reason] == [word]
     repeat = dict(model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=12, temperature=0)
     plain = agent_client.completions.create(**repeat).choices[0].text
     assert agent_client.completions.create(**repeat, extra_body={"repetition_penalty": 1.8}).choices[0].text != plain
