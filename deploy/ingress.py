@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -119,7 +119,8 @@ class Ingress:
             if body.previous_response_id else []
         conversation = responses.conversation(body, history)
         chat = responses.chat_request(body, conversation)
-        request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS)
+        request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS,
+                                                     lambda build: responses.fitted(body, chat, conversation, build))
         created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts((await self.tokenizer()).decode) if body.logprobs else None
         items = responses.OutputItems(bool(chat.functions), texts)
@@ -179,12 +180,20 @@ class Ingress:
         except ApiError as exc:
             raise exc.renamed(messages.FIELDS) from None
 
-    async def _begin(self, chat: ChatCompletionRequest, request_id: str, fields: dict[str, str]):
+    async def _begin(self, chat: ChatCompletionRequest, request_id: str, fields: dict[str, str],
+                     fit: Optional[Callable[[Callable[[ChatCompletionRequest], GenerationRequest]],
+                                            GenerationRequest]] = None):
         """(engine request, its opened stream, routing lock) for another API's request that means
-        `chat`; an error of the chat pipeline or of the engine names the field as `fields` say."""
+        `chat` (or the chat `fit` picks, given how a chat becomes an engine request); an error of
+        the chat pipeline or of the engine names the field as `fields` say."""
         routing = asyncio.Lock()
         try:
-            request = generation_request(request_id, await self.tokenizer(), chat, self.config)
+            tokenizer = await self.tokenizer()
+
+            def build(c: ChatCompletionRequest) -> GenerationRequest:
+                return generation_request(request_id, tokenizer, c, self.config)
+
+            request = build(chat) if fit is None else fit(build)
             return request, await self._replicas.open(request, routing), routing
         except ApiError as exc:
             raise exc.renamed(fields) from None

@@ -19,10 +19,11 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from typing import Annotated, Any, List, Literal, Optional, Union
+from typing import Annotated, Any, Callable, List, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
+from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
@@ -30,7 +31,7 @@ from deploy.protocol import (
     Metadata, NamedToolChoice, RequestModel, ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool,
     ToolChoiceFunction, check_tool_choice, joined_text, type_tag,
 )
-from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
+from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class TextConfig(RequestModel):
 
 class ResponsesRequest(RequestModel):
     """`POST /v1/responses`. Fields OpenAI has and we do not implement are accepted only at
-    their neutral values (`truncation: "disabled"`, `background: false`); `include` takes
+    their neutral values (`background: false`); `include` takes
     logprobs (`top_logprobs` alone asks for them too; not beside tools) and what needs nothing
     from us (no output of ours has reasoning or search results)."""
 
@@ -159,7 +160,7 @@ class ResponsesRequest(RequestModel):
     include: List[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
                           "web_search_call.results"]] = []
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["disabled", "auto"] = "disabled"
     background: Literal[False] = False
     service_tier: ServiceTier = None
     user: Optional[str] = None
@@ -235,6 +236,39 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
         tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
         response_format=fmt, user=body.user, logprobs=body.logprobs,
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+
+def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[ChatMessage],
+           build: Callable[[ChatCompletionRequest], GenerationRequest]) -> GenerationRequest:
+    """The engine request (`build`) for `chat`, the chat over `messages`. With `truncation:
+    "auto"`, a chat whose prompt is too long for the context window (`context_length_exceeded`)
+    loses its oldest turns instead, whole (a turn starts at a user message, so no call is parted
+    from its result), the system and developer messages among them kept: the longest such chat
+    that fits, found by bisection. One that cannot fit however short is the latest turn's error."""
+    try:
+        return build(chat)
+    except ApiError as exc:
+        if body.truncation == "disabled" or exc.code != "context_length_exceeded":
+            raise
+        too_long = exc
+    starts = [i for i, m in enumerate(messages) if m.role == "user" and i > 0]
+
+    def from_turn(k: int) -> GenerationRequest:  # the chat from starts[k] on
+        kept = [m for m in messages[:starts[k]] if m.role in ("system", "developer")] + messages[starts[k]:]
+        return build(chat_request(body, kept))
+
+    low, high, best = 0, len(starts) - 1, None  # bisect for the earliest turn that fits
+    while low <= high:
+        mid = (low + high) // 2
+        try:
+            best, high = from_turn(mid), mid - 1
+        except ApiError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            too_long, low = exc, mid + 1
+    if best is None:
+        raise too_long
+    return best
 
 
 # the chat pipeline's fields as a Responses request names them (ApiError.renamed)

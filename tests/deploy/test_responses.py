@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.responses import OutputItems, ResponsesRequest, chat_request, conversation
+from deploy.errors import ApiError
+from deploy.responses import OutputItems, ResponsesRequest, chat_request, conversation, fitted
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -61,3 +62,46 @@ def test_an_answer_cut_short_leaves_its_item_incomplete():
     events = items.feed(" a time", "length")
     assert items.parts[0]["status"] == "incomplete" and items.parts[0]["content"][0]["text"] == "Once upon a time"
     assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == "incomplete"
+
+
+def _turns(*turns: str) -> list[dict]:
+    """Input items: per turn, a user question and the assistant's answer, both `turn` repeated."""
+    items = []
+    for turn in turns:
+        items += [{"role": "user", "content": f"{turn}?"},
+                  {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": turn}]}]
+    return items
+
+
+def _window(limit: int):
+    """A stand-in for the chat pipeline: the chat's text, or the context-length error the pipeline
+    raises when it is over `limit` characters."""
+    def build(chat):
+        text = "|".join(m.text for m in chat.messages)
+        if len(text) > limit:
+            raise ApiError(400, "messages: too long", "messages", code="context_length_exceeded")
+        return text
+    return build
+
+
+@pytest.mark.parametrize("limit, kept", [(100, "abc"), (99, "bc"), (73, "bc"), (72, "c"), (46, "c"), (45, ""),
+                                         (19, "")])
+def test_auto_truncation_keeps_the_latest_whole_turns_that_fit_and_the_system_messages(limit, kept):
+    items = [{"role": "developer", "content": "rules"}, *_turns("a" * 12, "b" * 12, "c" * 12),
+             {"role": "user", "content": "now"}]
+    body = ResponsesRequest(model="m", instructions="Be brief.", truncation="auto", input=items)
+    messages = conversation(body, [])
+    text = fitted(body, chat_request(body, messages), messages, _window(limit))
+    # each turn is 27 characters of the 100 the whole chat has, the instructions, rules and "now" 19
+    assert text == "|".join(["Be brief.", "rules", *(f"{t * 12}?|{t * 12}" for t in kept), "now"])
+
+
+def test_a_chat_too_long_without_auto_truncation_or_even_its_last_turn_is_the_error():
+    body = ResponsesRequest(model="m", input=_turns("aaaa", "bbbb"))
+    messages = conversation(body, [])
+    with pytest.raises(ApiError, match="too long"):
+        fitted(body, chat_request(body, messages), messages, _window(12))
+    auto = body.model_copy(update={"truncation": "auto"})
+    assert fitted(auto, chat_request(auto, messages), messages, _window(12)) == "bbbb?|bbbb"
+    with pytest.raises(ApiError, match="too long"):
+        fitted(auto, chat_request(auto, messages), messages, _window(5))

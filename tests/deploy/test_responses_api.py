@@ -165,6 +165,30 @@ def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
 
 
 
+def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(agent_client):
+    """A conversation past the context window (1,024 tokens here) is a 400, or with `truncation:
+    "auto"` the answer to its latest whole turns that fit: the same as sending just those."""
+    turns = []
+    for topic in ("rivers", "mountains", "deserts", "forests"):
+        turns += [{"role": "user", "content": f"Tell me about {topic}. " + "Please go on. " * 60},
+                  {"role": "assistant", "content": f"{topic.title()} are wonderful. " * 40}]
+    ask = dict(model=MODEL, instructions="Answer briefly.", max_output_tokens=16, temperature=0)
+    items = turns + [{"role": "user", "content": "Which one did we talk about last?"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        agent_client.responses.create(**ask, input=items)
+    assert err.value.code == "context_length_exceeded"
+    truncated = agent_client.responses.create(**ask, input=items, truncation="auto")
+    assert truncated.truncation == "auto" and truncated.usage.input_tokens < 1024
+    for dropped in range(2, len(turns) + 1, 2):  # the longest tail of whole turns that fits
+        try:
+            whole = agent_client.responses.create(**ask, input=items[dropped:])
+            break
+        except openai.BadRequestError:
+            continue
+    assert dropped > 0 and whole.output_text == truncated.output_text
+    assert whole.usage.input_tokens == truncated.usage.input_tokens
+
+
 def test_kept_responses_outlive_the_ingress_replicas_that_made_them(agent_client, agent_url):
     """The app runs two Ingress replicas; the responses they keep live in the ResponseStore
     deployment, so after both Ingress replicas are killed and Serve has made new ones, every
