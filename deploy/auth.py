@@ -1,8 +1,8 @@
 """Optional API keys, read once from an environment variable.
 
 When the variable is unset or empty the server is open; when it holds comma-separated
-keys, every route but `/healthz` needs one: `Authorization: Bearer <key>` (OpenAI's
-clients) or `x-api-key: <key>` (Anthropic's).
+keys, every route but `/healthz` (and `/health`) needs one: `Authorization: Bearer <key>`
+(OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 from deploy.errors import ApiError
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/health"})
 
 
 def load_keys(env_var: str, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:

@@ -2,13 +2,14 @@
 
 `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and Anthropic's `/v1/messages`
 (SSE when `stream`, JSON otherwise; `deploy/responses.py` and `deploy/messages.py` have the
-last two), `/v1/models`, `/healthz`. The ingress validates and tokenizes at the edge,
-streams the request (each of its `n` choices an engine request of its own) from a Replica
-through the speculation-gate router, and turns every failure into an error: before the first
-token as an HTTP status, after it as an SSE error event (then `data: [DONE]`, or
-`response.failed`), so a client never hangs. When the client goes away, the replica streams
-are cancelled, which aborts the requests in the engine (`deploy/replica_streams.py`). The
-Responses API's kept responses live in a deployment of their own (`deploy/response_store.py`).
+last two), `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/healthz` (or `/health`).
+The ingress validates and tokenizes at the edge, streams the request (each of its `n`
+choices an engine request of its own) from a Replica through the speculation-gate router,
+and turns every failure into an error: before the first token as an HTTP status, after it as
+an SSE error event (then `data: [DONE]`, or `response.failed`), so a client never hangs.
+When the client goes away, the replica streams are cancelled, which aborts the requests in
+the engine (`deploy/replica_streams.py`). The Responses API's kept responses live in a
+deployment of their own (`deploy/response_store.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy import messages, openai_format as fmt, responses
+from deploy import messages, openai_format as fmt, responses, tokenizing
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
@@ -34,6 +35,7 @@ from deploy.prompts import choice_requests, generation_request, prompt_token_ids
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel
 from deploy.response_store import KeptResponses
 from deploy.responses import ResponsesRequest
+from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
 from deploy.tool_calls import parse_tool_calls
 from deploy.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
@@ -171,6 +173,17 @@ class Ingress:
         acc = await self._replicas.collect(request, *opened, routing)
         blocks.feed(acc.text, acc.finish_reason)
         return JSONResponse(messages.message_body(request.request_id, model, blocks, acc))
+
+    async def tokenize(self, body: Union[TokenizeCompletion, TokenizeChat]) -> dict[str, Any]:
+        """vLLM's `POST /tokenize`: a prompt or a chat as its completion would tokenize it."""
+        if body.model is not None:
+            self._served(body.model)
+        return tokenizing.tokenize(await self.tokenizer(), body, self.config.model_name, self.config.max_seq_len)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        if body.model is not None:
+            self._served(body.model)
+        return tokenizing.detokenize(await self.tokenizer(), body)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """`POST /v1/messages/count_tokens`: the prompt's tokens, as `message` would render them."""
@@ -333,7 +346,16 @@ def build_api(ingress: Ingress) -> FastAPI:
             raise ApiError(404, f"model: {model!r} is not served here", "model", code="model_not_found")
         return ingress.model_card()
 
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        return await ingress.tokenize(body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        return await ingress.detokenize(body)
+
     @app.get("/healthz")
+    @app.get("/health")  # vLLM's name for it
     async def healthz():
         return {"status": "ok"}
 

@@ -97,10 +97,10 @@ def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompl
         return tokenizer.encode(render_chat(tokenizer, request), add_special_tokens=False)
     if isinstance(request.prompt, str):
         return tokenizer.encode(request.prompt, add_special_tokens=False)
-    return _in_vocabulary(tokenizer, list(request.prompt), "prompt")
+    return in_vocabulary(tokenizer, list(request.prompt), "prompt")
 
 
-def _in_vocabulary(tokenizer: Any, token_ids: list[int], field: str) -> list[int]:
+def in_vocabulary(tokenizer: Any, token_ids: list[int], field: str) -> list[int]:
     """`token_ids` (already >= 0), or ApiError(400) naming `field` if one is past the vocabulary."""
     vocab = len(tokenizer)
     if any(t >= vocab for t in token_ids):
@@ -134,8 +134,8 @@ def generation_request(
     else:
         logprobs = request.logprobs
     logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
-    _in_vocabulary(tokenizer, list(logit_bias), "logit_bias")
-    _in_vocabulary(tokenizer, list(request.stop_token_ids), "stop_token_ids")
+    in_vocabulary(tokenizer, list(logit_bias), "logit_bias")
+    in_vocabulary(tokenizer, list(request.stop_token_ids), "stop_token_ids")
     prediction = ()
     if isinstance(request, ChatCompletionRequest) and request.prediction is not None:
         prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))

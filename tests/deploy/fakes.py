@@ -33,6 +33,9 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
 
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [bytes([i]).decode(errors="replace") for i in ids]
+
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True,
                             continue_final_message=False) -> str:
         if any(m["role"] == "tool" for m in messages):

@@ -205,6 +205,21 @@ def test_vllm_sampling_extras_reach_the_engine(agent_client):
                                            extra_body={"min_p": 1.0}).choices[0].text == plain
 
 
+def test_tokenize_counts_what_the_completion_would_and_detokenize_inverts_it(agent_client, agent_url):
+    """vLLM's /tokenize and /detokenize: a prompt or a chat counts the prompt tokens its completion
+    uses, and the ids come back as the text."""
+    prompt = "The quick brown fox jumps over the lazy dog."
+    counted = httpx.post(f"{agent_url}/tokenize", json={"prompt": prompt, "return_token_strs": True}, timeout=60).json()
+    used = agent_client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert counted["count"] == len(counted["tokens"]) == len(counted["token_strs"]) == used
+    assert counted["max_model_len"] == 1024
+    chat = {"messages": WEATHER_CHAT, "tools": [WEATHER]}
+    chat_count = httpx.post(f"{agent_url}/tokenize", json={"model": MODEL, **chat}, timeout=60).json()["count"]
+    assert chat_count == agent_client.chat.completions.create(model=MODEL, max_tokens=1, **chat).usage.prompt_tokens
+    text = httpx.post(f"{agent_url}/detokenize", json={"tokens": counted["tokens"]}, timeout=60).json()["prompt"]
+    assert text == prompt
+
+
 def test_grammar_errors_are_400s_naming_the_field(agent_url):
     body = {"model": MODEL, "messages": WEATHER_CHAT, "max_tokens": 8,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}

@@ -141,6 +141,14 @@ BAD_INPUT = [
     ("logit_bias key not a token id", "/v1/completions", completion(logit_bias={"x": 1}), {}, 400, "logit_bias"),
     ("logit_bias over 100", "/v1/chat/completions", chat(logit_bias={"5": 101}), {}, 400, "logit_bias"),
     ("logit_bias past the vocabulary", "/v1/completions", completion(logit_bias={"999": 1}), {}, 400, "logit_bias"),
+    ("tokenize: neither prompt nor messages", "/tokenize", {"text": "hi"}, {}, 400, "prompt"),
+    ("tokenize: empty messages", "/tokenize", {"messages": []}, {}, 400, "messages"),
+    ("tokenize: unknown model", "/tokenize", {"model": "gpt-9", "prompt": "hi"}, {}, 404, "model"),
+    ("tokenize: a continued message that is not the assistant's", "/tokenize",
+     {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False, "continue_final_message": True},
+     {}, 400, "continue_final_message"),
+    ("detokenize: a negative id", "/detokenize", {"tokens": [-1]}, {}, 400, "tokens[0]"),
+    ("detokenize: past the vocabulary", "/detokenize", {"tokens": [999]}, {}, 400, "tokens"),
     ("min_tokens over max_tokens", "/v1/completions", completion(max_tokens=4, min_tokens=5), {}, 400, "min_tokens"),
     ("min_tokens with a grammar", "/v1/chat/completions",
      chat(min_tokens=2, response_format={"type": "json_object"}), {}, 400, "min_tokens"),
@@ -189,7 +197,7 @@ BAD_INPUT = [
      "max_output_tokens"),
     ("responses: over the engine window", "/v1/responses", respond(input="x" * 60, max_output_tokens=50), {}, 400,
      "max_output_tokens"),
-    ("responses: truncation auto", "/v1/responses", respond(truncation="auto"), {}, 400, "truncation"),
+    ("responses: unknown truncation", "/v1/responses", respond(truncation="middle"), {}, 400, "truncation"),
     ("responses: logprobs beside tools", "/v1/responses",
      respond(include=["message.output_text.logprobs"], tools=[{"type": "function", "name": "f"}]), {}, 400,
      "include"),
@@ -257,8 +265,9 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
 
 
 def test_healthz_needs_no_key_and_everything_else_does(url):
-    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert httpx.get(f"{url}/healthz").status_code == httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-second"}).json()
     assert [m["id"] for m in models["data"]] == ["fake"]
 

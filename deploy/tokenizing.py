@@ -1,0 +1,73 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`, for clients that count or inspect tokens
+before they send a request (a context-window budget, a `logit_bias` id, a `stop_token_ids` id).
+
+`/tokenize` takes a `prompt` (tokenized as `/v1/completions` would: no special tokens added
+unless `add_special_tokens`) or chat `messages` (rendered by the chat template as
+`/v1/chat/completions` would, `tools` included) and answers `count`, `tokens`,
+`max_model_len` and, with `return_token_strs`, each token's string; `/detokenize` turns token
+ids back into text. `model` may be left out; given, it must be the served one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, List, Optional, Union
+
+from pydantic import Discriminator, Field, Tag, ValidationError
+
+from deploy.errors import ApiError, param_from_loc
+from deploy.prompts import in_vocabulary, prompt_token_ids
+from deploy.protocol import ChatCompletionRequest, ChatMessage, RequestModel, Text, Tool
+
+
+class TokenizeCompletion(RequestModel):
+    model: Optional[str] = None
+    prompt: Text
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeChat(RequestModel):
+    model: Optional[str] = None
+    messages: List[ChatMessage] = Field(min_length=1)
+    tools: Optional[List[Tool]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+def _form(body: Any) -> str:
+    """A body with `messages` is a chat, any other a prompt (the tags are no field names, so an
+    error's `param` leaves them out)."""
+    chat = isinstance(body, dict) and "messages" in body or isinstance(body, TokenizeChat)
+    return "form=chat" if chat else "form=prompt"
+
+
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletion, Tag("form=prompt")],
+                                  Annotated[TokenizeChat, Tag("form=chat")]], Discriminator(_form)]
+
+
+class DetokenizeRequest(RequestModel):
+    model: Optional[str] = None
+    tokens: List[Annotated[int, Field(ge=0)]]
+
+
+def tokenize(tokenizer: Any, body: Union[TokenizeCompletion, TokenizeChat], model: str,
+             max_model_len: int) -> dict[str, Any]:
+    if isinstance(body, TokenizeChat):
+        try:  # the chat's own checks (a continued final message must be the assistant's, ...)
+            chat = ChatCompletionRequest(model=model, messages=body.messages, tools=body.tools,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = param_from_loc(first["loc"])
+            raise ApiError(400, f"{param}: {first['msg'].removeprefix('Value error, ')}", param) from None
+        ids = prompt_token_ids(tokenizer, chat)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+
+def detokenize(tokenizer: Any, body: DetokenizeRequest) -> dict[str, str]:
+    return {"prompt": tokenizer.decode(in_vocabulary(tokenizer, list(body.tokens), "tokens"))}
