@@ -121,8 +121,13 @@ class Ingress:
             if body.previous_response_id else []
         conversation = responses.conversation(body, history)
         chat = responses.chat_request(body, conversation)
-        request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS,
-                                                     lambda build: responses.fitted(body, chat, conversation, build))
+
+        def fit(build: Callable[[ChatCompletionRequest], GenerationRequest]) -> GenerationRequest:
+            nonlocal conversation  # what the model is sent: all of it, or with truncation its tail
+            fitted, conversation = responses.fitted(body, chat, conversation, build)
+            return fitted
+
+        request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
         created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts((await self.tokenizer()).decode) if body.logprobs else None
         items = responses.OutputItems(bool(chat.functions), texts)

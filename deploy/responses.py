@@ -239,23 +239,25 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
 
 
 def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[ChatMessage],
-           build: Callable[[ChatCompletionRequest], GenerationRequest]) -> GenerationRequest:
-    """The engine request (`build`) for `chat`, the chat over `messages`. With `truncation:
-    "auto"`, a chat whose prompt is too long for the context window (`context_length_exceeded`)
-    loses its oldest turns instead, whole (a turn starts at a user message, so no call is parted
-    from its result), the system and developer messages among them kept: the longest such chat
-    that fits, found by bisection. One that cannot fit however short is the latest turn's error."""
+           build: Callable[[ChatCompletionRequest], GenerationRequest]) -> tuple[GenerationRequest, List[ChatMessage]]:
+    """The engine request (`build`) for `chat`, the chat over `messages`, and those messages.
+    With `truncation: "auto"`, a chat whose prompt is too long for the context window
+    (`context_length_exceeded`) loses its oldest turns instead, whole (a turn starts at a user
+    message, so no call is parted from its result), the system and developer messages among
+    them kept: the longest such chat that fits, found by bisection, and its messages (what a
+    stored response keeps, so a long chain stays one context window per response). One that
+    cannot fit however short is the latest turn's error."""
     try:
-        return build(chat)
+        return build(chat), messages
     except ApiError as exc:
         if body.truncation == "disabled" or exc.code != "context_length_exceeded":
             raise
         too_long = exc
     starts = [i for i, m in enumerate(messages) if m.role == "user" and i > 0]
 
-    def from_turn(k: int) -> GenerationRequest:  # the chat from starts[k] on
+    def from_turn(k: int) -> tuple[GenerationRequest, List[ChatMessage]]:  # the chat from starts[k] on
         kept = [m for m in messages[:starts[k]] if m.role in ("system", "developer")] + messages[starts[k]:]
-        return build(chat_request(body, kept))
+        return build(chat_request(body, kept)), kept
 
     low, high, best = 0, len(starts) - 1, None  # bisect for the earliest turn that fits
     while low <= high:

@@ -91,7 +91,8 @@ def test_auto_truncation_keeps_the_latest_whole_turns_that_fit_and_the_system_me
              {"role": "user", "content": "now"}]
     body = ResponsesRequest(model="m", instructions="Be brief.", truncation="auto", input=items)
     messages = conversation(body, [])
-    text = fitted(body, chat_request(body, messages), messages, _window(limit))
+    text, kept_messages = fitted(body, chat_request(body, messages), messages, _window(limit))
+    assert "|".join(m.text for m in chat_request(body, kept_messages).messages) == text
     # each turn is 27 characters of the 100 the whole chat has, the instructions, rules and "now" 19
     assert text == "|".join(["Be brief.", "rules", *(f"{t * 12}?|{t * 12}" for t in kept), "now"])
 
@@ -102,6 +103,6 @@ def test_a_chat_too_long_without_auto_truncation_or_even_its_last_turn_is_the_er
     with pytest.raises(ApiError, match="too long"):
         fitted(body, chat_request(body, messages), messages, _window(12))
     auto = body.model_copy(update={"truncation": "auto"})
-    assert fitted(auto, chat_request(auto, messages), messages, _window(12)) == "bbbb?|bbbb"
+    assert fitted(auto, chat_request(auto, messages), messages, _window(12))[0] == "bbbb?|bbbb"
     with pytest.raises(ApiError, match="too long"):
         fitted(auto, chat_request(auto, messages), messages, _window(5))

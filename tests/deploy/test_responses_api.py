@@ -187,6 +187,12 @@ def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(agent_client):
             continue
     assert dropped > 0 and whole.output_text == truncated.output_text
     assert whole.usage.input_tokens == truncated.usage.input_tokens
+    # what is kept is what the model was sent: the follow-up continues the tail, not the whole
+    follow = {"role": "user", "content": "And before that?"}
+    chained = agent_client.responses.create(**ask, input=[follow], previous_response_id=truncated.id)
+    sent = agent_client.responses.create(**ask, input=[*items[dropped:], *[o.model_dump(exclude_none=True)
+                                                                          for o in truncated.output], follow])
+    assert chained.output_text == sent.output_text and chained.usage.input_tokens == sent.usage.input_tokens
 
 
 def test_kept_responses_outlive_the_ingress_replicas_that_made_them(agent_client, agent_url):
