@@ -85,9 +85,9 @@ class Ingress:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
         requests = choice_requests(generation_request(request_id, tokenizer, body, self.config), body.n)
-        output = fmt.Output(kind, requests[0].sampling.logprobs is not None,
-                         isinstance(body, ChatCompletionRequest) and bool(body.functions),
-                         fmt.TokenTexts(tokenizer.decode))
+        chat = isinstance(body, ChatCompletionRequest)
+        output = fmt.Output(kind, requests[0].sampling.logprobs is not None, chat and bool(body.functions),
+                            fmt.TokenTexts(tokenizer.decode), chat and not body.parallel_tool_calls)
         # Serve gives every handle call made for one HTTP request that request's internal id, and
         # its router indexes the calls it is placing by that id: of two placed at once, one was
         # never placed (Ray 2.60; n=3 hung). So a request's choices are routed one at a time,
@@ -109,7 +109,7 @@ class Ingress:
         accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
         choices = [fmt.full_choice(kind, i, acc,
                                    fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None,
-                                   parse_tool_calls(acc.text) if output.tools else None)
+                                   parse_tool_calls(acc.text, output.one_call) if output.tools else None)
                    for i, acc in enumerate(accs)]
         return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs))
 
@@ -130,7 +130,7 @@ class Ingress:
         request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
         created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts((await self.tokenizer()).decode) if body.logprobs else None
-        items = responses.OutputItems(bool(chat.functions), texts)
+        items = responses.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls)
 
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = responses.response_body(body, request.request_id, created, model, items, acc)
@@ -163,7 +163,7 @@ class Ingress:
         self._served(body.model)
         chat = messages.chat_request(body)
         request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
-        model, blocks = self.config.model_name, messages.ContentBlocks(bool(chat.functions))
+        model, blocks = self.config.model_name, messages.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
         if body.stream:
             begun = messages.message_body(request.request_id, model, blocks, input_tokens=len(request.prompt))
 

@@ -246,8 +246,8 @@ class ContentBlocks(OutputParts):
     """The answer's content blocks (`parts`) and the stream events each delta makes: a `text`
     block per run of text, a `tool_use` block per call, its input streamed as JSON text."""
 
-    def __init__(self, tools: bool) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: bool, one_call: bool = False) -> None:
+        super().__init__(tools, one_call=one_call)
         self._arguments: dict[str, str] = {}  # a tool_use block's id -> its input as JSON text so far
 
     def text_part(self) -> dict[str, Any]:

@@ -196,12 +196,14 @@ def typed_sse(event: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Output:
-    """What a response shows besides text: logprobs (when asked), tool calls (chat with tools)."""
+    """What a response shows besides text: logprobs (when asked), tool calls (chat with tools;
+    `one_call` when parallel calls are not allowed: the output ends at its first)."""
 
     kind: Kind
     logprobs: bool
     tools: bool
     token_texts: TokenTexts
+    one_call: bool = False
 
 
 class StreamPieces:
@@ -209,7 +211,7 @@ class StreamPieces:
 
     def __init__(self, output: Output) -> None:
         self._output = output
-        self._tools = ToolCallStream() if output.tools else None
+        self._tools = ToolCallStream(output.one_call) if output.tools else None
         self._call_ids: list[str] = []
         self._text_offset = 0  # completions: characters of token text so far
 

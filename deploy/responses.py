@@ -288,8 +288,8 @@ class OutputItems(OutputParts):
     with its `sequence_number`: a `message` item per run of text, a `function_call` item per
     call, its arguments streamed as the model writes them."""
 
-    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None) -> None:
-        super().__init__(tools, logprobs)
+    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None, one_call: bool = False) -> None:
+        super().__init__(tools, logprobs, one_call)
         self._seq = 0
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:

@@ -65,10 +65,13 @@ class ToolCallStream:
     grammar-constrained output is up to string escapes. Arguments written as a JSON string,
     or keys not in `name, arguments` order, are sent whole, re-serialised, at the close tag.
     Content equals `parse_tool_calls`' for well-formed output. A block found malformed
-    before any of it was sent passes through as content; otherwise `ok` turns False.
+    before any of it was sent passes through as content; otherwise `ok` turns False. With
+    `one_call`, as `parse_tool_calls`', the output ends at its first call's close tag.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, one_call: bool = False) -> None:
+        self._one_call = one_call
+        self._ended = False  # one_call: the first call closed; the rest is dropped
         self._pending = ""  # content mode: held whitespace and a possible partial open tag
         self._block: str | None = None  # call mode: the text after the open tag
         self._pre_ws = ""  # whitespace right before the open tag, dropped if it is a call
@@ -94,6 +97,8 @@ class ToolCallStream:
 
     def feed(self, text: str) -> list[StreamEvent]:
         """The events the output so far makes certain, given its next increment."""
+        if self._ended:
+            return []
         if self._failed:
             return self._content(text)
         if self._block is not None:
@@ -104,7 +109,7 @@ class ToolCallStream:
 
     def finish(self) -> list[StreamEvent]:
         """Flush held-back content. An unclosed call that sent no fragment is content."""
-        if self._failed:
+        if self._failed or self._ended:
             return []
         if self._block is not None:
             if self._name is None:
@@ -182,4 +187,7 @@ class ToolCallStream:
         if rest:
             events.append(StreamEvent(index=self._num_calls - 1, arguments=rest))
         self._block, self._pending = None, block[end + len(TOOL_CALL_CLOSE):]
+        if self._one_call:
+            self._ended, self._pending = True, ""
+            return events
         return events + self._feed_content()

@@ -136,13 +136,19 @@ def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None
     return None
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, one_call: bool = False) -> tuple[str | None, list[ToolCall]]:
     """A finished output as (content, calls). Content is the text before the first open tag,
     stripped (None if empty). Any malformed or unclosed block, or non-whitespace text after
-    or between blocks, makes the whole output plain content: `(text, [])`, verbatim."""
+    or between blocks, makes the whole output plain content: `(text, [])`, verbatim. With
+    `one_call` (parallel calls not allowed) the output ends at its first call: what follows a
+    well-formed first block is dropped."""
     i = text.find(TOOL_CALL_OPEN)
     if i < 0:
         return text.strip() or None, []
+    if one_call:
+        found = find_close(text[i + len(TOOL_CALL_OPEN):])
+        if found is not None and found[1] is not None:
+            text = text[:i + len(TOOL_CALL_OPEN) + found[0] + len(TOOL_CALL_CLOSE)]
     calls, rest = [], text[i:]
     while rest:
         if not rest.startswith(TOOL_CALL_OPEN):

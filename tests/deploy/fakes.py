@@ -4,8 +4,9 @@ FakeEngine implements the Engine protocol the way TorchEngine behaves at its edg
 (eager RequestError naming the field, abort on close, stats); FakeTokenizer is byte-level
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
 "FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_AT:<k>:<path>"
-kills its replica's process at token k unless <path> exists (it creates it). A `Resume`
-continues after the tokens it carries.
+kills its replica's process at token k unless <path> exists (it creates it), "ECHO:<text>"
+answers the rest of its message (a character a token, then "stop") instead of the alphabet.
+A `Resume` continues after the tokens it carries.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class FakeEngine:
         spec = {"draft_tokens": 2, "accepted_tokens": 1, "acceptance_length": 2.0, "steps": 1}
         resumed = len(request.resume.token_ids) if request.resume is not None else 0  # continue after them
         die_at = _die_at(prompt)
+        echo = prompt.split("ECHO:", 1)[1].split("</>")[0] if "ECHO:" in prompt else None
         try:
-            for i in range(resumed, request.sampling.max_tokens):
+            for i in range(resumed, min(request.sampling.max_tokens, len(echo) if echo else 1 << 30)):
                 if i == die_at:
                     await asyncio.sleep(0.2)  # what was yielded reaches the ingress first
                     os._exit(1)  # the replica actor's process dies, as on a kill -9
@@ -96,14 +98,16 @@ class FakeEngine:
                 if i == 2 and "FAIL_DELTA" in prompt:
                     yield GenerationDelta(request.request_id, (), "", "error", "fake step failure")
                     return
-                last = i + 1 == request.sampling.max_tokens
-                char = ALPHABET[i % len(ALPHABET)]
+                char = echo[i] if echo else ALPHABET[i % len(ALPHABET)]
+                finish = "length" if i + 1 == request.sampling.max_tokens else None
+                if echo and i + 1 == len(echo):
+                    finish = "stop"
                 num_top = request.sampling.logprobs
                 logprobs = () if num_top is None else (TokenLogprob(ord(char), -0.5, tuple(
                     (ord(c), -0.5 - j) for j, c in enumerate((char + ALPHABET)[:num_top]))),)
                 yield GenerationDelta(
-                    request.request_id, (ord(char),), char, "length" if last else None, None,
-                    prompt_tokens, i + 1, spec if last else {}, logprobs,
+                    request.request_id, (ord(char),), char, finish, None,
+                    prompt_tokens, i + 1, spec if finish else {}, logprobs,
                 )
         finally:
             self.live.discard(request.request_id)

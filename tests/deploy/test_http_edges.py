@@ -251,6 +251,60 @@ def test_bad_input(url, name, path, body, headers, status, param):
     assert error["param"] == param, error
 
 
+@pytest.fixture(scope="module")
+def wide_url(url):
+    """An app whose limits fit a tools prompt (the byte-level fake tokenizer makes it long)."""
+    from ray import serve
+
+    args = AppArgs(engine={"max_seq_len": 4096}, served_model_name="fake", api_keys_env="SPECSERVE_TEST_KEYS",
+                   limits={"max_body_bytes": 65536, "max_tokens": 1024}, replica={"num_cpus": 0})
+    serve.run(compose_app(args, partial(FakeEngine, max_seq_len=4096)), name="wide", route_prefix="/wide")
+    return f"{url}/wide"
+
+
+def _calls_answer(n: int, after: str = "") -> str:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    return "ECHO:" + "\n".join(call % city for city in ("Paris", "Rome", "Oslo")[:n]) + after
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_calls_off_answers_the_first_call_in_every_api(wide_url, stream):
+    """With `auto`, nothing constrains how many calls the model writes: where parallel calls are
+    not allowed the answer ends at its first (chat, Responses, Messages; streamed or not)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ask = _calls_answer(3, after="\nDone.")
+    client = openai.OpenAI(base_url=f"{wide_url}/v1", api_key=KEY, max_retries=0)
+
+    def chat_calls(content: str, parallel: bool) -> list[str]:
+        kw = dict(model="fake", messages=[{"role": "user", "content": content}], max_tokens=400, tools=[tool],
+                  parallel_tool_calls=parallel)
+        if not stream:
+            calls = client.chat.completions.create(**kw).choices[0].message.tool_calls or []
+            return [c.function.arguments for c in calls]
+        calls: dict[int, str] = {}
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for c in chunk.choices[0].delta.tool_calls or []:
+                calls[c.index] = calls.get(c.index, "") + (c.function.arguments or "")
+        return list(calls.values())
+
+    assert chat_calls(ask, parallel=False) == ['{"city": "Paris"}']
+    assert chat_calls(_calls_answer(2), parallel=True) == ['{"city": "Paris"}', '{"city": "Rome"}']
+    flat = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    body = respond(input=ask, max_output_tokens=400, tools=[flat], parallel_tool_calls=False, stream=stream)
+    response = httpx.post(f"{wide_url}/v1/responses", json=body, headers=AUTH, timeout=30)
+    calls = [line for line in response.text.splitlines() if '"response.output_item.added"' in line
+             and '"function_call"' in line] if stream else \
+        [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert len(calls) == 1
+    anthropic_tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    body = message(messages=[{"role": "user", "content": ask}], max_tokens=400, tools=[anthropic_tool],
+                   tool_choice={"type": "auto", "disable_parallel_tool_use": True}, stream=stream)
+    answer = httpx.post(f"{wide_url}/v1/messages", json=body, headers=AUTH, timeout=30)
+    uses = answer.text.count('"type": "tool_use"') if stream else \
+        sum(block["type"] == "tool_use" for block in answer.json()["content"])
+    assert uses == 1
+
+
 def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape(url):
     def post(path, body, **headers):
         return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=30)

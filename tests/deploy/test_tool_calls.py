@@ -116,8 +116,8 @@ def test_system_prompt_lists_functions_and_shows_the_format():
 
 # ---- streaming ---------------------------------------------------------------------------
 
-def _stream(pieces):
-    stream, events = ToolCallStream(), []
+def _stream(pieces, one_call=False):
+    stream, events = ToolCallStream(one_call), []
     for piece in pieces:
         events += stream.feed(piece)
     events += stream.finish()
@@ -175,10 +175,12 @@ def _normalised(arguments):
         return arguments
 
 
-def test_stream_never_disagrees_with_parse_on_mutated_outputs():
+@pytest.mark.parametrize("one_call", [False, True])
+def test_stream_never_disagrees_with_parse_on_mutated_outputs(one_call):
     """Property over seeded random edits of the tables: the stream never raises; it is ok
     with calls exactly when parse finds calls, and then agrees with it (arguments compared
-    normalised: the stream sends the separators the model wrote)."""
+    normalised: the stream sends the separators the model wrote); with `one_call`, both
+    stop at the first call."""
     rng = random.Random(0)
     pieces_of_format = list('<>/{}":, \n\\x') + [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
     outputs = [o for o, _, _ in WELL_FORMED] + MALFORMED
@@ -192,14 +194,34 @@ def test_stream_never_disagrees_with_parse_on_mutated_outputs():
                 chars.insert(at, rng.choice(pieces_of_format))
         text = "".join(chars)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
-        content, calls, stream = _stream([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-        parsed_content, parsed_calls = parse_tool_calls(text)
+        content, calls, stream = _stream([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])], one_call)
+        parsed_content, parsed_calls = parse_tool_calls(text, one_call)
+        assert len(parsed_calls) <= 1 or not one_call
         assert (stream.ok and stream.num_calls > 0) == bool(parsed_calls), text
         if parsed_calls:
             assert (content or None, [ToolCall(c.name, _normalised(c.arguments)) for c in calls]) == \
                 (parsed_content, parsed_calls), text
         elif TOOL_CALL_OPEN not in text:
             assert (content or None) == parsed_content, text
+
+
+# (output, content): parallel calls not allowed, the output ends at its first call, PARIS's
+ONE_CALL = [
+    (PARIS + "\n" + SUM, None),
+    ("Checking.\n" + PARIS + "\nDone, and more.", "Checking."),  # malformed as a whole, not here
+    (PARIS + SUM + SUM, None),
+    (PARIS + "\n<tool_call> broken", None),
+]
+
+
+@pytest.mark.parametrize("output,content", ONE_CALL)
+def test_one_call_ends_the_output_at_its_first_call_streamed_or_not(output, content):
+    call = ToolCall("get_weather", '{"city": "Paris"}')
+    assert parse_tool_calls(output, one_call=True) == (content, [call])
+    for pieces in _splits(output):
+        got_content, got_calls, stream = _stream(pieces, one_call=True)
+        assert (got_content or None, got_calls) == (content, [call]), pieces
+        assert stream.ok and stream.num_calls == 1
 
 
 def test_stream_sends_the_name_and_arguments_before_the_close_tag():
