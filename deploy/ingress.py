@@ -163,7 +163,8 @@ class Ingress:
         self._served(body.model)
         chat = messages.chat_request(body)
         request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
-        model, blocks = self.config.model_name, messages.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
+        model = self.config.model_name
+        blocks = messages.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
         if body.stream:
             begun = messages.message_body(request.request_id, model, blocks, input_tokens=len(request.prompt))
 

@@ -35,7 +35,7 @@ class Accumulated:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
     prediction: Sequence[int] = ()  # the request's predicted output (token ids), if any
-    stop_token_ids: Sequence[int] = ()  # the request's
+    stop_token_ids: Sequence[int] = ()  # the request's, for stop_reason
 
     @classmethod
     def of(cls, request: GenerationRequest) -> "Accumulated":
