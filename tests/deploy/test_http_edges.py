@@ -17,14 +17,13 @@ from hypothesis import HealthCheck, settings
 from deploy.app import compose_app
 from deploy.config import AppArgs
 from replicas.engine import SpeculationConfig
+from tests.deploy.bad_input import AUTH, BAD_INPUT, KEY, chat, completion, message, respond
 from tests.deploy.fakes import FakeEngine
 from tests.polling import async_wait_until
 
 pytestmark = pytest.mark.ray  # conftest's `serve_url`: a local Ray cluster with Serve
 
-KEY = "sk-test-key"
 SERVE_ENV = {"SPECSERVE_TEST_KEYS": f"{KEY}, sk-second"}
-AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE_WINDOW = 100  # the fake engine's own window, smaller than the ingress's, to test its ValueErrors
 
 
@@ -50,190 +49,6 @@ def url(serve_url):
     # two replicas, for a replica lost before the first token
     serve.run(compose_app(fake_args(num_replicas=2), small_window_engine), name="pair", route_prefix="/pair")
     return serve_url
-
-
-def completion(**kw):
-    return {"model": "fake", "prompt": "hello", "max_tokens": 4, **kw}
-
-
-def chat(**kw):
-    return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
-
-
-def respond(**kw):
-    return {"model": "fake", "input": "hi", "max_output_tokens": 4, **kw}
-
-
-def message(**kw):
-    return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
-
-
-BAD_INPUT = [
-    # (name, path, body or raw bytes, headers, status, param)
-    ("malformed json", "/v1/completions", b'{"model": "fake",', {}, 400, None),
-    ("body not an object", "/v1/completions", b"[1, 2]", {}, 400, None),
-    ("wrong type", "/v1/completions", completion(max_tokens="many"), {}, 400, "max_tokens"),
-    # types are strict, as OpenAI's: a number in a string, a bool for a number, a float for a count
-    ("number as a string", "/v1/completions", completion(max_tokens="5"), {}, 400, "max_tokens"),
-    ("bool as a number", "/v1/chat/completions", chat(max_tokens=True), {}, 400, "max_tokens"),
-    ("float as a count", "/v1/chat/completions", chat(n=2.0), {}, 400, "n"),
-    ("bool as a string", "/v1/chat/completions", chat(stream="true"), {}, 400, "stream"),
-    ("count as a string, speculation", "/v1/completions", completion(speculation={"max_draft_len": "3"}), {}, 400,
-     "speculation.max_draft_len"),
-    ("number as a string, responses", "/v1/responses", respond(temperature="0.5"), {}, 400, "temperature"),
-    ("missing prompt", "/v1/completions", {"model": "fake"}, {}, 400, "prompt"),
-    ("unknown model", "/v1/completions", completion(model="gpt-9"), {}, 404, "model"),
-    ("unknown model, chat", "/v1/chat/completions", chat(model="gpt-9"), {}, 404, "model"),
-    ("empty messages", "/v1/chat/completions", chat(messages=[]), {}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", chat(messages=[{"role": "robot", "content": "x"}]), {}, 400,
-     "messages[0].role"),
-    ("template refuses", "/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), {}, 400,
-     "messages"),
-    ("negative max_tokens", "/v1/completions", completion(max_tokens=-5), {}, 400, "max_tokens"),
-    ("zero max_tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "max_tokens"),
-    ("huge max_tokens", "/v1/completions", completion(max_tokens=10**9), {}, 400, "max_tokens"),
-    ("huge max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=10**6), {}, 400,
-     "max_completion_tokens"),
-    ("prompt too long", "/v1/completions", completion(prompt="x" * 201), {}, 400, "prompt"),
-    ("chat too long", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 300}]), {},
-     400, "messages"),
-    ("over the engine window", "/v1/completions", completion(prompt="x" * 60, max_tokens=50), {}, 400,
-     "max_tokens"),
-    ("token id out of range", "/v1/completions", completion(prompt=[1, 999]), {}, 400, "prompt"),
-    ("empty prompt", "/v1/completions", completion(prompt=""), {}, 400, "prompt"),
-    ("body too large", "/v1/completions", completion(prompt="x" * 20000), {}, 413, None),
-    ("bad speculation mode", "/v1/completions", completion(speculation={"mode": "fast"}), {}, 400,
-     "speculation.mode"),
-    ("bad speculation draft", "/v1/completions", completion(speculation={"max_draft_len": 0}), {}, 400,
-     "speculation.max_draft_len"),
-    ("unknown speculation key", "/v1/completions", completion(speculation={"gate": 3}), {}, 400,
-     "speculation.gate"),
-    ("unknown field", "/v1/completions", completion(temprature=0.5), {}, 400, "temprature"),
-    ("negative temperature", "/v1/completions", completion(temperature=-1), {}, 400, "temperature"),
-    ("n over the limit", "/v1/completions", completion(n=9), {}, 400, "n"),
-    ("too many stops", "/v1/completions", completion(stop=list("abcde")), {}, 400, "stop"),
-    ("continue without assistant", "/v1/chat/completions",
-     chat(continue_final_message=True, add_generation_prompt=False), {}, 400, "continue_final_message"),
-    ("empty content list", "/v1/chat/completions", chat(messages=[{"role": "user", "content": []}]), {}, 400,
-     "messages[0].content"),
-    ("user message without content", "/v1/chat/completions", chat(messages=[{"role": "user"}]), {}, 400,
-     "messages[0].content"),
-    ("prediction of another type", "/v1/chat/completions", chat(prediction={"type": "text", "content": "x"}), {},
-     400, "prediction.type"),
-    ("prediction on completions", "/v1/completions", completion(prediction={"type": "content", "content": "x"}), {},
-     400, "prediction"),
-    ("surrogate in a prediction", "/v1/chat/completions",
-     b'{"model": "fake", "messages": [{"role": "user", "content": "a"}], '
-     b'"prediction": {"type": "content", "content": "\\ud800"}}', {}, 400, "prediction.content"),
-    ("lone surrogate escape", "/v1/chat/completions",
-     b'{"model": "fake", "messages": [{"role": "user", "content": "a\\ud800b"}]}', {}, 400, "messages[0].content"),
-    ("lone surrogate bytes", "/v1/completions", b'{"model": "fake", "prompt": "a\xed\xa0\x80b"}', {}, 400,
-     "prompt"),
-    ("surrogate in a stop", "/v1/completions", b'{"model": "fake", "prompt": "a", "stop": "\\udfff"}', {}, 400,
-     "stop"),
-    ("surrogate in a tool schema", "/v1/chat/completions",
-     b'{"model": "fake", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", '
-     b'"function": {"name": "f", "parameters": {"description": "\\ud800"}}}]}', {}, 400, "tools[0].function.parameters"),
-    ("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), {}, 400, "top_logprobs"),
-    ("too many top_logprobs", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), {}, 400,
-     "top_logprobs"),
-    ("too many logprobs", "/v1/completions", completion(logprobs=21), {}, 400, "logprobs"),
-    ("logit_bias key not a token id", "/v1/completions", completion(logit_bias={"x": 1}), {}, 400, "logit_bias"),
-    ("logit_bias over 100", "/v1/chat/completions", chat(logit_bias={"5": 101}), {}, 400, "logit_bias"),
-    ("logit_bias past the vocabulary", "/v1/completions", completion(logit_bias={"999": 1}), {}, 400, "logit_bias"),
-    ("tokenize: neither prompt nor messages", "/tokenize", {"text": "hi"}, {}, 400, "prompt"),
-    ("tokenize: empty messages", "/tokenize", {"messages": []}, {}, 400, "messages"),
-    ("tokenize: unknown model", "/tokenize", {"model": "gpt-9", "prompt": "hi"}, {}, 404, "model"),
-    ("tokenize: a continued message that is not the assistant's", "/tokenize",
-     {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False, "continue_final_message": True},
-     {}, 400, "continue_final_message"),
-    ("detokenize: a negative id", "/detokenize", {"tokens": [-1]}, {}, 400, "tokens[0]"),
-    ("detokenize: past the vocabulary", "/detokenize", {"tokens": [999]}, {}, 400, "tokens"),
-    ("min_tokens over max_tokens", "/v1/completions", completion(max_tokens=4, min_tokens=5), {}, 400, "min_tokens"),
-    ("min_tokens with a grammar", "/v1/chat/completions",
-     chat(min_tokens=2, response_format={"type": "json_object"}), {}, 400, "min_tokens"),
-    ("stop_token_ids past the vocabulary", "/v1/completions", completion(stop_token_ids=[999]), {}, 400,
-     "stop_token_ids"),
-    ("repetition_penalty zero", "/v1/completions", completion(repetition_penalty=0), {}, 400, "repetition_penalty"),
-    ("min_p over 1", "/v1/chat/completions", chat(min_p=1.5), {}, 400, "min_p"),
-    ("unknown response_format", "/v1/completions", completion(response_format={"type": "xml"}), {}, 400,
-     "response_format"),
-    ("json_schema without schema body", "/v1/chat/completions",
-     chat(response_format={"type": "json_schema"}), {}, 400, "response_format.json_schema"),
-    ("engine refuses a grammar", "/v1/chat/completions", chat(response_format={"type": "json_object"}), {}, 400,
-     "response_format"),
-    ("tool_choice without tools", "/v1/chat/completions", chat(tool_choice="required"), {}, 400, "tool_choice"),
-    ("tool_choice names no tool", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "f"}}],
-          tool_choice={"type": "function", "function": {"name": "g"}}), {}, 400, "tool_choice"),
-    ("bad function name", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), {}, 400, "tools[0].function.name"),
-    ("tool_calls on a user message", "/v1/chat/completions",
-     chat(messages=[{"role": "user", "content": "x", "tool_calls": [
-         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), {}, 400,
-     "messages[0].tool_calls"),
-    ("chat: store true", "/v1/chat/completions", chat(store=True), {}, 400, "store"),
-    ("chat: another service tier", "/v1/chat/completions", chat(service_tier="flex"), {}, 400, "service_tier"),
-    ("chat: 17 metadata labels", "/v1/chat/completions", chat(metadata={str(i): "x" for i in range(17)}), {}, 400,
-     "metadata"),
-    ("responses: unknown model", "/v1/responses", respond(model="gpt-9"), {}, 404, "model"),
-    ("responses: empty input", "/v1/responses", respond(input=[]), {}, 400, "input"),
-    ("responses: input too long", "/v1/responses", respond(input="x" * 300), {}, 400, "input"),
-    ("responses: image input", "/v1/responses",
-     respond(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]), {},
-     400, "input[0].content[0]"),
-    ("responses: reasoning item", "/v1/responses", respond(input=[{"type": "reasoning", "summary": []}]), {}, 400,
-     "input[0]"),
-    ("responses: call output the template refuses", "/v1/responses",
-     respond(input=[{"type": "function_call_output", "call_id": "c1", "output": "18"}]), {}, 400, "input"),
-    ("responses: hosted tool", "/v1/responses", respond(tools=[{"type": "web_search"}]), {}, 400, "tools[0].type"),
-    ("responses: tool_choice without tools", "/v1/responses", respond(tool_choice="required"), {}, 400,
-     "tool_choice"),
-    ("responses: json_schema without schema", "/v1/responses",
-     respond(text={"format": {"type": "json_schema", "name": "x"}}), {}, 400, "text.format.schema"),
-    ("responses: engine refuses a grammar", "/v1/responses", respond(text={"format": {"type": "json_object"}}), {},
-     400, "text.format"),
-    ("responses: huge max_output_tokens", "/v1/responses", respond(max_output_tokens=10**6), {}, 400,
-     "max_output_tokens"),
-    ("responses: over the engine window", "/v1/responses", respond(input="x" * 60, max_output_tokens=50), {}, 400,
-     "max_output_tokens"),
-    ("responses: unknown truncation", "/v1/responses", respond(truncation="middle"), {}, 400, "truncation"),
-    ("responses: logprobs beside tools", "/v1/responses",
-     respond(include=["message.output_text.logprobs"], tools=[{"type": "function", "name": "f"}]), {}, 400,
-     "include"),
-    ("responses: too many top_logprobs", "/v1/responses", respond(top_logprobs=21), {}, 400, "top_logprobs"),
-    ("responses: unknown include", "/v1/responses", respond(include=["output_audio"]), {}, 400, "include[0]"),
-    ("responses: unknown previous response", "/v1/responses", respond(previous_response_id="resp_x"), {}, 400,
-     "previous_response_id"),
-    ("responses: get an unknown one", "/v1/responses/resp_x", None, {}, 404, None),
-    ("messages: no max_tokens", "/v1/messages", {"model": "fake", "messages": [{"role": "user", "content": "x"}]},
-     {}, 400, "max_tokens"),
-    ("messages: unknown model", "/v1/messages", message(model="claude-9"), {}, 404, "model"),
-    ("messages: image block", "/v1/messages", message(messages=[{"role": "user", "content": [
-        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]), {}, 400,
-     "messages[0].content[0]"),
-    ("messages: a tool result from the assistant", "/v1/messages", message(messages=[{"role": "assistant", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": "18"}]}]), {}, 400, "messages[0].content"),
-    ("messages: tool result the template refuses", "/v1/messages", message(messages=[{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": "18"}]}]), {}, 400, "messages"),
-    ("messages: any tool without tools", "/v1/messages", message(tool_choice={"type": "any"}), {}, 400,
-     "tool_choice"),
-    ("messages: a server tool", "/v1/messages", message(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
-     {}, 400, "tools[0].type"),
-    ("messages: thinking", "/v1/messages", message(thinking={"type": "enabled", "budget_tokens": 1024}), {}, 400,
-     "thinking.type"),
-    ("messages: temperature over 1", "/v1/messages", message(temperature=1.5), {}, 400, "temperature"),
-    ("messages: huge max_tokens", "/v1/messages", message(max_tokens=10**6), {}, 400, "max_tokens"),
-    ("messages: over the engine window", "/v1/messages", message(messages=[{"role": "user", "content": "x" * 60}],
-                                                                 max_tokens=50), {}, 400, "max_tokens"),
-    ("messages: five stop sequences", "/v1/messages", message(stop_sequences=list("abcde")), {}, 400,
-     "stop_sequences"),
-    ("messages: count without messages", "/v1/messages/count_tokens", {"model": "fake"}, {}, 400, "messages"),
-    ("missing key", "/v1/completions", completion(), {"Authorization": ""}, 401, None),
-    ("wrong key", "/v1/completions", completion(), {"Authorization": "Bearer sk-wrong"}, 401, None),
-    ("not bearer", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, None),
-    ("unknown route", "/v1/embeddings", {"model": "fake", "input": "x"}, {}, 404, None),
-]
 
 
 @pytest.mark.parametrize("name,path,body,headers,status,param", BAD_INPUT, ids=[row[0] for row in BAD_INPUT])
