@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, List, Optional, Union
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import Discriminator, Field, Tag, ValidationError
 
-from deploy.errors import ApiError, param_from_loc
+from deploy.errors import validation_error
 from deploy.prompts import in_vocabulary, prompt_token_ids
 from deploy.protocol import ChatCompletionRequest, ChatMessage, RequestModel, Text, Tool
 
@@ -58,10 +59,8 @@ def tokenize(tokenizer: Any, body: Union[TokenizeCompletion, TokenizeChat], mode
             chat = ChatCompletionRequest(model=model, messages=body.messages, tools=body.tools,
                                          add_generation_prompt=body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = param_from_loc(first["loc"])
-            raise ApiError(400, f"{param}: {first['msg'].removeprefix('Value error, ')}", param) from None
+        except ValidationError as exc:  # named as a body's own validation errors are
+            raise validation_error(RequestValidationError(exc.errors())) from None
         ids = prompt_token_ids(tokenizer, chat)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
