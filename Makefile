@@ -114,7 +114,7 @@ bench-faults: install
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
 bench: bench-forward bench-drafters bench-engine bench-long bench-serve bench-autoscaling bench-grammar bench-structured \
-  bench-faults bench-multiturn bench-memory bench-predicted
+  bench-faults bench-multiturn bench-memory bench-predicted bench-scoring
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda
@@ -207,6 +207,12 @@ bench-engine: install $(LLAMACPP_STAMP)
 .PHONY: bench-predicted
 bench-predicted: install
 	$(PY) benchmarks/predicted.py
+
+# Scoring texts (completions' echo + logprobs, what evaluation harnesses send): ours plain and
+# scored beside transformers' fp32 forward, and how far their logprobs agree; scoring.json.
+.PHONY: bench-scoring
+bench-scoring: install
+	$(PY) benchmarks/scoring.py
 
 # Long outputs: the engine's per-step cost beside the compiled forward's, by quarter of a
 # 2,048-token output; long_output.json/.png.

@@ -53,8 +53,8 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def server_error(exc: BaseException) -> ApiError:
-    """Map a failure from the Serve handle (or the stream) to an HTTP error."""
+def server_error(exc: BaseException, what: str = "engine") -> ApiError:
+    """Map a failure from a Serve handle to `what` (or the stream) to an HTTP error."""
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     cause = getattr(exc, "cause", None)
@@ -63,11 +63,11 @@ def server_error(exc: BaseException) -> ApiError:
             return ApiError(503, "server overloaded: too many queued requests, retry later",
                             code="overloaded", retry_after_s=RETRY_AFTER_S)
         if isinstance(candidate, DeploymentUnavailableError):
-            return ApiError(503, "no engine replica is available yet, retry later", retry_after_s=RETRY_AFTER_S)
+            return ApiError(503, f"no {what} replica is available yet, retry later", retry_after_s=RETRY_AFTER_S)
     if isinstance(exc, asyncio.TimeoutError):
         return ApiError(504, "the engine produced no token within the idle timeout")
     summary = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-    return ApiError(500, f"engine failure: {type(exc).__name__}: {summary}"[:500])
+    return ApiError(500, f"{what} failure: {type(exc).__name__}: {summary}"[:500])
 
 
 def param_from_loc(loc: Sequence[Any]) -> Optional[str]:

@@ -31,7 +31,7 @@ from deploy.config import IngressConfig
 from deploy.errors import ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
-from deploy.prompts import choice_requests, generation_request, prompt_token_ids
+from deploy.prompts import engine_requests, generation_request, prompt_token_ids
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel
 from deploy.response_store import KeptResponses
 from deploy.responses import ResponsesRequest
@@ -84,10 +84,14 @@ class Ingress:
         self._served(body.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
-        requests = choice_requests(generation_request(request_id, tokenizer, body, self.config), body.n)
+        requests = engine_requests(request_id, tokenizer, body, self.config)
         chat = isinstance(body, ChatCompletionRequest)
         output = fmt.Output(kind, requests[0].sampling.logprobs is not None, chat and bool(body.functions),
                             fmt.TokenTexts(tokenizer.decode), chat and not body.parallel_tool_calls)
+        echoes = [None] * len(requests)
+        if not chat and body.echo:  # each choice's prompt: prompt-major, n choices each
+            echoes = [fmt.Echo(p if isinstance(p, str) else tokenizer.decode(p), r.prompt[0])
+                      for r, p in zip(requests, (p for p in body.prompts for _ in range(body.n)))]
         # Serve gives every handle call made for one HTTP request that request's internal id, and
         # its router indexes the calls it is placing by that id: of two placed at once, one was
         # never placed (Ray 2.60; n=3 hung). So a request's choices are routed one at a time,
@@ -97,21 +101,23 @@ class Ingress:
         try:
             for r in requests:
                 opened.append(await self._replicas.open(r, routing))
-        except BaseException:
+        except BaseException as exc:
             for stream, _ in opened:
                 cancel(stream)
+            if isinstance(exc, ApiError):  # an engine that cannot score a prompt
+                raise exc.renamed({"prompt_logprobs": "echo"}) from None
             raise
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(output, request_id, requests, created, opened, routing, include_usage),
+            return StreamingResponse(self._sse(output, request_id, requests, echoes, created, opened, routing,
+                                               include_usage, body.n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
-        choices = [fmt.full_choice(kind, i, acc,
-                                   fmt.logprobs_body(kind, acc.logprobs, output.token_texts) if output.logprobs else None,
-                                   parse_tool_calls(acc.text, output.one_call) if output.tools else None)
-                   for i, acc in enumerate(accs)]
-        return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs))
+        choices = [fmt.full_choice(kind, i, acc, output, parse_tool_calls(acc.text, output.one_call)
+                                   if output.tools else None, echoes[i]) for i, acc in enumerate(accs)]
+        return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs,
+                                              body.n))
 
     async def respond(self, body: ResponsesRequest):
         """`POST /v1/responses`: the chat request it means, generated as `handle` would, its output
@@ -227,7 +233,7 @@ class Ingress:
         async def events() -> AsyncIterator[str]:
             for event in opening:
                 yield fmt.typed_sse(event)
-            acc = fmt.Accumulated()
+            acc = fmt.Accumulated.of(request)
             try:
                 async with contextlib.aclosing(self._replicas.deltas(request, *opened, acc, routing)) as deltas:
                     async for delta in deltas:
@@ -242,9 +248,9 @@ class Ingress:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest], created: int,
-                   opened: list[tuple[Any, GenerationDelta]], routing: asyncio.Lock,
-                   include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest],
+                   echoes: list[Optional[fmt.Echo]], created: int, opened: list[tuple[Any, GenerationDelta]],
+                   routing: asyncio.Lock, include_usage: bool, n: int) -> AsyncIterator[str]:
         """The response's SSE: each choice's chunks as its replica stream delivers them (one
         task per choice), each choice's last chunk as it finishes, then the usage and [DONE]."""
         kind, model = output.kind, self.config.model_name
@@ -252,7 +258,7 @@ class Ingress:
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
 
         async def choice(index: int) -> None:
-            pieces = fmt.StreamPieces(output)
+            pieces = fmt.StreamPieces(output, echoes[index])
             try:
                 async with contextlib.aclosing(self._replicas.deltas(requests[index], *opened[index], accs[index],
                                                                      routing)) as deltas:
@@ -286,7 +292,7 @@ class Ingress:
                     else:
                         yield fmt.sse(event)
                 if include_usage:
-                    yield fmt.sse(fmt.usage_chunk(kind, response_id, created, model, accs))
+                    yield fmt.sse(fmt.usage_chunk(kind, response_id, created, model, accs, n))
             except ApiError as exc:
                 yield fmt.sse({"error": {**exc.body()["error"], "code": exc.status}})
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it

@@ -27,19 +27,22 @@ class Accumulated:
 
     text: str = ""
     finish_reason: Optional[str] = None
-    stop_string: Optional[str] = None  # the stop string that ended it, if one did
+    stop_string: Optional[str] = None  # the client's stop string that ended it, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for (echo)
     token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
     prediction: Sequence[int] = ()  # the request's predicted output (token ids), if any
-    stop_token_ids: Sequence[int] = ()  # the request's, for stop_reason
+    stops: Sequence[str] = ()  # the request's stop strings and stop ids: what stop_reason may name
+    stop_token_ids: Sequence[int] = ()
 
     @classmethod
     def of(cls, request: GenerationRequest) -> "Accumulated":
-        return cls(prediction=request.prediction, stop_token_ids=request.sampling.stop_token_ids)
+        sampling = request.sampling
+        return cls(prediction=request.prediction, stops=sampling.stop, stop_token_ids=sampling.stop_token_ids)
 
     @property
     def stop_reason(self) -> Union[str, int, None]:
@@ -54,28 +57,32 @@ class Accumulated:
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
         self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
         self.token_ids += delta.token_ids
         if delta.finish_reason is not None:
-            self.finish_reason, self.stop_string = delta.finish_reason, delta.stop_string
+            self.finish_reason = delta.finish_reason
+            self.stop_string = delta.stop_string if delta.stop_string in self.stops else None  # not ours (stop_after)
             self.prompt_tokens = delta.prompt_tokens
             self.completion_tokens = delta.completion_tokens
             self.cached_tokens = delta.cached_tokens
             self.speculation = dict(delta.speculation)
 
 
-def usage(accs: Sequence[Accumulated]) -> dict[str, Any]:
-    """The request's usage over its choices (`n`): the prompt once, their outputs, their drafts
-    (acceptance length over all their verify steps) and their predictions' counts added up."""
+def usage(accs: Sequence[Accumulated], n: int = 1) -> dict[str, Any]:
+    """The request's usage over its choices (`n` a prompt, each prompt's together): each prompt
+    once, their outputs, their drafts (acceptance length over all their verify steps) and their
+    predictions' counts added up."""
     first, specs = accs[0], [acc.speculation for acc in accs]
+    prompt_tokens = sum(acc.prompt_tokens for acc in accs[::n])
     completion = sum(acc.completion_tokens for acc in accs)
     spec = {key: sum(int(s.get(key, 0)) for s in specs) for key in ("draft_tokens", "accepted_tokens", "steps")}
     weighted = sum(float(s.get("acceptance_length", 0.0)) * int(s.get("steps", 0)) for s in specs)
     spec["acceptance_length"] = round(weighted / spec["steps"], 4) if spec["steps"] else 0.0
     body = {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},  # from the prefix cache
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(acc.cached_tokens for acc in accs[::n])},  # prefix cache
         "speculation": spec,
     }
     if first.prediction:
@@ -108,9 +115,10 @@ class TokenTexts:
 
 
 def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: TokenTexts,
-                  text_offset: int = 0) -> dict[str, Any]:
+                  text_offset: int = 0, unscored: Sequence[int] = ()) -> dict[str, Any]:
     """A choice's `logprobs`: chat's list of objects, or completions' parallel lists whose
-    `text_offset` counts characters from `text_offset` (where this chunk's text starts)."""
+    `text_offset` counts characters from `text_offset` (where this chunk's text starts), led
+    by the `unscored` tokens' (an echoed prompt's first: its logprob and top are null)."""
     if kind == "chat":
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = token_text(token_id)
@@ -118,26 +126,42 @@ def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: Token
 
         return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top]}
                             for e in entries]}
-    tokens = [token_text(e.token_id) for e in entries]
+    tokens = [token_text(t) for t in unscored] + [token_text(e.token_id) for e in entries]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+    none = [None] * len(unscored)
+    return {"tokens": tokens, "token_logprobs": none + [e.logprob for e in entries],
+            "top_logprobs": none + [{token_text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def full_choice(kind: Kind, index: int, acc: Accumulated, logprobs: Optional[dict[str, Any]] = None,
-                tool_calls: tuple[Optional[str], list[ToolCall]] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Echo:
+    """Completions' `echo`: a choice's prompt shown before its output, `text` and, with
+    logprobs, its `first_token` (unscored) and the prompt logprobs after it."""
+
+    text: str
+    first_token: int
+
+
+def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
+                tool_calls: tuple[Optional[str], list[ToolCall]] | None = None,
+                echo: Optional[Echo] = None) -> dict[str, Any]:
     """One choice of a non-streaming body; `tool_calls` is (content, calls) when the output made calls."""
     finish_reason, stop_reason = acc.finish_reason, acc.stop_reason
+    logprobs = None
+    if output.logprobs:
+        entries, unscored = (acc.logprobs, ()) if echo is None else (acc.prompt_logprobs + acc.logprobs,
+                                                                     (echo.first_token,))
+        logprobs = logprobs_body(kind, entries, output.token_texts, unscored=unscored)
     if kind != "chat":
-        return {"index": index, "text": acc.text, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
+        return {"index": index, "text": (echo.text if echo else "") + acc.text, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
     message: dict[str, Any] = {"role": "assistant", "content": acc.text}
     if tool_calls is not None and tool_calls[1]:
         message["content"] = tool_calls[0]
@@ -149,10 +173,10 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, logprobs: Optional[dic
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                  accs: Sequence[Accumulated]) -> dict[str, Any]:
+                  accs: Sequence[Accumulated], n: int = 1) -> dict[str, Any]:
     """The non-streaming body: its choices (`full_choice`) and the usage of their outputs."""
     return {"id": response_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": choices, "usage": usage(accs)}
+            "created": created, "model": model, "choices": choices, "usage": usage(accs, n)}
 
 
 def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional[str],
@@ -178,11 +202,12 @@ def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(kind: Kind, response_id: str, created: int, model: str, accs: Sequence[Accumulated]) -> dict[str, Any]:
+def usage_chunk(kind: Kind, response_id: str, created: int, model: str, accs: Sequence[Accumulated],
+                n: int = 1) -> dict[str, Any]:
     """The last chunk when `stream_options.include_usage`: no choices, the usage."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(accs)}
+            "usage": usage(accs, n)}
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -209,20 +234,24 @@ class Output:
 class StreamPieces:
     """A stream's deltas as chunk parts: text (tool calls split out), tool-call fragments, logprobs."""
 
-    def __init__(self, output: Output) -> None:
+    def __init__(self, output: Output, echo: Optional[Echo] = None) -> None:
         self._output = output
+        self._echo = echo  # goes out with the first delta
         self._tools = ToolCallStream(output.one_call) if output.tools else None
         self._call_ids: list[str] = []
         self._text_offset = 0  # completions: characters of token text so far
 
     def of(self, delta: GenerationDelta) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
-        out = self._output
-        logprobs = None
-        if out.logprobs and delta.logprobs:
-            logprobs = logprobs_body(out.kind, delta.logprobs, out.token_texts, self._text_offset)
-            self._text_offset += sum(len(out.token_texts(e.token_id)) for e in delta.logprobs)
+        out, echo, self._echo = self._output, self._echo, None
+        logprobs, text = None, delta.text
+        entries, unscored = delta.logprobs, ()
+        if echo is not None:
+            entries, unscored, text = delta.prompt_logprobs + delta.logprobs, (echo.first_token,), echo.text + text
+        if out.logprobs and (entries or unscored):
+            logprobs = logprobs_body(out.kind, entries, out.token_texts, self._text_offset, unscored)
+            self._text_offset += sum(len(out.token_texts(t)) for t in (*unscored, *(e.token_id for e in entries)))
         if self._tools is None:
-            return delta.text, [], logprobs
+            return text, [], logprobs
         events = self._tools.feed(delta.text) + (self._tools.finish() if delta.finish_reason else [])
         text = "".join(e.content for e in events if e.content is not None)
         fragments = []

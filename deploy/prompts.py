@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
-from deploy.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
-from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
+from deploy.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from deploy.tool_calls import TOOL_CALL_CLOSE, format_tool_calls, tool_call_grammar, tools_system_prompt
 from replicas.engine import GenerationRequest, GrammarSpec, RequestError, RequestSpeculation, SamplingParams
 
 
@@ -129,30 +129,57 @@ def generation_request(
         raise ApiError(400, f"{max_tokens_field}: {asked} + {len(prompt_ids)} prompt tokens exceed the context "
                             f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(config.default_max_tokens, room)
+    prompt_logprobs = None
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
+        if request.echo:  # the prompt is shown with its logprobs too
+            prompt_logprobs = logprobs
     logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
     in_vocabulary(tokenizer, list(logit_bias), "logit_bias")
     in_vocabulary(tokenizer, list(request.stop_token_ids), "stop_token_ids")
-    prediction = ()
-    if isinstance(request, ChatCompletionRequest) and request.prediction is not None:
-        prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
+    prediction, stop_after = (), ()
+    if isinstance(request, ChatCompletionRequest):
+        if request.prediction is not None:
+            prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
+        if request.functions and not request.parallel_tool_calls:
+            stop_after = (TOOL_CALL_CLOSE,)  # one call at most: its close tag ends the answer
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-            top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings,
+            top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings, stop_after=stop_after,
             stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos, logprobs=logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias, repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens,
-            min_p=request.min_p,
+            min_p=request.min_p, prompt_logprobs=prompt_logprobs,
         )
         return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
                                  speculation=request.speculation or RequestSpeculation(),
                                  grammar=grammar_spec(request), prediction=prediction)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
+
+
+def engine_requests(request_id: str, tokenizer: Any, request: Union[CompletionRequest, ChatCompletionRequest],
+                    config: IngressConfig) -> list[GenerationRequest]:
+    """The engine requests an HTTP request makes: `n` choices of each of its prompts, prompt by
+    prompt (a batched completions request's prompt i has ids suffixed -i, and its errors name
+    `prompt[i]`)."""
+    if isinstance(request, ChatCompletionRequest):
+        return choice_requests(generation_request(request_id, tokenizer, request, config), request.n)
+    prompts = request.prompts
+    if len(prompts) * request.n > MAX_PROMPTS:
+        raise ApiError(400, f"n: {len(prompts)} prompts x {request.n} choices exceed the limit of {MAX_PROMPTS}", "n")
+    requests, batched = [], len(prompts) > 1
+    for i, prompt in enumerate(prompts):
+        one = request.model_copy(update={"prompt": prompt})
+        try:
+            requests += choice_requests(generation_request(f"{request_id}-{i}" if batched else request_id, tokenizer,
+                                                           one, config), request.n)
+        except ApiError as exc:
+            raise exc.renamed({"prompt": f"prompt[{i}]"}) if batched else exc from None
+    return requests
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:

@@ -3,7 +3,7 @@ other APIs' requests share (`deploy/responses.py`, `deploy/messages.py` hold the
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
 ignored setting; a field we do not implement is accepted only at its neutral value
-(completions' `echo: false`, chat's `store: false`, `service_tier` "auto" or "default");
+(chat's `store: false`, `service_tier` "auto" or "default");
 labels and hints are taken and not read (`user`, `metadata`, the Responses API's
 `safety_identifier` and `prompt_cache_key`: our prefix cache finds a prompt's prefix by
 itself). Text a tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON
@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
 
 MAX_CHOICES = 8  # most choices (`n`) one request may ask for: as many as a replica has KV slots by default
+MAX_PROMPTS = 64  # most engine requests (prompts x n) one batched completions request may make
 
 
 class RequestModel(BaseModel):
@@ -148,22 +149,48 @@ class _Sampling(RequestModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class CompletionRequest(_Sampling):
-    """`POST /v1/completions`: a raw prompt (text or token ids), continued as it is."""
+Prompt = Union[Text, List[int]]
 
-    prompt: Union[Text, List[int]]
-    echo: Literal[False] = False
+
+def _batch(prompt: Union[Prompt, List[Text], List[List[int]]]) -> list[Prompt]:
+    """A completions `prompt` as its batch: one text or token-id list, or a list of them."""
+    return list(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`: a raw prompt (text or token ids), continued as it is, or a batch
+    of them (a list of texts or of token-id lists: `n` choices each, in the prompts' order)."""
+
+    prompt: Union[Text, List[int], List[Text], List[List[int]]]
+    echo: bool = Field(False, description="the prompt before each choice's text (and, with logprobs, "
+                                          "its tokens' logprobs, the first token's null)")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                     description="each token's logprob and this many alternatives")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind(cls, prompt):
+        if isinstance(prompt, list) and len({type(p) for p in prompt} & {str, list, int}) > 1:
+            raise ValueError("a text, a token-id list, or a list of either kind, not of both")
+        return prompt
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, prompt):
-        if len(prompt) == 0:
-            raise ValueError("must not be empty")
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise ValueError("token ids must be >= 0")
+        batch = _batch(prompt)
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in a batch, got {len(batch)}")
+        for one in batch:
+            if len(one) == 0:
+                raise ValueError("must not be empty")
+            if isinstance(one, list) and any(t < 0 for t in one):
+                raise ValueError("token ids must be >= 0")
         return prompt
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The batch's prompts (one, unless a list of texts or of token-id lists came)."""
+        return _batch(self.prompt)
 
 
 class TextPart(RequestModel):

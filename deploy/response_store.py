@@ -74,7 +74,7 @@ class KeptResponses:
         try:
             return await getattr(self._store, method).remote(*args)
         except Exception as exc:  # noqa: BLE001
-            raise server_error(exc) from exc
+            raise server_error(exc, "response store") from exc
 
     def _missing(self, response_id: str, param: Optional[str]) -> None:
         raise ApiError(404 if param is None else 400,

@@ -81,14 +81,13 @@ class ToolCallStream:
         self._scan_from = 0  # close tags before this cannot end the body
         self._started = False  # some content sent: later leading whitespace is content
         self._failed = False
-        self._text_after_call = False
         self._num_calls = 0
 
     @property
     def ok(self) -> bool:
-        """Every open tag so far began a well-formed call and nothing but whitespace sits
-        after a call (after `finish`: the output is what `parse_tool_calls` accepts)."""
-        return not (self._failed or self._text_after_call) and self._block is None
+        """Every open tag so far began a well-formed call (after `finish`: the output is what
+        `parse_tool_calls` accepts)."""
+        return not self._failed and self._block is None
 
     @property
     def num_calls(self) -> int:
@@ -125,7 +124,6 @@ class ToolCallStream:
         if not text:
             return []
         self._started = True
-        self._text_after_call |= self._num_calls > 0  # parse_tool_calls: then it is all prose
         return [StreamEvent(content=text)]
 
     def _fail(self, held: str) -> list[StreamEvent]:

@@ -137,11 +137,12 @@ def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None
 
 
 def parse_tool_calls(text: str, one_call: bool = False) -> tuple[str | None, list[ToolCall]]:
-    """A finished output as (content, calls). Content is the text before the first open tag,
-    stripped (None if empty). Any malformed or unclosed block, or non-whitespace text after
-    or between blocks, makes the whole output plain content: `(text, [])`, verbatim. With
-    `one_call` (parallel calls not allowed) the output ends at its first call: what follows a
-    well-formed first block is dropped."""
+    """A finished output as (content, calls). Content is the text outside the calls' blocks,
+    each piece right-stripped, then left-stripped as a whole (None if empty): what a stream
+    of the output sends (`ToolCallStream`), whose calls' fragments went out as each closed.
+    Any malformed or unclosed block makes the whole output plain content: `(text, [])`,
+    verbatim. With `one_call` (parallel calls not allowed) the output ends at its first
+    call: what follows a well-formed first block is dropped."""
     i = text.find(TOOL_CALL_OPEN)
     if i < 0:
         return text.strip() or None, []
@@ -149,14 +150,15 @@ def parse_tool_calls(text: str, one_call: bool = False) -> tuple[str | None, lis
         found = find_close(text[i + len(TOOL_CALL_OPEN):])
         if found is not None and found[1] is not None:
             text = text[:i + len(TOOL_CALL_OPEN) + found[0] + len(TOOL_CALL_CLOSE)]
-    calls, rest = [], text[i:]
+    pieces, calls, rest = [text[:i]], [], text[i:]
     while rest:
-        if not rest.startswith(TOOL_CALL_OPEN):
-            return text, []
         block = rest[len(TOOL_CALL_OPEN):]
         found = find_close(block)
         if found is None or found[1] is None:
             return text, []
         calls.append(found[1])
-        rest = block[found[0] + len(TOOL_CALL_CLOSE):].lstrip()
-    return text[:i].strip() or None, calls
+        rest = block[found[0] + len(TOOL_CALL_CLOSE):]
+        j = rest.find(TOOL_CALL_OPEN)
+        pieces.append(rest if j < 0 else rest[:j])
+        rest = "" if j < 0 else rest[j:]
+    return "".join(p.rstrip() for p in pieces).lstrip() or None, calls

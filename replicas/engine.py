@@ -113,9 +113,16 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # strings that end the output after them, kept in its text (the ingress ends an answer
+    # that may make one tool call at the call's close tag); a stop string begun inside one cuts
+    stop_after: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's logprob and its k most likely alternatives
+    # the same for the prompt's tokens after its first, under the model alone (no penalty or
+    # bias): what `echo` with logprobs scores (a prompt asking them is prefilled whole, its
+    # prefix never taken from the prefix cache)
+    prompt_logprobs: int | None = None
     # OpenAI's: minus presence_penalty for a token already in the output, minus
     # frequency_penalty per occurrence, on the logits (greedy too)
     presence_penalty: float = 0.0
@@ -135,6 +142,7 @@ class SamplingParams:
         if isinstance(self.stop, str):  # one stop string, not its characters
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_after", tuple(self.stop_after))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
@@ -145,10 +153,12 @@ class SamplingParams:
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         _require(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        _require(all(s for s in self.stop_after), "stop_after", "stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)}")
-        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
-                 f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            _require(k is None or 0 <= k <= MAX_TOP_LOGPROBS, name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
         _require(0 < self.repetition_penalty <= 2, "repetition_penalty",
                  f"must be in (0, 2], got {self.repetition_penalty}")
         _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
@@ -249,16 +259,22 @@ class GenerationDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
     stop_string: str | None = None  # the stop string that ended the output, if one did
+    # when asked for, on the request's first delta: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-def find_stop(text: str, sent_chars: int, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(where it begins, which) of the stop string that comes first in `text`, searched from
-    where one could still begin with `sent_chars` of the text sent; None if none is there."""
-    if not stops:
+def find_stop(text: str, sent_chars: int, stops: Sequence[str],
+              kept: Sequence[str] = ()) -> tuple[int, str] | None:
+    """(where the text ends, which string ended it) for the stop string that ends `text`
+    first, searched from where one could still begin with `sent_chars` of the text sent; None
+    if none is there. A stop string is cut from the text, a `kept` one stays in it (so a stop
+    string that begins inside a kept one still ends the text before it)."""
+    if not stops and not kept:
         return None
-    start = max(0, sent_chars - max(map(len, stops)))
-    hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits, key=lambda hit: hit[0]) if hits else None
+    start = max(0, sent_chars - max(map(len, (*stops, *kept))))
+    hits = [(i + len(s) * keep, s) for keep, strings in ((True, kept), (False, stops))
+            for s in strings if (i := text.find(s, start)) >= 0]
+    return min(hits, key=lambda hit: hit[0]) if hits else None  # ties: the kept one, done first
 
 
 @runtime_checkable

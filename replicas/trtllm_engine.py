@@ -133,8 +133,9 @@ class TrtllmEngine:
             raise RuntimeError("engine not started")
         if request.request_id in self._live:
             raise RequestError("request_id", f"{request.request_id!r} is already running")
-        if request.sampling.logprobs is not None:
-            raise RequestError("logprobs", "not returned by the TensorRT-LLM engine yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(request.sampling, name) is not None:
+                raise RequestError(name, "not returned by the TensorRT-LLM engine yet")
         if request.sampling.logit_bias:
             raise RequestError("logit_bias", "not mapped to the TensorRT-LLM engine yet")
         if request.resume is not None:  # refused, never rerun from the start (the client has the start)
@@ -150,7 +151,7 @@ class TrtllmEngine:
             sampling = self.api.sampling_params_cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise RequestError("sampling", str(exc)) from exc
-        tracker = OutputTracker(request.request_id, len(prompt_ids), tuple(request.sampling.stop))
+        tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, request.sampling.stop_after)
         return self._stream(tracker, prompt_ids, sampling)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:

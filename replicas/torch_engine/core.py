@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from replicas.torch_engine.suffix_drafts import DeviceSuffixDrafts, HostSuffixDrafts
 
 logger = logging.getLogger(__name__)
+PROMPT_LOGIT_ROWS = 128  # a prompt is scored this many rows at a time: [128, V] fp32 logits, 25 MB at V = 49k
 
 
 class EngineCore:
@@ -165,6 +166,7 @@ class EngineCore:
         self._release(seq)
         seq.num_cached = seq.prefix_offered = 0
         seq.prefilling = False
+        seq.prompt_logprobs = []  # not sent yet: scored again from the start
         self.waiting.insert(0, seq)
         self.preemptions += 1
         self._room_freed = False
@@ -185,7 +187,8 @@ class EngineCore:
         seq.mtp_fed = self.mtp is not None and drafts_with_mtp(request_mode(self.speculation, seq))
         context = seq.context
         reused, reused_hidden = 0, None
-        if self.prefix is not None:  # the longest cached prefix goes into the slot: prefill the rest
+        # the longest cached prefix goes into the slot: prefill the rest (all of a prompt to score)
+        if self.prefix is not None and not self._scores_prompt(seq):
             seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
             reused = self.cache.lengths[seq.slot]
             seq.cached_tokens = min(reused, len(seq.prompt_ids))
@@ -210,6 +213,8 @@ class EngineCore:
         if reused_hidden is not None:  # the MTP head needs every position's
             hidden = torch.cat((reused_hidden, hidden))
         first = end - len(hidden)  # hidden's first position
+        if self._scores_prompt(seq):
+            self._score_prompt(seq, hidden[start - first:], start)
         seq.num_cached = end
         # (without an MTP head no hidden state is stored: the offset is moot)
         self._store_prefix(seq, hidden[max(0, len(seq.prefix_blocks) * BLOCK_TOKENS - first):])
@@ -228,6 +233,22 @@ class EngineCore:
         else:
             self._emit(seq, new, logits)
         return end - start
+
+    @staticmethod
+    def _scores_prompt(seq: Sequence) -> bool:
+        """Does the request want its prompt's logprobs from its prefill (not yet sent: a resumed
+        or preempted request has output, so they went out with its first token)?"""
+        return seq.sampling.prompt_logprobs is not None and not seq.output_ids
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """The prompt logprobs `hidden` (positions `start`..) gives: position p scores prompt
+        token p + 1, through the lm_head a slice of rows at a time."""
+        prompt = seq.prompt_ids
+        rows = min(len(hidden), len(prompt) - 1 - start)
+        for i in range(0, rows, PROMPT_LOGIT_ROWS):
+            j = min(rows, i + PROMPT_LOGIT_ROWS)
+            seq.prompt_logprobs += token_logprobs(self.model.logits(hidden[i:j]), prompt[start + i + 1:start + j + 1],
+                                                  seq.sampling.prompt_logprobs)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         self.suffix.settle()  # the last step's drafts

@@ -56,6 +56,7 @@ class Sequence:
     stop_string: str | None = None  # the stop string that ended it, if one did
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for; none for a final stop id
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for, until sent
     # text streaming state
     text: str = ""  # decoded output, stop strings cut once finished
     settled_tokens: int = 0  # output tokens whose text is settled_text (Detokenizer.joins)
@@ -128,7 +129,7 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     """Decode the output so far and return the delta not yet sent (None if nothing new).
 
     Stop strings are searched in the whole text; a match finishes the request and cuts the
-    text before the stop string.
+    text before the stop string (after it, for `stop_after`'s).
     """
     ids = seq.output_ids
     if seq.finish_reason == "stop" and ids and seq.is_visible_stop(ids[-1]):
@@ -138,7 +139,7 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     if detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
         seq.settled_text, seq.settled_tokens = text, len(ids)
     stops = seq.sampling.stop
-    found = find_stop(text, seq.num_sent_chars, stops)
+    found = find_stop(text, seq.num_sent_chars, stops, seq.sampling.stop_after)
     if found is not None:
         text = text[: found[0]]
         seq.finish_reason, seq.stop_string = "stop", found[1]
@@ -157,6 +158,7 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     if not new_text and not new_tokens and seq.finish_reason is None:
         return None
     new_logprobs = tuple(seq.logprobs[seq.num_sent_logprobs :])
+    prompt_logprobs, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
     seq.num_sent_chars = max(seq.num_sent_chars, releasable)
     seq.num_sent_tokens = len(seq.output_ids)
     seq.num_sent_logprobs = len(seq.logprobs)
@@ -172,4 +174,5 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
         speculation=seq.counters.usage(),
         logprobs=new_logprobs,
         stop_string=seq.stop_string,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -20,10 +20,11 @@ from replicas.stats import acceptance_length
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "error"}
 
 
-def releasable_text(text: str, sent_chars: int, stops: Sequence[str],
-                    finished: bool) -> tuple[str, int, str | None]:
-    """(text with any stop string cut, how much of it may be sent, the stop string that hit)."""
-    found = find_stop(text, sent_chars, stops)
+def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: bool,
+                    kept: Sequence[str] = ()) -> tuple[str, int, str | None]:
+    """(text ended at any stop string, how much of it may be sent, the stop string that hit);
+    `kept` ones stay in the text (`SamplingParams.stop_after`)."""
+    found = find_stop(text, sent_chars, stops, kept)
     if found is not None:
         return text[: found[0]], found[0], found[1]
     end = len(text)
@@ -86,6 +87,7 @@ class OutputTracker:
     request_id: str
     prompt_tokens: int
     stops: tuple[str, ...] = ()
+    stop_after: tuple[str, ...] = ()  # matched here only: upstream has no per-string "keep it"
     sent_chars: int = 0
     sent_tokens: int = 0
     completion_tokens: int = 0
@@ -106,7 +108,8 @@ class OutputTracker:
         finish = FINISH_REASONS.get(upstream_finish) if upstream_finish else None
         if upstream_finish and finish is None:
             finish = "error"
-        text, end, self.stop_string = releasable_text(text, self.sent_chars, self.stops, finish is not None)
+        text, end, self.stop_string = releasable_text(text, self.sent_chars, self.stops, finish is not None,
+                                                      self.stop_after)
         if self.stop_string is not None:
             finish = "stop"
         ids = list(token_ids)

@@ -5,7 +5,8 @@ FakeEngine implements the Engine protocol the way TorchEngine behaves at its edg
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
 "FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_AT:<k>:<path>"
 kills its replica's process at token k unless <path> exists (it creates it), "ECHO:<text>"
-answers the rest of its message (a character a token, then "stop") instead of the alphabet.
+answers the rest of its message (a character a token, then "stop"; up to a stop string or
+through a `stop_after` one, as engines end it) instead of the alphabet.
 A `Resume` continues after the tokens it carries.
 """
 
@@ -16,7 +17,8 @@ import os
 from pathlib import Path
 from typing import AsyncIterator
 
-from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig, TokenLogprob
+from replicas.engine import (GenerationDelta, GenerationRequest, RequestError, SpeculationConfig, TokenLogprob,
+                             find_stop)
 from replicas.stats import EngineStats
 
 ALPHABET = "abcdefghij"
@@ -87,6 +89,9 @@ class FakeEngine:
         resumed = len(request.resume.token_ids) if request.resume is not None else 0  # continue after them
         die_at = _die_at(prompt)
         echo = prompt.split("ECHO:", 1)[1].split("</>")[0] if "ECHO:" in prompt else None
+        stop = find_stop(echo, 0, request.sampling.stop, request.sampling.stop_after) if echo else None
+        if stop is not None and stop[0] > 0:
+            echo = echo[:stop[0]]
         try:
             for i in range(resumed, min(request.sampling.max_tokens, len(echo) if echo else 1 << 30)):
                 if i == die_at:
@@ -108,6 +113,7 @@ class FakeEngine:
                 yield GenerationDelta(
                     request.request_id, (ord(char),), char, finish, None,
                     prompt_tokens, i + 1, spec if finish else {}, logprobs,
+                    stop_string=stop[1] if finish == "stop" and stop is not None else None,
                 )
         finally:
             self.live.discard(request.request_id)

@@ -94,7 +94,12 @@ def test_parallel_calls_off_answers_the_first_call_in_every_api(wide_url, stream
         kw = dict(model="fake", messages=[{"role": "user", "content": content}], max_tokens=400, tools=[tool],
                   parallel_tool_calls=parallel)
         if not stream:
-            calls = client.chat.completions.create(**kw).choices[0].message.tool_calls or []
+            answer = client.chat.completions.create(**kw)
+            calls = answer.choices[0].message.tool_calls or []
+            if not parallel:  # the engine ended the output at the first call's close tag, ours, not the client's
+                first = content.removeprefix("ECHO:").split("</tool_call>")[0] + "</tool_call>"
+                assert answer.usage.completion_tokens == len(first)  # a token a character
+                assert answer.choices[0].model_extra["stop_reason"] is None
             return [c.function.arguments for c in calls]
         calls: dict[int, str] = {}
         for chunk in client.chat.completions.create(**kw, stream=True):
@@ -103,7 +108,8 @@ def test_parallel_calls_off_answers_the_first_call_in_every_api(wide_url, stream
         return list(calls.values())
 
     assert chat_calls(ask, parallel=False) == ['{"city": "Paris"}']
-    assert chat_calls(_calls_answer(2), parallel=True) == ['{"city": "Paris"}', '{"city": "Rome"}']
+    # prose after the calls is content beside them, as the stream (which sent them) has it
+    assert chat_calls(_calls_answer(2, after="\nDone."), parallel=True) == ['{"city": "Paris"}', '{"city": "Rome"}']
     flat = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
     body = respond(input=ask, max_output_tokens=400, tools=[flat], parallel_tool_calls=False, stream=stream)
     response = httpx.post(f"{wide_url}/v1/responses", json=body, headers=AUTH, timeout=30)

@@ -285,3 +285,50 @@ def test_n_choices_plain_and_streamed(client):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     greedy = client.completions.create(model=MODEL, prompt=CODE_PROMPT, max_tokens=12, temperature=0, n=2)
     assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_echo_scores_a_text_as_its_generation_did_streamed_or_not(client):
+    """`echo` with logprobs, what evaluation harnesses score texts with: the prompt comes back
+    before the output, its first token unscored, and the tokens the model generated earlier
+    score in the prompt with the very logprobs generating them had (row-invariant kernels: a
+    prefill row computes what a decode step did)."""
+    prompt = "a b c d a b c d a b c d a b"
+    generated = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    text, made = prompt + generated.choices[0].text, generated.choices[0].logprobs
+    kwargs = dict(model=MODEL, prompt=text, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    scored = client.completions.create(**kwargs)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text.startswith(text) and len(choice.text) > len(text)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == scored.usage.prompt_tokens + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    ours = slice(len(lp.tokens) - 1 - len(made.tokens), -1)  # the generated tokens, in the prompt now
+    assert lp.tokens[ours] == made.tokens
+    assert lp.token_logprobs[ours] == made.token_logprobs and lp.top_logprobs[ours] == made.top_logprobs
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed = [(t, p) for c in chunks if c.logprobs for t, p in zip(c.logprobs.tokens, c.logprobs.token_logprobs)]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs))
+    assert client.completions.create(**{**kwargs, "logprobs": None}).choices[0].text == choice.text
+
+
+def test_a_batch_of_prompts_is_each_prompt_alone_in_order(url, client):
+    """A list of token-id prompts as lm-evaluation-harness's local-completions sends it for
+    loglikelihood (`max_tokens` 1, `logprobs` 1, `echo`): a choice per prompt, in order, each
+    what that prompt alone gets; the usage counts every prompt."""
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir())
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in ("The sky is", "def add(a, b):\n    return")]
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    batch = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    alone = [httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=120).json() for p in prompts]
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    for choice, one, ids in zip(batch["choices"], alone, prompts):
+        assert choice["text"] == one["choices"][0]["text"] and choice["logprobs"] == one["choices"][0]["logprobs"]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1
+    assert batch["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    texts = client.completions.create(model=MODEL, prompt=["The sky is", "Two plus two is"], max_tokens=4,
+                                      temperature=0, n=2)
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3] and texts.choices[0].text == texts.choices[1].text

@@ -117,6 +117,18 @@ def test_a_forced_call_and_a_json_format_conflict():
     assert info.value.status == 400 and info.value.param == "response_format"
 
 
+@pytest.mark.parametrize("choice,parallel,ends", [
+    ("auto", False, True), (None, False, True), ("required", False, True),
+    ("auto", True, False), ("none", False, False),
+])
+def test_an_answer_of_one_call_at_most_ends_at_its_close_tag(chatml, choice, parallel, ends):
+    """Not generated on to be dropped: the engine ends the output after the first close tag."""
+    request_ = chat(tools=tools(WEATHER), tool_choice=choice, parallel_tool_calls=parallel)
+    sampling = generation_request("r", chatml, request_, IngressConfig.from_args(AppArgs())).sampling
+    assert sampling.stop_after == (("</tool_call>",) if ends else ())
+    assert sampling.stop == ()
+
+
 def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(chatml):
     config = IngressConfig.from_args(AppArgs())
     code = "def add(a, b):\n    return a + b\n"

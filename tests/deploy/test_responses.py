@@ -3,9 +3,15 @@ output items (and stream events) made from a model's text."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from deploy.errors import ApiError
+from deploy.response_store import KeptResponses
 from deploy.responses import OutputItems, ResponsesRequest, chat_request, conversation, fitted
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -106,3 +112,20 @@ def test_a_chat_too_long_without_auto_truncation_or_even_its_last_turn_is_the_er
     assert fitted(auto, chat_request(auto, messages), messages, _window(12))[0] == "bbbb?|bbbb"
     with pytest.raises(ApiError, match="too long"):
         fitted(auto, chat_request(auto, messages), messages, _window(5))
+
+
+class _GoneStore:
+    """A fake handle to the ResponseStore deployment whose replica cannot be reached."""
+
+    def __getattr__(self, method: str):
+        async def remote(*args):
+            raise DeploymentUnavailableError(DeploymentID(name="ResponseStore", app_name="agent"))
+        return SimpleNamespace(remote=remote)
+
+
+@pytest.mark.parametrize("call", ["get", "delete"])
+def test_an_unreachable_store_is_a_503_that_names_the_store(call):
+    with pytest.raises(ApiError) as info:
+        asyncio.run(getattr(KeptResponses(_GoneStore(), 4), call)("resp_1"))
+    assert info.value.status == 503 and "response store" in info.value.message
+    asyncio.run(KeptResponses(_GoneStore(), 4).put({"id": "resp_1"}, []))  # the answer is made: logged, not failed

@@ -38,6 +38,10 @@ WELL_FORMED = [
     ("  \n Sure  \n\n" + PARIS + "\n\n", "Sure", [("get_weather", '{"city": "Paris"}')]),
     (PARIS + "\n" + SUM, None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2.5}')]),
     (PARIS + SUM, None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2.5}')]),
+    # Prose around calls is content, as the stream sends it once the call before it is out.
+    (PARIS + "\nDone. \n", "Done.", [("get_weather", '{"city": "Paris"}')]),
+    ("Checking. " + PARIS + "\nand\n" + SUM + " ok", "Checking.\nand ok",
+     [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2.5}')]),
     (_block('{"name": "now", "arguments": {}}'), None, [("now", "{}")]),
     (_block('{"name": "f", "arguments": {"a": {"b": [1, {"c": "}"}]}, "s": "x}y{"}}'), None,
      [("f", '{"a": {"b": [1, {"c": "}"}]}, "s": "x}y{"}')]),
@@ -70,8 +74,6 @@ MALFORMED = [
     _block('{"arguments": {"a": 1}}'),
     _block('{"name": 7, "arguments": {}}'),
     _block('{"name": "add", "arguments": {"a": 1}, "id": "x"}'),
-    PARIS + "\nDone.",  # trailing prose
-    PARIS + "\nand\n" + SUM,  # prose between blocks
     PARIS + "\n<tool_call>",  # a second, unclosed block
 ]
 
@@ -208,7 +210,7 @@ def test_stream_never_disagrees_with_parse_on_mutated_outputs(one_call):
 # (output, content): parallel calls not allowed, the output ends at its first call, PARIS's
 ONE_CALL = [
     (PARIS + "\n" + SUM, None),
-    ("Checking.\n" + PARIS + "\nDone, and more.", "Checking."),  # malformed as a whole, not here
+    ("Checking.\n" + PARIS + "\nDone, and more.", "Checking."),
     (PARIS + SUM + SUM, None),
     (PARIS + "\n<tool_call> broken", None),
 ]

@@ -43,8 +43,9 @@ def test_length_limit(engine, loop):
     assert len(tokens) == 7 and last.finish_reason == "length" and last.completion_tokens == 7
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["stop", "stop_after"])
 @pytest.mark.parametrize("mode", ["off", "auto"])
-def test_stop_string_spanning_tokens(engine, loop, mode):
+def test_stop_string_spanning_tokens(engine, loop, mode, kept):
     prompt = chat_prompt(engine, POEM)
     tokens, text, _ = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode="off")))
     # a stop string that starts inside one token and ends inside the next
@@ -53,10 +54,13 @@ def test_stop_string_spanning_tokens(engine, loop, mode):
              and len(pieces[i + 1]) - len(pieces[i]) >= 3)
     stop = text[len(pieces[i]) - 2: len(pieces[i]) + 2]
     never = "\u2603\u2603"  # listed first, never written: the stop string named is the one that ended it
-    _, stopped, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode=mode,
-                                                                       stop=(never, stop))))
+    strings = {"stop_after" if kept else "stop": (never, stop)}
+    tokens_to_stop, stopped, last = loop.run_until_complete(collect(engine, request(prompt, max_tokens=40, mode=mode,
+                                                                                   **strings)))
     assert last.finish_reason == "stop" and last.stop_string == stop
-    assert stopped == text[: text.find(stop)]
+    assert stopped == text[: text.find(stop) + len(stop) * kept]
+    assert tokens_to_stop == tokens[:len(tokens_to_stop)]  # verified drafts past it may be in
+    assert len(tokens_to_stop) == i + 1 if mode == "off" else len(tokens_to_stop) > i
 
 
 def test_abort_mid_stream_frees_kv_and_sa(engine, loop):

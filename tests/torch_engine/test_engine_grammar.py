@@ -136,6 +136,34 @@ def test_logprobs_shape(engine, loop):
     assert none == []
 
 
+async def _scored(engine, prompt_ids, k):
+    """(the prompt's logprobs, the last delta) of a one-token request scoring its prompt."""
+    scored, last = [], None
+    async for delta in engine.generate(request(prompt_ids, max_tokens=1, prompt_logprobs=k)):
+        scored += delta.prompt_logprobs
+        last = delta
+    return scored, last
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["one-chunk", "5-token-chunks"])
+def test_prompt_logprobs_are_bitwise_those_of_generating_the_prompt(engine, loop, monkeypatch, chunk):
+    """Row invariance end to end: a text scored in one prefill, in one chunk or several, gets
+    the logprobs its own greedy generation gave it token by token (1-row decode steps and
+    verify rows alike), compared with ==; scored again, it is prefilled again, never taken
+    from the prefix cache, and scores the same."""
+    head = engine.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    tokens, _, logprobs, _ = run(engine, loop, request(head, max_tokens=24, logprobs=3, ignore_eos=True))
+    if chunk:
+        monkeypatch.setattr(engine.core, "max_prefill_tokens", chunk)
+    scored, last = loop.run_until_complete(_scored(engine, head + tokens, 3))
+    assert [e.token_id for e in scored] == (head + tokens)[1:]
+    assert scored[len(head) - 1:] == logprobs
+    again, last = loop.run_until_complete(_scored(engine, head + tokens, 3))
+    assert again == scored and last.cached_tokens == 0
+    _, _, _, plain = run(engine, loop, request(head + tokens, max_tokens=1))
+    assert plain.prompt_logprobs == () and plain.cached_tokens > 0  # the cache had it all along
+
+
 @pytest.mark.parametrize("penalties", [
     {"presence_penalty": 0.8, "frequency_penalty": 0.6},
     {"frequency_penalty": 1.5, "temperature": 0.9, "seed": 5},

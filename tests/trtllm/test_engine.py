@@ -78,6 +78,19 @@ def test_stop_string_is_never_streamed():
     assert all("o." not in d.text for d in deltas)
 
 
+def test_stop_after_ends_the_output_after_it_and_aborts_upstream():
+    async def go():
+        engine = await started(engine_config("hybrid"))
+        deltas = await collect(engine, request("one two. three ", max_tokens=60, stop_after=("o. t",)))
+        aborts = len(engine._llm.abort_calls)
+        await engine.shutdown()
+        return deltas, aborts
+
+    deltas, aborts = run(go())
+    assert joined(deltas)[0] == "one two. t" and aborts == 1  # upstream is never told of it
+    assert (deltas[-1].finish_reason, deltas[-1].stop_string) == ("stop", "o. t")
+
+
 def test_a_stop_string_upstream_missed_is_cut_and_aborted_upstream():
     async def go():
         engine = await started(engine_config("off"))
@@ -149,6 +162,8 @@ def test_not_iterating_submits_nothing():
     (request([1, -2]), "prompt"),
     (request("x" * 500, max_tokens=100), "max_tokens"),
     (request("x", logit_bias={3: 1.0}), "logit_bias"),  # not mapped upstream yet
+    (request("x", logprobs=1), "^logprobs"),
+    (request("x", prompt_logprobs=1), "^prompt_logprobs"),
 ])
 def test_bad_requests_fail_before_streaming(req, match):
     async def go():
@@ -199,6 +214,16 @@ def test_finish_reason_mapping(upstream, ours):
 ])
 def test_releasable_text(text, sent, stops, finished, expected):
     assert releasable_text(text, sent, stops, finished) == expected
+
+
+@pytest.mark.parametrize("text,stops,kept,expected", [
+    ("a</c> b", (), ("</c>",), ("a</c>", 5, "</c>")),  # kept in the text
+    ("a</c", (), ("</c>",), ("a</c", 4, None)),  # nothing to hold back: the string is sent anyway
+    ("a</c> b", ("c>",), ("</c>",), ("a</", 3, "c>")),  # a stop string inside a kept one still cuts
+    ("a</c> b", (" b",), ("</c>",), ("a</c>", 5, "</c>")),
+])
+def test_releasable_text_keeps_stop_after_strings(text, stops, kept, expected):
+    assert releasable_text(text, 0, stops, False, kept) == expected
 
 
 def test_request_usage():
