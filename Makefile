@@ -114,7 +114,7 @@ bench-faults: install
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.
 bench: bench-forward bench-drafters bench-engine bench-long bench-serve bench-autoscaling bench-grammar bench-structured \
-  bench-faults bench-multiturn bench-memory bench-predicted bench-scoring
+  bench-faults bench-multiturn bench-memory bench-predicted bench-scoring bench-lm-eval
 
 # The engine on a CUDA GPU: device vs host automata, off/SA/MTP/hybrid; cuda_engine.json/.png/.md.
 .PHONY: bench-cuda
@@ -213,6 +213,19 @@ bench-predicted: install
 .PHONY: bench-scoring
 bench-scoring: install
 	$(PY) benchmarks/scoring.py
+
+# lm-evaluation-harness (bench venv) against deploy.yaml's app on a multiple-choice task, beside
+# transformers' fp32 scores of the same tokens; lm_eval.json.
+LMEVAL_VERSION := 0.4.13
+LMEVAL_STAMP := $(BENCH_VENV)/.installed-lm-eval$(LMEVAL_VERSION)
+$(LMEVAL_STAMP):
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PIP) install 'lm-eval[api]==$(LMEVAL_VERSION)'
+	touch $@
+
+.PHONY: bench-lm-eval
+bench-lm-eval: install $(LMEVAL_STAMP)
+	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/lm_eval_check.py
 
 # Long outputs: the engine's per-step cost beside the compiled forward's, by quarter of a
 # 2,048-token output; long_output.json/.png.

@@ -366,6 +366,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         return await ingress.detokenize(body)
 
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info():
+        return tokenizing.tokenizer_info(await ingress.tokenizer(), config.max_seq_len)
+
     @app.get("/healthz")
     @app.get("/health")  # vLLM's name for it
     async def healthz():

@@ -1,11 +1,15 @@
-"""vLLM's `POST /tokenize` and `POST /detokenize`, for clients that count or inspect tokens
-before they send a request (a context-window budget, a `logit_bias` id, a `stop_token_ids` id).
+"""vLLM's `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, for clients that
+count or inspect tokens before they send a request (a context-window budget, a `logit_bias`
+id, a `stop_token_ids` id), or tokenize on their side with the server's tokenizer
+(lm-evaluation-harness's remote tokenizer uses all three).
 
 `/tokenize` takes a `prompt` (tokenized as `/v1/completions` would: no special tokens added
 unless `add_special_tokens`) or chat `messages` (rendered by the chat template as
 `/v1/chat/completions` would, `tools` included) and answers `count`, `tokens`,
 `max_model_len` and, with `return_token_strs`, each token's string; `/detokenize` turns token
 ids back into text. `model` may be left out; given, it must be the served one.
+`/tokenizer_info` answers the tokenizer's settings (its special tokens, ...), its class and
+the chat template, as vLLM's does; file paths are left out.
 """
 
 from __future__ import annotations
@@ -70,3 +74,26 @@ def tokenize(tokenizer: Any, body: Union[TokenizeCompletion, TokenizeChat], mode
 
 def detokenize(tokenizer: Any, body: DetokenizeRequest) -> dict[str, str]:
     return {"prompt": tokenizer.decode(in_vocabulary(tokenizer, list(body.tokens), "tokens"))}
+
+
+def tokenizer_info(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+    """The tokenizer's settings (its init kwargs, paths on this server left out), its special
+    tokens, class and chat template, and the served context window as `model_max_length`."""
+    info = {key: _plain(value) for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+            if not key.endswith("_file") and key != "name_or_path"}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = _plain(getattr(tokenizer, name, None))
+    info.update(tokenizer_class=type(tokenizer).__name__, model_max_length=max_model_len,
+                chat_template=getattr(tokenizer, "chat_template", None))
+    return info
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value for a tokenizer setting: an added token as its text, other objects as text."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(getattr(value, "content", value))

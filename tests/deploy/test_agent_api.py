@@ -220,6 +220,22 @@ def test_tokenize_counts_what_the_completion_would_and_detokenize_inverts_it(age
     assert text == prompt
 
 
+def test_tokenizer_info_is_enough_to_tokenize_and_template_on_the_client(agent_url):
+    """vLLM's /tokenizer_info, what lm-evaluation-harness's remote tokenizer reads (with /tokenize
+    and /detokenize): the special tokens and the chat template the server renders chats with;
+    nothing of the server's file system."""
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir())
+    response = httpx.get(f"{agent_url}/tokenizer_info", timeout=60)
+    info = response.json()
+    assert info["eos_token"] == tokenizer.eos_token == "<|im_end|>" and info["model_max_length"] == 1024
+    assert info["chat_template"] == tokenizer.chat_template and info["tokenizer_class"]
+    assert str(resolve_model_dir()) not in response.text
+    eos = httpx.post(f"{agent_url}/tokenize", json={"prompt": info["eos_token"]}, timeout=60).json()["tokens"]
+    assert eos == [tokenizer.eos_token_id]
+
+
 def test_grammar_errors_are_400s_naming_the_field(agent_url):
     body = {"model": MODEL, "messages": WEATHER_CHAT, "max_tokens": 8,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}

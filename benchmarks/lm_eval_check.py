@@ -1,0 +1,149 @@
+"""lm-evaluation-harness against the served model: what an evaluation run gets from us.
+
+deploy.yaml's application is served on loopback and lm-evaluation-harness (the bench venv's
+`lm_eval`, never a project dependency) runs its `local-completions` model on a
+multiple-choice task: loglikelihoods through batched token-id prompts with `echo`,
+`logprobs: 1` and `max_tokens: 1`, its tokenizer the server's (`/tokenizer_info`,
+`/tokenize`, `/detokenize`). The task is made here (capitals and sums, 4 choices each).
+Beside it, the same context and continuation token ids scored by transformers' fp32 forward
+in this process (lm-eval's `hf` model computes the same sums). Reported: each side's
+accuracy, how often they pick the same choice, how far their choice loglikelihoods are apart
+(ours reads the GGUF's Q4_1/Q8_0 weights), and lm-eval's wall time. Writes
+benchmarks/results/lm_eval.json.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_check.py [--batch-size 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.machine import cpu_description  # noqa: E402
+from benchmarks.serve import APP, app_document, apply, free_port  # noqa: E402
+from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir  # noqa: E402
+
+LM_EVAL = ROOT / ".venv-bench" / "bin" / "lm_eval"
+CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
+            ("Egypt", "Cairo"), ("Russia", "Moscow"), ("Greece", "Athens"), ("Portugal", "Lisbon"),
+            ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
+            ("Ireland", "Dublin"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Cuba", "Havana"),
+            ("Chile", "Santiago"), ("Canada", "Ottawa"), ("China", "Beijing")]
+
+
+def write_task(folder: Path, sums: int = 20) -> list[dict]:
+    """A multiple-choice task in lm-eval's YAML, its data a local JSON file; the docs."""
+    rng, docs = random.Random(0), []
+    for country, capital in CAPITALS:
+        choices = rng.sample([c for _, c in CAPITALS if c != capital], 3) + [capital]
+        rng.shuffle(choices)
+        docs.append({"question": f"The capital of {country} is", "choices": [f" {c}" for c in choices],
+                     "answer": choices.index(capital)})
+    for _ in range(sums):
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        choices = rng.sample([x for x in range(4, 41) if x != a + b], 3) + [a + b]
+        rng.shuffle(choices)
+        docs.append({"question": f"{a} + {b} =", "choices": [f" {c}" for c in choices],
+                     "answer": choices.index(a + b)})
+    (folder / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "local_mc.yaml").write_text(
+        "task: local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'data.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n')
+    return docs
+
+
+def run_lm_eval(url: str, folder: Path, batch_size: int) -> tuple[float, dict[int, list[float]]]:
+    """(lm-eval's wall seconds, each doc's choice loglikelihoods) from `local-completions`."""
+    args = [str(LM_EVAL), "run", "--model", "local-completions", "--model_args",
+            f"base_url={url}/v1/completions,model=smollm2-135m-instruct,num_concurrent=1,max_retries=1",
+            "--tasks", "local_mc", "--include_path", str(folder), "--batch_size", str(batch_size),
+            "--output_path", str(folder / "out"), "--log_samples"]
+    started = time.perf_counter()
+    subprocess.run(args, check=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    seconds = time.perf_counter() - started
+    (samples,) = (folder / "out").rglob("samples_local_mc_*.jsonl")
+    scores = {}
+    for line in samples.read_text().splitlines():
+        row = json.loads(line)
+        scores[row["doc_id"]] = [float(r[0][0]) for r in row["resps"]]
+    return seconds, scores
+
+
+def transformers_scores(docs: list[dict]) -> dict[int, list[float]]:
+    """Each doc's choice loglikelihoods under transformers' fp32 forward: the continuation's
+    token logprobs summed, context and continuation tokenized apart, as lm-eval does."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(resolve_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(), dtype=torch.float32).eval()
+    scores = {}
+    with torch.inference_mode():
+        for i, doc in enumerate(docs):
+            context = tokenizer.encode(doc["question"], add_special_tokens=False)
+            scores[i] = []
+            for choice in doc["choices"]:
+                continuation = tokenizer.encode(choice, add_special_tokens=False)
+                ids = torch.tensor([context + continuation])
+                logprobs = torch.log_softmax(model(ids).logits[0, len(context) - 1:-1].float(), dim=-1)
+                scores[i].append(float(logprobs.gather(1, torch.tensor(continuation).reshape(-1, 1)).sum()))
+    return scores
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per completions request")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lm_eval.json")
+    args = parser.parse_args()
+    if not LM_EVAL.exists():
+        sys.exit(f"{LM_EVAL} missing: `make bench-lm-eval` installs it")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    doc = app_document(argparse.Namespace(autoscaling=False, mtp_weights=None, gate_hold_s=None))
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        apply(doc)
+        with tempfile.TemporaryDirectory() as tmp:
+            docs = write_task(Path(tmp))
+            seconds, ours = run_lm_eval(f"http://127.0.0.1:{port}", Path(tmp), args.batch_size)
+    finally:
+        serve.delete(APP)
+        serve.shutdown()
+        ray.shutdown()
+    theirs = transformers_scores(docs)
+    pick = {name: [max(range(4), key=s[i].__getitem__) for i in range(len(docs))]
+            for name, s in (("ours", ours), ("transformers", theirs))}
+    gaps = [abs(a - b) for i in range(len(docs)) for a, b in zip(ours[i], theirs[i])]
+    result = {
+        "machine": cpu_description(), "docs": len(docs), "batch_size": args.batch_size,
+        "lm_eval_seconds": round(seconds, 1),
+        "accuracy": {name: round(sum(p == d["answer"] for p, d in zip(picks, docs)) / len(docs), 3)
+                     for name, picks in pick.items()},
+        "same_choice": round(sum(a == b for a, b in zip(pick["ours"], pick["transformers"])) / len(docs), 3),
+        "choice_loglikelihood_gap": {"mean": round(statistics.fmean(gaps), 4), "max": round(max(gaps), 3)},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
