@@ -1,15 +1,20 @@
 """lm-evaluation-harness against the served model: what an evaluation run gets from us.
 
 deploy.yaml's application is served on loopback and lm-evaluation-harness (the bench venv's
-`lm_eval`, never a project dependency) runs its `local-completions` model on a
-multiple-choice task: loglikelihoods through batched token-id prompts with `echo`,
-`logprobs: 1` and `max_tokens: 1`, its tokenizer the server's (`/tokenizer_info`,
-`/tokenize`, `/detokenize`). The task is made here (capitals and sums, 4 choices each).
-Beside it, the same context and continuation token ids scored by transformers' fp32 forward
-in this process (lm-eval's `hf` model computes the same sums). Reported: each side's
-accuracy, how often they pick the same choice, how far their choice loglikelihoods are apart
-(ours reads the GGUF's Q4_1/Q8_0 weights), and lm-eval's wall time. Writes
-benchmarks/results/lm_eval.json.
+`lm_eval`, never a project dependency) runs its `local-completions` model, its tokenizer the
+server's (`/tokenizer_info`, `/tokenize`, `/detokenize`), on two tasks made here from one
+set of questions (capitals and sums):
+
+- `local_mc`, 4 choices each: loglikelihoods through batched token-id prompts with `echo`,
+  `logprobs: 1` and `max_tokens: 1`. Beside it, the same context and continuation token ids
+  scored by transformers' fp32 forward in this process (lm-eval's `hf` model computes the
+  same sums): each side's accuracy, how often they pick the same choice, how far their
+  choice loglikelihoods are apart (ours reads the GGUF's Q4_1/Q8_0 weights).
+- `local_gen`, the answer generated greedily up to a newline or a full stop (batched prompts
+  with stop strings). Beside it, the embedded engine in this process without speculation:
+  the server (hybrid speculation, batched) must generate exactly its text for every question.
+
+Writes benchmarks/results/lm_eval.json (lm-eval's wall time too).
 
     PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_check.py [--batch-size 8]
 """
@@ -17,6 +22,7 @@ benchmarks/results/lm_eval.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -33,9 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import cpu_description  # noqa: E402
 from benchmarks.serve import APP, app_document, apply, free_port  # noqa: E402
+from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
+from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir  # noqa: E402
 
 LM_EVAL = ROOT / ".venv-bench" / "bin" / "lm_eval"
+GEN_TOKENS = 16
 CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
             ("Egypt", "Cairo"), ("Russia", "Moscow"), ("Greece", "Athens"), ("Portugal", "Lisbon"),
             ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
@@ -58,29 +67,53 @@ def write_task(folder: Path, sums: int = 20) -> list[dict]:
         docs.append({"question": f"{a} + {b} =", "choices": [f" {c}" for c in choices],
                      "answer": choices.index(a + b)})
     (folder / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    data = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'data.jsonl'}\n"
+            'test_split: test\ndoc_to_text: "{{question}}"\ntarget_delimiter: ""\n')
     (folder / "local_mc.yaml").write_text(
-        "task: local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {folder / 'data.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
-        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n')
+        f"task: local_mc\n{data}output_type: multiple_choice\n"
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
+    (folder / "local_gen.yaml").write_text(
+        f"task: local_gen\n{data}output_type: generate_until\ndoc_to_target: \"{{{{choices[answer]}}}}\"\n"
+        f"generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n"
+        "  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
     return docs
 
 
-def run_lm_eval(url: str, folder: Path, batch_size: int) -> tuple[float, dict[int, list[float]]]:
-    """(lm-eval's wall seconds, each doc's choice loglikelihoods) from `local-completions`."""
+def run_lm_eval(url: str, folder: Path, batch_size: int) -> tuple[float, dict[str, dict[int, list]]]:
+    """(lm-eval's wall seconds, per task each doc's responses: the choices' loglikelihoods, or
+    the generated text) from `local-completions`."""
     args = [str(LM_EVAL), "run", "--model", "local-completions", "--model_args",
             f"base_url={url}/v1/completions,model=smollm2-135m-instruct,num_concurrent=1,max_retries=1",
-            "--tasks", "local_mc", "--include_path", str(folder), "--batch_size", str(batch_size),
+            "--tasks", "local_mc,local_gen", "--include_path", str(folder), "--batch_size", str(batch_size),
             "--output_path", str(folder / "out"), "--log_samples"]
     started = time.perf_counter()
     subprocess.run(args, check=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     seconds = time.perf_counter() - started
-    (samples,) = (folder / "out").rglob("samples_local_mc_*.jsonl")
-    scores = {}
-    for line in samples.read_text().splitlines():
-        row = json.loads(line)
-        scores[row["doc_id"]] = [float(r[0][0]) for r in row["resps"]]
-    return seconds, scores
+    responses = {}
+    for task in ("local_mc", "local_gen"):
+        (samples,) = (folder / "out").rglob(f"samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        responses[task] = {row["doc_id"]: [r[0] for r in row["resps"]] for row in rows}
+    return seconds, responses
+
+
+def engine_answers(docs: list[dict]) -> list[str]:
+    """The embedded engine's greedy answers in this process, speculation off, up to a newline or a
+    full stop."""
+    engine = TorchEngine(TorchEngineConfig(mtp_weights=None, speculation=SpeculationConfig(mode="off")))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.start())
+
+    async def answer(i: int, doc: dict) -> str:
+        request = GenerationRequest(f"gen-{i}", engine.tokenizer.encode(doc["question"], add_special_tokens=False),
+                                    SamplingParams(max_tokens=GEN_TOKENS, stop=("\n", ".")),
+                                    RequestSpeculation(mode="off"))
+        return "".join([delta.text async for delta in engine.generate(request)])
+
+    try:
+        return [loop.run_until_complete(answer(i, doc)) for i, doc in enumerate(docs)]
+    finally:
+        loop.run_until_complete(engine.shutdown())
 
 
 def transformers_scores(docs: list[dict]) -> dict[int, list[float]]:
@@ -123,12 +156,15 @@ def main() -> None:
         apply(doc)
         with tempfile.TemporaryDirectory() as tmp:
             docs = write_task(Path(tmp))
-            seconds, ours = run_lm_eval(f"http://127.0.0.1:{port}", Path(tmp), args.batch_size)
+            seconds, responses = run_lm_eval(f"http://127.0.0.1:{port}", Path(tmp), args.batch_size)
     finally:
         serve.delete(APP)
         serve.shutdown()
         ray.shutdown()
+    ours = {i: [float(r[0]) for r in choices] for i, choices in responses["local_mc"].items()}
     theirs = transformers_scores(docs)
+    generated = [responses["local_gen"][i][0] for i in range(len(docs))]
+    reference = engine_answers(docs)
     pick = {name: [max(range(4), key=s[i].__getitem__) for i in range(len(docs))]
             for name, s in (("ours", ours), ("transformers", theirs))}
     gaps = [abs(a - b) for i in range(len(docs)) for a, b in zip(ours[i], theirs[i])]
@@ -139,6 +175,11 @@ def main() -> None:
                      for name, picks in pick.items()},
         "same_choice": round(sum(a == b for a, b in zip(pick["ours"], pick["transformers"])) / len(docs), 3),
         "choice_loglikelihood_gap": {"mean": round(statistics.fmean(gaps), 4), "max": round(max(gaps), 3)},
+        "generate_until": {
+            "exact_match": round(sum(g.strip() == d["choices"][d["answer"]].strip()
+                                     for g, d in zip(generated, docs)) / len(docs), 3),
+            "identical_to_engine_without_speculation": sum(g == r for g, r in zip(generated, reference)),
+            "of": len(docs), "examples": [[d["question"], g] for d, g in list(zip(docs, generated))[::10]]},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
