@@ -329,6 +329,12 @@ def test_a_batch_of_prompts_is_each_prompt_alone_in_order(url, client):
         assert choice["text"] == one["choices"][0]["text"] and choice["logprobs"] == one["choices"][0]["logprobs"]
         assert len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1
     assert batch["usage"]["prompt_tokens"] == sum(map(len, prompts))
-    texts = client.completions.create(model=MODEL, prompt=["The sky is", "Two plus two is"], max_tokens=4,
-                                      temperature=0, n=2)
+    kwargs = dict(model=MODEL, prompt=["The sky is", "Two plus two is"], max_tokens=4, temperature=0, n=2, echo=True)
+    texts = client.completions.create(**kwargs)
     assert [c.index for c in texts.choices] == [0, 1, 2, 3] and texts.choices[0].text == texts.choices[1].text
+    assert texts.choices[2].text.startswith("Two plus two is")
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in texts.choices]
