@@ -10,7 +10,6 @@ import pytest
 
 from replicas.engine import JSON_LAYOUT, Engine, GrammarSpec, RequestError, Resume
 from replicas.stats import NOT_GATED
-from replicas.trtllm.outputs import FINISH_REASONS, OutputTracker, releasable_text, request_usage
 from replicas.trtllm.translate import UnsupportedRelease
 from replicas.trtllm_engine import TrtllmEngine
 from tests.polling import async_wait_until
@@ -192,46 +191,6 @@ def test_duplicate_ids_and_not_started():
         await engine.shutdown()
 
     run(go())
-
-
-@pytest.mark.parametrize("upstream,ours", [("stop", "stop"), ("length", "length"),
-                                           ("cancelled", "abort"), ("timeout", "error"), ("weird", "error")])
-def test_finish_reason_mapping(upstream, ours):
-    tracker = OutputTracker("r", 3)
-    delta = tracker.update("ab", [1, 2], upstream, {})
-    assert delta.finish_reason == ours and delta.text == "ab"
-    assert (delta.error is None) == (ours != "error")
-    assert tracker.update("abc", [1, 2, 3], None, {}) is None  # nothing after the end
-    assert FINISH_REASONS.get(upstream, "error") == ours
-
-
-@pytest.mark.parametrize("text,sent,stops,finished,expected", [
-    ("hello wo", 0, ("wor",), False, ("hello wo", 6, None)),  # "wo" may grow into "wor"
-    ("hello wor", 0, ("wor",), False, ("hello ", 6, "wor")),
-    ("a stop b end", 0, ("end", "stop"), False, ("a ", 2, "stop")),  # the first in the text, not in the list
-    ("hello wo", 0, ("wor",), True, ("hello wo", 8, None)),
-    ("caf\ufffd", 0, (), False, ("caf\ufffd", 3, None)),  # an incomplete UTF-8 character
-])
-def test_releasable_text(text, sent, stops, finished, expected):
-    assert releasable_text(text, sent, stops, finished) == expected
-
-
-@pytest.mark.parametrize("text,stops,kept,expected", [
-    ("a</c> b", (), ("</c>",), ("a</c>", 5, "</c>")),  # kept in the text
-    ("a</c", (), ("</c>",), ("a</c", 4, None)),  # nothing to hold back: the string is sent anyway
-    ("a</c> b", ("c>",), ("</c>",), ("a</", 3, "c>")),  # a stop string inside a kept one still cuts
-    ("a</c> b", (" b",), ("</c>",), ("a</c>", 5, "</c>")),
-])
-def test_releasable_text_keeps_stop_after_strings(text, stops, kept, expected):
-    assert releasable_text(text, 0, stops, False, kept) == expected
-
-
-def test_request_usage():
-    perf = type("P", (), {"speculative_decoding": type("S", (), {
-        "total_draft_tokens": 12, "total_accepted_draft_tokens": 9})()})()
-    assert request_usage(perf, 4, 13) == {"draft_tokens": 12, "accepted_tokens": 9, "acceptance_length": 4.0, "steps": 3}
-    assert request_usage(perf, 0, 13)["steps"] == 3  # without decoding_iter: from token counts
-    assert request_usage(None, 5, 13) == {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_length": 0.0, "steps": 0}
 
 
 @pytest.mark.parametrize("mode,source", [("hybrid", "mtp"), ("sa", "sa"), ("off", None)])
