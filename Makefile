@@ -214,9 +214,9 @@ bench-predicted: install
 bench-scoring: install
 	$(PY) benchmarks/scoring.py
 
-# lm-evaluation-harness (bench venv) against deploy.yaml's app: a multiple-choice task beside
-# transformers' fp32 scores of the same tokens, a generated one beside the engine without
-# speculation; lm_eval.json.
+# lm-evaluation-harness (bench venv) against deploy.yaml's app: multiple-choice and rolling
+# perplexity tasks beside transformers' fp32 scores of the same tokens, a generated one beside
+# the engine without speculation; lm_eval.json.
 LMEVAL_VERSION := 0.4.13
 LMEVAL_STAMP := $(BENCH_VENV)/.installed-lm-eval$(LMEVAL_VERSION)
 $(LMEVAL_STAMP):

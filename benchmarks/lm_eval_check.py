@@ -13,6 +13,10 @@ set of questions (capitals and sums):
 - `local_gen`, the answer generated greedily up to a newline or a full stop (batched prompts
   with stop strings). Beside it, the embedded engine in this process without speculation:
   the server (hybrid speculation, batched) must generate exactly its text for every question.
+- `local_ppl`, `loglikelihood_rolling` over code files of 600-2,000 tokens (one window each
+  behind the end-of-text token: prompts the server prefills and scores in several chunks).
+  Beside it, transformers' fp32 loglikelihood of the same tokens: word perplexity both ways
+  and the mean gap per token.
 
 Writes benchmarks/results/lm_eval.json (lm-eval's wall time too).
 
@@ -24,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -42,9 +48,12 @@ from benchmarks.serve import APP, app_document, apply, free_port  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir  # noqa: E402
+from training.corpora import code_edits  # noqa: E402
 
 LM_EVAL = ROOT / ".venv-bench" / "bin" / "lm_eval"
+TASKS = ("local_mc", "local_gen", "local_ppl")
 GEN_TOKENS = 16
+PPL_TEXTS = 6
 CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
             ("Egypt", "Cairo"), ("Russia", "Moscow"), ("Greece", "Athens"), ("Portugal", "Lisbon"),
             ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
@@ -52,8 +61,8 @@ CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spa
             ("Chile", "Santiago"), ("Canada", "Ottawa"), ("China", "Beijing")]
 
 
-def write_task(folder: Path, sums: int = 20) -> list[dict]:
-    """A multiple-choice task in lm-eval's YAML, its data a local JSON file; the docs."""
+def write_tasks(folder: Path, tokenizer, sums: int = 20) -> tuple[list[dict], list[str]]:
+    """The tasks in lm-eval's YAML, their data local JSON files: (the questions, the texts)."""
     rng, docs = random.Random(0), []
     for country, capital in CAPITALS:
         choices = rng.sample([c for _, c in CAPITALS if c != capital], 3) + [capital]
@@ -76,7 +85,14 @@ def write_task(folder: Path, sums: int = 20) -> list[dict]:
         f"task: local_gen\n{data}output_type: generate_until\ndoc_to_target: \"{{{{choices[answer]}}}}\"\n"
         f"generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n"
         "  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
-    return docs
+    texts = [row["before"] for row in code_edits()
+             if 600 <= len(tokenizer.encode(row["before"], add_special_tokens=False)) <= 2000][:PPL_TEXTS]
+    (folder / "texts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (folder / "local_ppl.yaml").write_text(
+        f"task: local_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'texts.jsonl'}\n"
+        'test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n")
+    return docs, texts
 
 
 def run_lm_eval(url: str, folder: Path, batch_size: int) -> tuple[float, dict[str, dict[int, list]]]:
@@ -84,13 +100,13 @@ def run_lm_eval(url: str, folder: Path, batch_size: int) -> tuple[float, dict[st
     the generated text) from `local-completions`."""
     args = [str(LM_EVAL), "run", "--model", "local-completions", "--model_args",
             f"base_url={url}/v1/completions,model=smollm2-135m-instruct,num_concurrent=1,max_retries=1",
-            "--tasks", "local_mc,local_gen", "--include_path", str(folder), "--batch_size", str(batch_size),
+            "--tasks", ",".join(TASKS), "--include_path", str(folder), "--batch_size", str(batch_size),
             "--output_path", str(folder / "out"), "--log_samples"]
     started = time.perf_counter()
     subprocess.run(args, check=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     seconds = time.perf_counter() - started
     responses = {}
-    for task in ("local_mc", "local_gen"):
+    for task in TASKS:
         (samples,) = (folder / "out").rglob(f"samples_{task}_*.jsonl")
         rows = [json.loads(line) for line in samples.read_text().splitlines()]
         responses[task] = {row["doc_id"]: [r[0] for r in row["resps"]] for row in rows}
@@ -116,24 +132,27 @@ def engine_answers(docs: list[dict]) -> list[str]:
         loop.run_until_complete(engine.shutdown())
 
 
-def transformers_scores(docs: list[dict]) -> dict[int, list[float]]:
-    """Each doc's choice loglikelihoods under transformers' fp32 forward: the continuation's
-    token logprobs summed, context and continuation tokenized apart, as lm-eval does."""
+def transformers_loglikelihood(model, ids: list[int], start: int) -> float:
+    """The summed fp32 logprobs of `ids[start:]`, each given the ids before it."""
+    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, start - 1:-1].float(), dim=-1)
+    return float(logprobs.gather(1, torch.tensor(ids[start:]).reshape(-1, 1)).sum())
+
+
+def transformers_scores(tokenizer, docs: list[dict], texts: list[str]) -> tuple[dict[int, list[float]], list[float]]:
+    """Under transformers' fp32 forward, as lm-eval tokenizes and windows them: each doc's
+    choice loglikelihoods (context and continuation tokenized apart), and each text's (one
+    window behind the end-of-text token)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(resolve_model_dir())
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(), dtype=torch.float32).eval()
-    scores = {}
     with torch.inference_mode():
-        for i, doc in enumerate(docs):
-            context = tokenizer.encode(doc["question"], add_special_tokens=False)
-            scores[i] = []
-            for choice in doc["choices"]:
-                continuation = tokenizer.encode(choice, add_special_tokens=False)
-                ids = torch.tensor([context + continuation])
-                logprobs = torch.log_softmax(model(ids).logits[0, len(context) - 1:-1].float(), dim=-1)
-                scores[i].append(float(logprobs.gather(1, torch.tensor(continuation).reshape(-1, 1)).sum()))
-    return scores
+        scores = {i: [transformers_loglikelihood(model, context + tokenizer.encode(c, add_special_tokens=False),
+                                                 len(context)) for c in doc["choices"]]
+                  for i, doc in enumerate(docs)
+                  for context in [tokenizer.encode(doc["question"], add_special_tokens=False)]}
+        texts_ll = [transformers_loglikelihood(model, [tokenizer.eos_token_id] + tokenizer.encode(
+            t, add_special_tokens=False), 1) for t in texts]
+    return scores, texts_ll
 
 
 def main() -> None:
@@ -148,6 +167,7 @@ def main() -> None:
     from ray import serve
 
     doc = app_document(argparse.Namespace(autoscaling=False, mtp_weights=None, gate_hold_s=None))
+    tokenizer = load_tokenizer(resolve_model_dir())
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
     port = free_port()
@@ -155,14 +175,18 @@ def main() -> None:
     try:
         apply(doc)
         with tempfile.TemporaryDirectory() as tmp:
-            docs = write_task(Path(tmp))
+            docs, texts = write_tasks(Path(tmp), tokenizer)
             seconds, responses = run_lm_eval(f"http://127.0.0.1:{port}", Path(tmp), args.batch_size)
     finally:
         serve.delete(APP)
         serve.shutdown()
         ray.shutdown()
     ours = {i: [float(r[0]) for r in choices] for i, choices in responses["local_mc"].items()}
-    theirs = transformers_scores(docs)
+    theirs, texts_theirs = transformers_scores(tokenizer, docs, texts)
+    texts_ours = [float(responses["local_ppl"][i][0]) for i in range(len(texts))]
+    words = sum(len(re.split(r"\s+", t)) for t in texts)  # lm-eval's count_words
+    tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    text_gap = sum(abs(a - b) for a, b in zip(texts_ours, texts_theirs))
     generated = [responses["local_gen"][i][0] for i in range(len(docs))]
     reference = engine_answers(docs)
     pick = {name: [max(range(4), key=s[i].__getitem__) for i in range(len(docs))]
@@ -180,6 +204,11 @@ def main() -> None:
                                      for g, d in zip(generated, docs)) / len(docs), 3),
             "identical_to_engine_without_speculation": sum(g == r for g, r in zip(generated, reference)),
             "of": len(docs), "examples": [[d["question"], g] for d, g in list(zip(docs, generated))[::10]]},
+        "loglikelihood_rolling": {
+            "texts": len(texts), "tokens": tokens,
+            "word_perplexity": {"ours": round(math.exp(-sum(texts_ours) / words), 4),
+                                "transformers": round(math.exp(-sum(texts_theirs) / words), 4)},
+            "loglikelihood_gap_per_token": round(text_gap / tokens, 4)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
