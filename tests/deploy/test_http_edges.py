@@ -96,7 +96,7 @@ def test_parallel_calls_off_answers_the_first_call_in_every_api(wide_url, stream
         if not stream:
             answer = client.chat.completions.create(**kw)
             calls = answer.choices[0].message.tool_calls or []
-            if not parallel:  # the engine ended the output at the first call's close tag, ours, not the client's
+            if not parallel:  # the engine ended the output at the first close tag (our stop: no stop_reason)
                 first = content.removeprefix("ECHO:").split("</tool_call>")[0] + "</tool_call>"
                 assert answer.usage.completion_tokens == len(first)  # a token a character
                 assert answer.choices[0].model_extra["stop_reason"] is None
