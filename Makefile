@@ -210,9 +210,10 @@ bench-predicted: install
 
 # Scoring texts (completions' echo + logprobs, what evaluation harnesses send): ours plain and
 # scored beside transformers' fp32 forward, and how far their logprobs agree; scoring.json.
+SCORING_BENCH_ARGS ?=
 .PHONY: bench-scoring
 bench-scoring: install
-	$(PY) benchmarks/scoring.py
+	$(PY) benchmarks/scoring.py $(SCORING_BENCH_ARGS)
 
 # lm-evaluation-harness (bench venv) against deploy.yaml's app: multiple-choice and rolling
 # perplexity tasks beside transformers' fp32 scores of the same tokens, a generated one beside
