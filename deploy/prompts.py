@@ -143,8 +143,10 @@ def generation_request(
     if isinstance(request, ChatCompletionRequest):
         if request.prediction is not None:
             prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
-        if request.functions and not request.parallel_tool_calls:
-            stop_after = (TOOL_CALL_CLOSE,)  # one call at most: its close tag ends the answer
+        if request.functions and not request.parallel_tool_calls and request.tool_choice in (None, "auto"):
+            # one call at most, unconstrained: its close tag ends the answer (where a call is
+            # forced, the grammar ends it, and a close tag inside an argument's string is fine)
+            stop_after = (TOOL_CALL_CLOSE,)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,

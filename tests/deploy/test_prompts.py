@@ -118,11 +118,12 @@ def test_a_forced_call_and_a_json_format_conflict():
 
 
 @pytest.mark.parametrize("choice,parallel,ends", [
-    ("auto", False, True), (None, False, True), ("required", False, True),
-    ("auto", True, False), ("none", False, False),
+    ("auto", False, True), (None, False, True), ("auto", True, False), ("none", False, False),
+    ("required", False, False), ({"type": "function", "function": {"name": "get_weather"}}, False, False),
 ])
 def test_an_answer_of_one_call_at_most_ends_at_its_close_tag(chatml, choice, parallel, ends):
-    """Not generated on to be dropped: the engine ends the output after the first close tag."""
+    """Not generated on to be dropped: under auto the engine ends the output after the first
+    close tag; a forced call's grammar ends it by itself (and admits the tag inside a string)."""
     request_ = chat(tools=tools(WEATHER), tool_choice=choice, parallel_tool_calls=parallel)
     sampling = generation_request("r", chatml, request_, IngressConfig.from_args(AppArgs())).sampling
     assert sampling.stop_after == (("</tool_call>",) if ends else ())
