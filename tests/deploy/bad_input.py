@@ -72,6 +72,8 @@ BAD_INPUT = [
     ("texts and ids in one batch", "/v1/completions", completion(prompt=["ab", [1, 2]]), {}, 400, "prompt"),
     ("batch over the limit", "/v1/completions", completion(prompt=["ab"] * 65), {}, 400, "prompt"),
     ("batch times n over the limit", "/v1/completions", completion(prompt=["ab"] * 9, n=8), {}, 400, "n"),
+    ("echo with logprobs, engine cannot score", "/v1/completions", completion(echo=True, logprobs=1), {}, 400,
+     "echo"),
     ("too many stops", "/v1/completions", completion(stop=list("abcde")), {}, 400, "stop"),
     ("continue without assistant", "/v1/chat/completions",
      chat(continue_final_message=True, add_generation_prompt=False), {}, 400, "continue_final_message"),

@@ -81,6 +81,8 @@ class FakeEngine:
                                              f"exceed the context window of {self.max_seq_len}")
         if request.grammar is not None:  # like an engine without constrained decoding: refuse, never ignore
             raise RequestError(request.grammar.param, "the fake engine does not constrain output")
+        if request.sampling.prompt_logprobs is not None:  # as TensorRT-LLM's does
+            raise RequestError("prompt_logprobs", "the fake engine does not score prompts")
         return self._stream(request, self.tokenizer.decode(ids), len(ids))
 
     async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):
