@@ -149,6 +149,15 @@ class Echo:
     first_token: int
 
 
+def shown_logprobs(echo: Optional[Echo], prompt_logprobs: Sequence[TokenLogprob],
+                   logprobs: Sequence[TokenLogprob]) -> tuple[Sequence[TokenLogprob], tuple[int, ...]]:
+    """(the logprob entries a choice shows, the unscored tokens leading them): the output's, or
+    with `echo` the prompt's first token unscored, then the prompt's and the output's."""
+    if echo is None:
+        return logprobs, ()
+    return [*prompt_logprobs, *logprobs], (echo.first_token,)
+
+
 def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
                 tool_calls: tuple[Optional[str], list[ToolCall]] | None = None,
                 echo: Optional[Echo] = None) -> dict[str, Any]:
@@ -156,8 +165,7 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
     finish_reason, stop_reason = acc.finish_reason, acc.stop_reason
     logprobs = None
     if output.logprobs:
-        entries, unscored = (acc.logprobs, ()) if echo is None else (acc.prompt_logprobs + acc.logprobs,
-                                                                     (echo.first_token,))
+        entries, unscored = shown_logprobs(echo, acc.prompt_logprobs, acc.logprobs)
         logprobs = logprobs_body(kind, entries, output.token_texts, unscored=unscored)
     if kind != "chat":
         return {"index": index, "text": (echo.text if echo else "") + acc.text, "logprobs": logprobs,
@@ -243,10 +251,8 @@ class StreamPieces:
 
     def of(self, delta: GenerationDelta) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
         out, echo, self._echo = self._output, self._echo, None
-        logprobs, text = None, delta.text
-        entries, unscored = delta.logprobs, ()
-        if echo is not None:
-            entries, unscored, text = delta.prompt_logprobs + delta.logprobs, (echo.first_token,), echo.text + text
+        logprobs, text = None, delta.text if echo is None else echo.text + delta.text
+        entries, unscored = shown_logprobs(echo, delta.prompt_logprobs, delta.logprobs)
         if out.logprobs and (entries or unscored):
             logprobs = logprobs_body(out.kind, entries, out.token_texts, self._text_offset, unscored)
             self._text_offset += sum(len(out.token_texts(t)) for t in (*unscored, *(e.token_id for e in entries)))
