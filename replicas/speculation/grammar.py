@@ -26,6 +26,9 @@ from torch import Tensor
 
 from replicas.engine import JSON_LAYOUT, GrammarSpec, RequestError
 
+# mask_ writes forbidden tokens by index where fewer than 1 in this many mask words forbid one
+SPARSE_MASK_WORDS = 8
+
 
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for a spec; RequestError naming `spec.param` if it is malformed."""
@@ -74,19 +77,35 @@ class Constraint:
 
     def allowed(self, draft: Sequence[int]) -> Tensor:
         """`[K+1, V]` bool: row i holds the tokens admitted after `draft[:i]` (a valid draft)."""
-        return torch.from_numpy(self._allowed_bits(draft).view(np.bool_))
+        return torch.from_numpy(self._bits(self._words(draft)).view(np.bool_))
 
     def mask_(self, logits: Tensor, draft: Sequence[int]) -> Tensor:
-        """Mask `logits [K+1, V]` in place: forbidden tokens get -inf. On the CPU through numpy
-        (a tenth of torch's masked_fill over a 49k vocabulary)."""
-        forbidden = self._allowed_bits(draft) == 0
+        """Mask `logits [K+1, V]` in place: forbidden tokens get -inf. Where the rows admit
+        nearly everything (free text under an optional grammar: only special tokens are
+        forbidden), the few forbidden tokens are written by index; otherwise the whole mask
+        goes, on the CPU, through numpy (a tenth of torch's masked_fill over a 49k vocabulary)."""
+        words = self._words(draft)
+        partial = words != -1  # the words that forbid a token
+        if np.count_nonzero(partial) * SPARSE_MASK_WORDS < partial.size:
+            rows, cols = np.nonzero(partial)
+            bits = np.unpackbits(words[rows, cols].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+            at, bit = np.nonzero(bits == 0)
+            rows, tokens = rows[at], cols[at] * 32 + bit
+            rows, tokens = rows[tokens < self._vocab_size], tokens[tokens < self._vocab_size]
+            if logits.device.type == "cpu":
+                logits.numpy()[rows, tokens] = -np.inf
+            else:
+                logits[torch.from_numpy(rows).to(logits.device), torch.from_numpy(tokens).to(logits.device)] = -np.inf
+            return logits
+        forbidden = self._bits(words) == 0
         if logits.device.type == "cpu":
             np.putmask(logits.numpy(), forbidden, np.float32(-np.inf))
             return logits
         return logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
-    def _allowed_bits(self, draft: Sequence[int]) -> np.ndarray:
-        """`[K+1, V]` uint8 0/1, the rows of `allowed`; the matcher ends where it began."""
+    def _words(self, draft: Sequence[int]) -> np.ndarray:
+        """`[K+1, ceil(V / 32)]` int32: row i the matcher's bitmask after `draft[:i]` (bit j of
+        word w admits token 32 w + j); the matcher ends where it began."""
         words = np.empty((len(draft) + 1, self._num_words), dtype=np.int32)
         consumed = 0
         try:
@@ -100,6 +119,10 @@ class Constraint:
                     consumed += not stopped
         finally:
             self._matcher.rollback(consumed)
+        return words
+
+    def _bits(self, words: np.ndarray) -> np.ndarray:
+        """The `[K+1, V]` uint8 0/1 rows of `allowed` from `_words`."""
         return np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : self._vocab_size]
 
     def advance(self, tokens: Sequence[int]) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from replicas.engine import GrammarSpec, RequestError
+from replicas.speculation import grammar as grammar_module
 from replicas.speculation.grammar import GrammarCompiler
 from replicas.speculation.sampling import token_logprobs
 
@@ -120,6 +121,24 @@ def test_masked_rows_give_forbidden_tokens_no_probability(compiler, tokenizer):
     assert torch.isinf(logits[0, ~allowed]).all() and torch.isfinite(logits[0, allowed]).all()
     (entry,) = token_logprobs(logits, [int(logits.argmax())], num_top=20)
     assert all(allowed[token_id] for token_id, _ in entry.top)  # forbidden tokens are never listed
+
+
+@pytest.mark.parametrize("grammar, text", [
+    (GrammarSpec("json_schema", json.dumps(SCHEMA)), DOCUMENT),  # most tokens forbidden
+    (GrammarSpec("lark", "start: /(.|\\n)*/"), "Free text, where only special tokens are forbidden."),
+], ids=["json", "free-text"])
+def test_forbidden_tokens_written_by_index_or_through_the_whole_mask_alike(compiler, tokenizer, monkeypatch,
+                                                                          grammar, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    constraint = compiler.compile(grammar)
+    constraint.advance(ids[:2])
+    logits = torch.randn(len(ids) - 1, len(tokenizer), generator=torch.Generator().manual_seed(1))
+    masked = {}
+    for sparse_words in (0, 1 << 30):  # every row by index; every row through the mask
+        monkeypatch.setattr(grammar_module, "SPARSE_MASK_WORDS", sparse_words)
+        masked[sparse_words] = constraint.mask_(logits.clone(), ids[2:])
+    assert torch.equal(masked[0], masked[1 << 30])
+    assert torch.equal(torch.isfinite(masked[0]), constraint.allowed(ids[2:]))
 
 
 def test_logprobs_of_a_row_do_not_depend_on_the_other_rows():
