@@ -3,8 +3,11 @@ schema-constrained generation, side by side with llama.cpp's server on the same 
 
 Workloads over real files (training/corpora.py's code edits), greedy, batch 1, each request
 ending at EOS as a complete schema output does: `json_records`, a JSON summary of the file
-under a strict schema, and `tool_calls`, a forced `edit_file` call (deploy/tool_calls.py) in
-an agent chat with one earlier call. Per mode: median decode and end-to-end tokens/s, tokens
+under a strict schema; `tool_calls`, a forced `edit_file` call (deploy/tool_calls.py) in
+an agent chat with one earlier call; `auto_calls`, the same chats under tool_choice auto with
+one call at most, as the ingress sends them (the optional grammar: free text, a call begun
+held to the format), and, ours only, `auto_calls_free`, the same without the grammar (the
+call's close tag ends the output), which is how auto ran before. Per mode: median decode and end-to-end tokens/s, tokens
 per decode step, drafts by source, valid outputs, whether all modes emit the same tokens.
 The grammar's cost is timed by wrapping `Constraint`'s methods in this process only.
 llama.cpp (xllamacpp, bench venv) decodes under the same constraint, through llguidance too:
@@ -35,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine import ROOT  # noqa: E402
 from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
-from deploy.tool_calls import format_tool_calls, parse_tool_calls, tool_call_grammar, tools_system_prompt  # noqa: E402
+from deploy.tool_calls import (TOOL_CALL_CLOSE, format_tool_calls, parse_tool_calls, tool_call_grammar,  # noqa: E402
+                               tools_system_prompt)
 from replicas.engine import JSON_LAYOUT, GenerationRequest, GrammarSpec, SamplingParams, SpeculationConfig  # noqa: E402
 from replicas.speculation.grammar import Constraint, GrammarCompiler  # noqa: E402
 from replicas.stats import SpecCounters  # noqa: E402
@@ -46,7 +50,9 @@ from training.corpora import code_edits  # noqa: E402
 MODES = {"off": {"mode": "off"}, "hybrid": {"mode": "hybrid", "grammar_drafts": False},
          "hybrid_grammar": {"mode": "hybrid", "grammar_drafts": True}}
 LLAMACPP_MODES = ("plain", "ngram_mod")
-WORKLOADS = ("json_records", "tool_calls")
+WORKLOADS = ("json_records", "tool_calls", "auto_calls")  # ours and llama.cpp's
+OURS_ONLY = ("auto_calls_free",)
+TARGETED = ("json_records", "tool_calls")
 _STR, _NAME = {"type": "string", "maxLength": 160}, {"type": "string", "maxLength": 40}
 
 
@@ -96,19 +102,23 @@ def workloads(tokenizer, count: int) -> dict[str, dict]:
         "role": "user", "content": file(row) + f'Call edit_file with path "{row["path"]}", old_string "{old}" '
         f'and new_string "{new}".'}])
         for row, old, new in rows]
+    auto = GrammarSpec("lark", tool_call_grammar(TOOLS, False, optional=True), "tools", optional=True)
     return {"json_records": {"prompts": records, "grammar": GrammarSpec("json_schema", json.dumps(RECORD_SCHEMA))},
             "tool_calls": {"prompts": calls, "grammar": GrammarSpec("lark", tool_call_grammar(TOOLS[:1], False),
-                                                                      "tool_choice")}}
+                                                                      "tool_choice")},
+            "auto_calls": {"prompts": calls, "grammar": auto, "stop_after": (TOOL_CALL_CLOSE,)},
+            "auto_calls_free": {"prompts": calls, "grammar": None, "stop_after": (TOOL_CALL_CLOSE,)}}
 
 
 def is_valid(workload: str, text: str) -> bool:
-    """The record validates against its schema; the call is one edit_file call with valid arguments."""
+    """The record validates against its schema; the call is one edit_file call with valid
+    arguments (under auto, after any text)."""
     try:
         if workload == "json_records":
             jsonschema.validate(json.loads(text), RECORD_SCHEMA)
             return True
         content, calls = parse_tool_calls(text)
-        if content is not None or [c.name for c in calls] != ["edit_file"]:
+        if (content is not None and workload == "tool_calls") or [c.name for c in calls] != ["edit_file"]:
             return False
         jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0]["parameters"])
         return True
@@ -118,9 +128,9 @@ def is_valid(workload: str, text: str) -> bool:
 
 class GrammarClock:
     """Seconds in the grammar while `installed`: per `Constraint` method (inclusive: mask_
-    calls _allowed_bits), `total` (outermost calls) and `compile` (`GrammarCompiler.compile`)."""
+    calls _words and _bits), `total` (outermost calls) and `compile` (`GrammarCompiler.compile`)."""
 
-    METHODS = ("valid_prefix", "forced_tokens", "mask_", "_allowed_bits", "advance")
+    METHODS = ("valid_prefix", "forced_tokens", "mask_", "_words", "_bits", "advance")
 
     def __init__(self) -> None:
         self.seconds, self._depth = dict.fromkeys(self.METHODS + ("total", "compile"), 0.0), 0
@@ -149,11 +159,13 @@ class GrammarClock:
                 setattr(cls, name, getattr(cls, name).__wrapped__)
 
 
-async def run_one(engine: TorchEngine, prompt: str, grammar: GrammarSpec, max_tokens: int, steps: list[int]) -> dict:
-    """One request to its end: tokens, text, clock times, speculation usage, decode steps."""
+async def run_one(engine: TorchEngine, prompt: str, entry: dict, max_tokens: int, steps: list[int]) -> dict:
+    """One request of a workload `entry` to its end: tokens, text, clock times, speculation
+    usage, decode steps."""
     before, submitted = steps[0], time.perf_counter()  # before generate(), which compiles the grammar
-    deltas = engine.generate(GenerationRequest(f"structured-{time.monotonic_ns()}", prompt,
-                                               SamplingParams(max_tokens=max_tokens), grammar=grammar))
+    sampling = SamplingParams(max_tokens=max_tokens, stop_after=entry.get("stop_after", ()))
+    deltas = engine.generate(GenerationRequest(f"structured-{time.monotonic_ns()}", prompt, sampling,
+                                               grammar=entry["grammar"]))
     tokens, text, first = [], "", None
     async for delta in deltas:
         now = time.perf_counter()
@@ -181,8 +193,7 @@ def bench_ours(engine: TorchEngine, loop, prompts: dict[str, dict], max_tokens: 
                 engine.configure(dataclasses.replace(base, **MODES[mode]))
                 core.totals = totals[mode]  # the core records every verify step here, by draft source
                 with clocks[mode].installed():
-                    runs[mode].append(loop.run_until_complete(run_one(engine, prompt, entry["grammar"], max_tokens,
-                                                                      steps)))
+                    runs[mode].append(loop.run_until_complete(run_one(engine, prompt, entry, max_tokens, steps)))
         for mode, rs in runs.items():
             out[f"{workload}/{mode}"] = f = summarize(workload, rs, clocks[mode]) | {
                 "acceptance_length": totals[mode].acceptance_length,  # over the steps that verified a draft
@@ -204,8 +215,9 @@ def summarize(workload: str, runs: list[dict], clock: GrammarClock) -> dict:
     (submission, grammar compile included, to last token); tokens per decode step over all;
     the grammar's time per emitted token and as a share of decode time (first to last token)."""
     emitted = sum(len(r["tokens"]) for r in runs)
+    each = [(len(r["tokens"]) - 1) / (r["end_s"] - r["first_s"]) for r in runs]
     return {
-        "decode_tok_s": statistics.median((len(r["tokens"]) - 1) / (r["end_s"] - r["first_s"]) for r in runs),
+        "decode_tok_s": statistics.median(each), "decode_tok_s_each": each,
         "e2e_tok_s": statistics.median(len(r["tokens"]) / (r["end_s"] - r["submit_s"]) for r in runs),
         "tokens_per_step": sum(len(r["tokens"]) - 1 for r in runs) / max(1, sum(r["decode_steps"] for r in runs)),
         "completion_tokens": emitted, "requests": len(runs), "valid": sum(is_valid(workload, r["text"]) for r in runs),
@@ -225,9 +237,9 @@ def bench_llamacpp(prompts: dict[str, dict], max_tokens: int, threads: int) -> d
         print(f"  skipped: {BENCH_PYTHON} missing (`make bench-structured` installs it)", flush=True)
         return None
     peer = {"json_records": {"prompts": prompts["json_records"]["prompts"],
-                             "json_schema": RECORD_SCHEMA | {"x-guidance": JSON_LAYOUT}},  # our ", " and ": "
-            "tool_calls": {"prompts": prompts["tool_calls"]["prompts"],
-                           "grammar": "%llguidance {}\n" + prompts["tool_calls"]["grammar"].text}}
+                             "json_schema": RECORD_SCHEMA | {"x-guidance": JSON_LAYOUT}}}  # our ", " and ": "
+    for w in ("tool_calls", "auto_calls"):
+        peer[w] = {"prompts": prompts[w]["prompts"], "grammar": "%llguidance {}\n" + prompts[w]["grammar"].text}
     run = run_peer(str(packaged_gguf_path()), "--prompts-json", peer, "--max-tokens", str(max_tokens),
                    "--threads", str(threads), "--modes", ",".join(LLAMACPP_MODES), "--with-text")
     for mode, entry in run["modes"].items():
@@ -257,21 +269,21 @@ def markdown_table(result: dict) -> str:
     lines = [f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), {result['threads']} threads, "
              f"kernels {result['kernel_path']}, batch 1, greedy, {s['prompts']} prompts per workload, up to "
              f"{s['max_tokens']} tokens (EOS ends a complete output)", "",
-             "| tokens/s (median) | records decode | records end-to-end | tool call decode | tool call end-to-end |",
-             "|---|---:|---:|---:|---:|"]
+             "| tokens/s (median) | " + " | ".join(f"{w} {k}" for w in WORKLOADS for k in ("decode", "end-to-end")) + " |",
+             "|---|" + "---:|" * 2 * len(WORKLOADS)]
     lines += [f"| {name} | " + " | ".join(f"{v:.1f}" for w in WORKLOADS for v in fig[w]) + " |"
               for name, fig in table_rows(result).items()]
     lines += ["", "| ours | tokens/step | drafted/accepted: sa, mtp, grammar | valid (cut, errors) | "
               "grammar us/token (share of decode) |", "|---|---:|---|---:|---:|"]
-    for w in WORKLOADS:
+    for w in WORKLOADS + OURS_ONLY:
         for mode in MODES:
             f = result["ours"][f"{w}/{mode}"]
             drafts = ", ".join(f"{f['draft_tokens'][k]}/{f['accepted_tokens'][k]}" for k in ("sa", "mtp", "grammar"))
             lines.append(f"| {w}, {mode} | {f['tokens_per_step']:.2f} | {drafts} | {f['valid']}/{f['requests']} "
                          f"({f['cut_by_max_tokens']}, {f['errors']}) | {f['grammar_us_per_token']:.0f} "
                          f"({f['grammar_share_of_decode']:.1%}) |")
-    same = [result["ours"][f"{w}/identical_across_modes"] for w in WORKLOADS]
-    return "\n".join(lines) + f"\n\nIdentical tokens in all three modes: {dict(zip(WORKLOADS, same))}\n"
+    same = {w: result["ours"][f"{w}/identical_across_modes"] for w in WORKLOADS + OURS_ONLY}
+    return "\n".join(lines) + f"\n\nIdentical tokens in all three modes: {same}\n"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -281,7 +293,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = table_rows(result)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(6.5 * len(WORKLOADS), 4.5))
     for ax, workload in zip(axes, WORKLOADS):
         x, colors = range(len(rows)), ["#4a7" if name.startswith("ours") else "#57b" for name in rows]
         ax.bar([i - 0.2 for i in x], [f[workload][0] for f in rows.values()], width=0.4, color=colors)
@@ -303,6 +315,14 @@ def compute_ratios(result: dict) -> dict[str, float]:
             tag = name.replace("ours, ", "").replace("llama.cpp, ", "llamacpp_")
             ratios[f"{w}/hybrid_grammar_vs_{tag}"] = ours[0] / rows[name][w][0]
             ratios[f"{w}/hybrid_grammar_vs_{tag}_e2e"] = ours[1] / rows[name][w][1]
+    figures = result["ours"]
+    for mode in MODES:  # what the optional grammar costs under auto, like for like: the answers
+        # it leaves as they were (no call begun), per request, median
+        held, free = figures[f"auto_calls/{mode}"], figures[f"auto_calls_free/{mode}"]
+        pairs = zip(held["decode_tok_s_each"], free["decode_tok_s_each"], figures["auto_calls/texts"][mode],
+                    figures["auto_calls_free/texts"][mode])
+        same = [rate / free_rate for rate, free_rate, text, free_text in pairs if text == free_text]
+        ratios[f"auto_calls/{mode}_vs_unconstrained_same_text"] = statistics.median(same) if same else float("nan")
     return ratios
 
 
@@ -316,19 +336,22 @@ def main() -> None:
     args = parser.parse_args()
 
     loop = asyncio.new_event_loop()
-    # No cross-request SA pool: every mode replays the same prompts (as in benchmarks/engine.py).
+    # No cross-request SA pool and no prefix cache: every mode replays the same prompts (the
+    # auto workloads the tool call's), and each request prefills its whole file as llama.cpp's does.
     engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=4096, num_threads=args.threads,
-                                           sa_global_pool_tokens=0, speculation=SpeculationConfig()))
+                                           sa_global_pool_tokens=0, prefix_cache_bytes=0,
+                                           speculation=SpeculationConfig()))
     loop.run_until_complete(engine.start())
     prompts = workloads(engine.tokenizer, args.prompts)
     for entry in prompts.values():  # warm-up: first-request allocations stay out of the figures
-        loop.run_until_complete(run_one(engine, entry["prompts"][0], entry["grammar"], 4, [0]))
+        loop.run_until_complete(run_one(engine, entry["prompts"][0], entry, 4, [0]))
     result = {"settings": vars(args) | {"out": str(args.out)}, "machine": cpu_description(),
               "kernel_path": getattr(engine.core.model, "isa", "torch"), "threads": engine.core.model.num_threads,
               "speculation": dataclasses.asdict(engine.config.speculation), "modes": MODES,
               "record_schema": RECORD_SCHEMA, "tools": TOOLS, "llamacpp_constraint": {
                   "json_records": "json_schema: our schema with our fixed JSON layout (x-guidance, ', ' and ': ')",
-                  "tool_calls": "grammar: our llguidance Lark grammar for the call, tags included"}}
+                  "tool_calls": "grammar: our llguidance Lark grammar for the call, tags included",
+                  "auto_calls": "grammar: our optional (lazy) Lark grammar for tool_choice auto"}}
     print(f"our engine ({result['kernel_path']} kernels, {result['threads']} threads):")
     result["ours"] = ours = bench_ours(engine, loop, prompts, args.max_tokens)
     loop.run_until_complete(engine.shutdown())
@@ -339,7 +362,7 @@ def main() -> None:
         ours[f"{w}/llamacpp_plain_same_text_as_off"] = sum(map(str.__eq__, texts, ours[f"{w}/texts"]["off"]))
     result["ratios"] = ratios = compute_ratios(result)
     result["target_met"] = {w: ratios[f"{w}/hybrid_grammar_vs_off"] >= 1.5 and ours[f"{w}/identical_across_modes"]
-                            and ratios.get(f"{w}/hybrid_grammar_vs_llamacpp_plain", 0.0) > 1.0 for w in WORKLOADS}
+                            and ratios.get(f"{w}/hybrid_grammar_vs_llamacpp_plain", 0.0) > 1.0 for w in TARGETED}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))

@@ -73,19 +73,24 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
 
 
 def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[GrammarSpec]:
-    """The request's constraint: its response_format, or the call a forced tool choice makes."""
+    """The request's constraint: its response_format, the call a forced tool choice makes, or
+    (tools offered under auto, no format) an optional grammar over any call the model makes."""
     fmt = request.response_format
-    forced_tool = isinstance(request, ChatCompletionRequest) and request.functions and \
-        (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
+    functions = request.functions if isinstance(request, ChatCompletionRequest) else []
+    forced_tool = functions and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
     if forced_tool:
         if fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format: cannot constrain the output while tool_choice forces a call",
                            "response_format")
-        functions = request.functions
         if isinstance(request.tool_choice, NamedToolChoice):
             functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
         return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls), "tool_choice")
     if fmt is None or fmt.type == "text":
+        # auto: text, or a call held to the grammar once its open tag is written; unless
+        # min_tokens, which a grammar that may allow only the end refuses (then unconstrained)
+        if functions and not request.min_tokens:
+            return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, optional=True),
+                               "tools", optional=True)
         return None
     if fmt.type == "json_object":
         return GrammarSpec("json_object")
@@ -144,8 +149,8 @@ def generation_request(
         if request.prediction is not None:
             prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
         if request.functions and not request.parallel_tool_calls and request.tool_choice in (None, "auto"):
-            # one call at most, unconstrained: its close tag ends the answer (where a call is
-            # forced, the grammar ends it, and a close tag inside an argument's string is fine)
+            # one call at most: where the engine runs it unconstrained (it could not apply the
+            # optional grammar), the call's close tag ends the answer; a grammar ends it itself
             stop_after = (TOOL_CALL_CLOSE,)
     try:
         sampling = SamplingParams(

@@ -64,9 +64,14 @@ _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not sc
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
-def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
+def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = False) -> str:
     """An llguidance Lark grammar admitting exactly one call (or, if `parallel`, calls joined
-    by "\\n") to one of `functions`. Fixed whitespace makes every fixed part a forced token."""
+    by "\\n") to one of `functions`. Fixed whitespace makes every fixed part a forced token.
+
+    `optional` (tool_choice auto): any text, until the model writes an open tag; from there
+    the call is held to the grammar (the text before it is a lazy lexeme, ended by the first
+    open tag), so a call made is well-formed and its arguments match their schema. One call
+    ends the answer; parallel calls may have text between and after them."""
     if not functions:
         raise ValueError("tool_call_grammar needs at least one function")
     if len(functions) == 1:
@@ -74,9 +79,14 @@ def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
     else:
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
     schema["x-guidance"] = JSON_LAYOUT
+    body = f"body: %json {json.dumps(schema)}\n"
+    close_tag = json.dumps("\n" + TOOL_CALL_CLOSE)  # Lark strings are JSON strings
+    if optional:
+        start = "start: call* TEXT" if parallel else "start: TEXT | call"
+        return (f"{start}\nTEXT: /(.|\\n)*/\nopen[lazy]: TEXT {json.dumps(TOOL_CALL_OPEN)}\n"
+                f'call: open "\\n" body {close_tag}\n{body}')
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    open_tag, close_tag = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)  # Lark = JSON strings
-    return f"{start}\ncall: {open_tag} body {close_tag}\nbody: %json {json.dumps(schema)}\n"
+    return f"{start}\ncall: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {close_tag}\n{body}"
 
 
 def _call_schema(function: dict, arguments_pointer: str) -> dict:

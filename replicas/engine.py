@@ -114,7 +114,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # strings that end the output after them, kept in its text (the ingress ends an answer
-    # that may make one tool call at the call's close tag); a stop string begun inside one cuts
+    # that may make one tool call at the call's close tag); a stop string begun inside one
+    # cuts. Matched only in output that runs unconstrained: where a grammar is applied, it
+    # ends the text itself (and may admit such a string, inside a JSON string say)
     stop_after: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -180,11 +182,16 @@ class GrammarSpec:
     `json_object`: any JSON object; `json_schema`: `text` is the JSON schema; `lark`: `text`
     is a grammar in llguidance's Lark dialect (how tool calls are constrained). `param` is
     the request field it came from, which an invalid grammar's error names.
+
+    An `optional` grammar is a guide, not a promise (the calls a model may make under
+    tool_choice auto): an engine that cannot apply it, or cannot compile it, runs the request
+    unconstrained (then `SamplingParams.stop_after` is matched) instead of refusing it.
     """
 
     kind: GrammarKind
     text: str = ""
     param: str = "response_format"
+    optional: bool = False
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema of a json_object / json_schema spec; RequestError naming `param` if

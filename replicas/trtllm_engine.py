@@ -142,16 +142,19 @@ class TrtllmEngine:
             raise RequestError("resume", "the TensorRT-LLM engine cannot continue an interrupted request yet")
         prompt_ids = self._prompt_ids(request)
         kwargs = sampling_kwargs(request.sampling, self.api.sampling_fields)
-        if request.grammar is not None:  # constrained, or refused: never silently unconstrained
+        kept = request.sampling.stop_after  # matched by our tracker in unconstrained output only
+        if request.grammar is not None:  # constrained, or refused (an optional grammar: unconstrained)
             refusal = guided_decoding_refusal(self.config, self.speculation, self.api.guided_decoding_cls is not None)
-            if refusal:
+            if refusal and not request.grammar.optional:
                 raise RequestError(request.grammar.param, refusal)
-            kwargs["guided_decoding"] = self.api.guided_decoding_cls(**guided_decoding_kwargs(request.grammar))
+            if not refusal:
+                kwargs["guided_decoding"] = self.api.guided_decoding_cls(**guided_decoding_kwargs(request.grammar))
+                kept = ()  # the grammar ends the text itself
         try:
             sampling = self.api.sampling_params_cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise RequestError("sampling", str(exc)) from exc
-        tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, request.sampling.stop_after)
+        tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, kept)
         return self._stream(tracker, prompt_ids, sampling)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:

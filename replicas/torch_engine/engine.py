@@ -15,7 +15,7 @@ import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import torch
 
@@ -27,6 +27,9 @@ from replicas.torch_engine.loader import load_tokenizer, packaged_gguf_path, res
 from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.sequence import Detokenizer, Sequence
 from replicas.torch_engine.suffix_drafts import prediction_prefix, suffix_drafts
+
+if TYPE_CHECKING:
+    from replicas.speculation.grammar import Constraint
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +221,7 @@ class TorchEngine:
         for name, ids in (("prediction", prediction), ("logit_bias", [t for t, _ in sampling.logit_bias])):
             if any(not 0 <= t < vocab for t in ids):
                 raise RequestError(name, f"token ids must be in [0, {vocab})")
-        constraint = self._grammars.compile(request.grammar) if request.grammar is not None else None
+        constraint = self._constraint(request)
         if constraint is not None:
             try:
                 constraint.advance(resumed)
@@ -239,6 +242,19 @@ class TorchEngine:
             num_sent_tokens=len(resumed),
             num_sent_chars=request.resume.text_chars if request.resume is not None else 0,
         )
+
+    def _constraint(self, request: GenerationRequest) -> Constraint | None:
+        """The request's compiled grammar; an optional one that does not compile is dropped."""
+        if request.grammar is None:
+            return None
+        try:
+            return self._grammars.compile(request.grammar)
+        except RequestError as exc:
+            if not request.grammar.optional:
+                raise
+            logger.warning("request %s runs unconstrained: its optional grammar (%s) did not compile: %s",
+                           request.request_id, exc.param, exc)
+            return None
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:
         queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()

@@ -129,7 +129,7 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     """Decode the output so far and return the delta not yet sent (None if nothing new).
 
     Stop strings are searched in the whole text; a match finishes the request and cuts the
-    text before the stop string (after it, for `stop_after`'s).
+    text before the stop string (after it, for `stop_after`'s, matched only unconstrained).
     """
     ids = seq.output_ids
     if seq.finish_reason == "stop" and ids and seq.is_visible_stop(ids[-1]):
@@ -139,7 +139,8 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     if detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
         seq.settled_text, seq.settled_tokens = text, len(ids)
     stops = seq.sampling.stop
-    found = find_stop(text, seq.num_sent_chars, stops, seq.sampling.stop_after)
+    kept = seq.sampling.stop_after if seq.constraint is None else ()  # a grammar ends the text itself
+    found = find_stop(text, seq.num_sent_chars, stops, kept)
     if found is not None:
         text = text[: found[0]]
         seq.finish_reason, seq.stop_string = "stop", found[1]

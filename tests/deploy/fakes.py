@@ -79,7 +79,8 @@ class FakeEngine:
         if len(ids) + request.sampling.max_tokens > self.max_seq_len:
             raise RequestError("max_tokens", f"{request.sampling.max_tokens} + {len(ids)} prompt tokens "
                                              f"exceed the context window of {self.max_seq_len}")
-        if request.grammar is not None:  # like an engine without constrained decoding: refuse, never ignore
+        if request.grammar is not None and not request.grammar.optional:  # like an engine without
+            # constrained decoding: refuse, never ignore (an optional grammar runs unconstrained)
             raise RequestError(request.grammar.param, "the fake engine does not constrain output")
         if request.sampling.prompt_logprobs is not None:  # as TensorRT-LLM's does
             raise RequestError("prompt_logprobs", "the fake engine does not score prompts")

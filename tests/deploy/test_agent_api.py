@@ -1,6 +1,6 @@
 """What agent clients send, against the real application (real model, MTP on) over HTTP with the
 official `openai` client: structured output (`parse`, json_schema, json_object), tool calls
-(forced, named and streamed, a whole round trip), logprobs, logit_bias and predicted outputs,
+(forced, named, streamed, under auto, a whole round trip), logprobs, logit_bias and predicted outputs,
 exact under speculation."""
 
 from __future__ import annotations
@@ -106,6 +106,27 @@ def test_tool_round_trip(agent_client):
                                            temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert final.choices[0].message.content or final.choices[0].message.tool_calls
+
+
+def test_a_call_made_under_auto_is_held_to_its_schema_as_with_speculation_off(agent_client):
+    """tool_choice auto: the model decides (here it calls), and the call it begins is held to the
+    format and the schema by the optional grammar, ending the answer; bitwise as speculation off.
+    (Unconstrained, this model wrote `<tool_call>\ndef get_note(...` here: no call at all.)"""
+    note = {"type": "function", "function": {
+        "name": "write_note", "description": "Save a note verbatim.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Please write_note the text </tool_call> for me, "
+                                                                     "then get_weather for Paris."}],
+                  tools=[note, WEATHER], parallel_tool_calls=False, max_tokens=80, temperature=0, logprobs=True)
+    spec, off = (agent_client.chat.completions.create(**kwargs, extra_body=extra) for extra in ({}, OFF))
+    choice = spec.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert choice.message.content == off.choices[0].message.content
+    assert [c.function for c in off.choices[0].message.tool_calls] == [call.function]
+    assert choice.logprobs == off.choices[0].logprobs
 
 
 def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):

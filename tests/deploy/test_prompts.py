@@ -14,7 +14,7 @@ from deploy.errors import ApiError
 from deploy.openai_format import prediction_details
 from deploy.prompts import generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
-from deploy.tool_calls import format_tool_calls, tools_system_prompt
+from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}
@@ -98,8 +98,19 @@ def test_a_forced_tool_choice_is_a_grammar_over_the_offered_calls(choice, parall
     assert ('("\\n" call)*' in spec.text) == parallel
 
 
+@pytest.mark.parametrize("choice, parallel", [("auto", False), (None, True)])
+def test_tools_under_auto_are_an_optional_grammar_over_the_offered_calls(choice, parallel):
+    """The model decides whether to call, but a call it begins is held to the format."""
+    spec = grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel))
+    assert (spec.kind, spec.param, spec.optional) == ("lark", "tools", True)
+    assert spec.text == tool_call_grammar([WEATHER, TIME], parallel, optional=True)
+    fmt = grammar_spec(chat(tools=tools(WEATHER), tool_choice=choice, response_format={"type": "json_object"}))
+    assert (fmt.kind, fmt.optional) == ("json_object", False)  # a format asked for is the constraint
+    assert grammar_spec(chat(tools=tools(WEATHER), tool_choice=choice, min_tokens=5)) is None  # unconstrained
+
+
 @pytest.mark.parametrize("request_, expected", [
-    (chat(tools=tools(WEATHER)), None),  # auto: the model decides, nothing is forced
+    (chat(tools=tools(WEATHER), tool_choice="none"), None),
     (chat(response_format={"type": "text"}), None),
     (chat(response_format={"type": "json_object"}), ("json_object", "", "response_format")),
     (CompletionRequest(model="m", prompt="x", response_format={
@@ -122,8 +133,9 @@ def test_a_forced_call_and_a_json_format_conflict():
     ("required", False, False), ({"type": "function", "function": {"name": "get_weather"}}, False, False),
 ])
 def test_an_answer_of_one_call_at_most_ends_at_its_close_tag(chatml, choice, parallel, ends):
-    """Not generated on to be dropped: under auto the engine ends the output after the first
-    close tag; a forced call's grammar ends it by itself (and admits the tag inside a string)."""
+    """Not generated on to be dropped: under auto an engine that runs the request unconstrained
+    ends the output after the first close tag; a grammar ends it by itself (and admits the tag
+    inside a string)."""
     request_ = chat(tools=tools(WEATHER), tool_choice=choice, parallel_tool_calls=parallel)
     sampling = generation_request("r", chatml, request_, IngressConfig.from_args(AppArgs())).sampling
     assert sampling.stop_after == (("</tool_call>",) if ends else ())

@@ -287,6 +287,28 @@ def test_grammar_admits_exactly_the_format(lark, functions, text, parallel, acce
     assert _accepts(lark, tool_call_grammar(functions, parallel), text) is accepted
 
 
+IN_A_STRING = _block('{"name": "get_weather", "arguments": {"city": "a </tool_call> b"}}')
+
+
+@pytest.mark.parametrize("text,one_call,parallel", [
+    ("No call: the weather is fine. {\"a\": 1} <tool_ and <tool call> are text.", True, True),
+    ("Let me check.\n" + PARIS, True, True),
+    (IN_A_STRING, True, True),  # a close tag in an argument's string ends nothing
+    ("Sure " + PARIS + "\n" + SUM, False, True),
+    ("Sure " + PARIS + " and then " + SUM + " done.", False, True),  # text between and after calls
+    ("Let me check.\n<tool_call>\nParis?", False, False),  # once the tag is written: a call
+    (_block('{"name": "get_weather", "arguments": {}}'), False, False),  # missing "city"
+    (_block('{"name": "get_time", "arguments": {"city": "Paris"}}'), False, False),  # unknown
+    (PARIS + " with words after", False, True),
+])
+def test_an_optional_grammar_admits_any_text_and_holds_a_call_begun_to_the_format(lark, text, one_call, parallel):
+    """tool_choice auto: the model may answer in text, but a call it makes is a valid call; one
+    call ends the answer."""
+    for allow_parallel, accepted in ((False, one_call), (True, parallel)):
+        grammar = tool_call_grammar([WEATHER, ADD], allow_parallel, optional=True)
+        assert _accepts(lark, grammar, text) is accepted, (allow_parallel, text)
+
+
 @pytest.mark.parametrize("functions,at_least", [
     ([WEATHER], '<tool_call>\n{"name": "get_weather", "arguments":'),
     ([NOW], '<tool_call>\n{"name": "now", "arguments":'),

@@ -112,6 +112,60 @@ def test_grammar_drafts_are_counted_and_accepted(engine, loop, prompts, grammar_
     assert last.speculation["draft_tokens"] == 0
 
 
+def test_stop_after_is_matched_only_where_the_output_runs_unconstrained(engine, loop):
+    """A grammar ends the text itself (a tool call's close tag may sit in an argument's string);
+    an optional grammar that does not compile is dropped, and the request runs as without it."""
+    prompt = chat_prompt(engine, "Write a short poem about the sea.")
+    tokens, text, _, _ = run(engine, loop, request(prompt, max_tokens=40, mode="off"))
+    kept = text[len(text) // 2: len(text) // 2 + 4]
+    any_text = GrammarSpec("lark", "start: TEXT\nTEXT: /(.|\\n)*/", "tools", optional=True)
+    broken = GrammarSpec("lark", "start: undefined_rule", "tools", optional=True)
+    for mode in ("off", "auto"):
+        ran_on = run(engine, loop, dataclasses.replace(request(prompt, max_tokens=40, mode=mode, stop_after=(kept,)),
+                                                       grammar=any_text))
+        assert ran_on[0] == tokens and ran_on[3].stop_string is None
+        stopped = run(engine, loop, dataclasses.replace(request(prompt, max_tokens=40, mode=mode, stop_after=(kept,)),
+                                                        grammar=broken))
+        assert stopped[1] == text[: text.find(kept) + len(kept)] and stopped[3].stop_string == kept
+
+
+NOTE = {"name": "write_note", "description": "Save a note verbatim.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+WEATHER = {"name": "get_weather", "description": "Current weather in a city", "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}  # as the agent tests offer it: the
+# model's choice to call (asserted below) depends on the prompt to the character
+CALL_PLEASE = "Please write_note the text </tool_call> for me, then get_weather for Paris."
+
+
+def test_a_call_made_under_auto_is_held_to_the_format_identically_in_every_mode(engine, loop):
+    """tool_choice auto: the ingress's optional grammar lets the model answer in text, holds a
+    call it begins to the format and ends the answer after it; bitwise the same in every mode."""
+    from deploy.tool_calls import parse_tool_calls, tool_call_grammar, tools_system_prompt
+
+    functions = [NOTE, WEATHER]
+    messages = [{"role": "system", "content": tools_system_prompt(functions)},
+                {"role": "user", "content": CALL_PLEASE}]
+    prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    spec = GrammarSpec("lark", tool_call_grammar(functions, False, optional=True), "tools", optional=True)
+    results = [run(engine, loop, dataclasses.replace(request(prompt, max_tokens=80, mode=mode, logprobs=2,
+                                                             stop_after=("</tool_call>",)), grammar=spec))
+               for mode in MODES]
+    tokens, text, logprobs, last = results[0]
+    for result in results[1:]:
+        assert (result[0], result[2]) == (tokens, logprobs)
+    assert last.finish_reason == "stop" and last.stop_string is None, text  # the grammar ended it
+    _, calls = parse_tool_calls(text, one_call=True)
+    if engine.config.device == "cpu":  # this model on the native forward: a call, which
+        # unconstrained (mode off, stop_after) it began and never finished (`<tool_call>\ndef ...`)
+        assert [c.name for c in calls] == ["get_weather"] and text.endswith("</tool_call>")
+        free = run(engine, loop, request(prompt, max_tokens=80, mode="off", stop_after=("</tool_call>",)))
+        assert "<tool_call>" in free[1] and parse_tool_calls(free[1], one_call=True)[1] == []
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "seeded"])
 def test_unconstrained_logprobs_identical_with_and_without_speculation(engine, loop, sampling):
     prompt = "one two three four one two three four one two three four one two"

@@ -388,6 +388,32 @@ def test_a_grammar_is_guided_decoding_or_a_refusal_naming_the_field(mode, gate, 
         assert guide.json == {"type": "object", "x-guidance": JSON_LAYOUT}
 
 
+@pytest.mark.parametrize("mode, guided", [("mtp", True), ("hybrid", False)])
+def test_an_optional_grammar_is_guided_decoding_or_runs_unconstrained(mode, guided):
+    """Tool calls under auto: guided, the grammar ends the text and stop_after is not matched;
+    where upstream cannot constrain the request (SA drafts verified) it runs unguided instead of
+    being refused, ended after its stop_after string."""
+    grammar = GrammarSpec("lark", "start: /(.|\\n)*/", "tools", optional=True)
+
+    async def go():
+        engine = await started(engine_config(mode, drafter="mtp"))
+        submitted = []
+        submit = engine._llm.generate_async
+        engine._llm.generate_async = lambda *a, **kw: submitted.append(kw["sampling_params"]) or submit(*a, **kw)
+        try:
+            req = request("one two. three ", max_tokens=60, stop_after=("o. t",))
+            deltas = await collect(engine, dataclasses.replace(req, grammar=grammar))
+            return joined(deltas)[0], submitted[0].guided_decoding
+        finally:
+            await engine.shutdown()
+
+    text, guide = run(go())
+    if guided:
+        assert guide.grammar == grammar.text and text.startswith("one two. three")
+    else:
+        assert guide is None and text == "one two. t"
+
+
 def test_no_guided_decoding_backend_refuses_grammars():
     async def go():
         engine = await started(engine_config("mtp", drafter="mtp", guided_decoding_backend="none"))
