@@ -155,11 +155,12 @@ def test_a_call_made_under_auto_is_held_to_the_format_identically_in_every_mode(
     tokens, text, logprobs, last = results[0]
     for result in results[1:]:
         assert (result[0], result[2]) == (tokens, logprobs)
-    assert last.finish_reason == "stop" and last.stop_string is None, text  # the grammar ended it
     _, calls = parse_tool_calls(text, one_call=True)
-    if engine.config.device == "cpu":  # this model on the native forward: a call, which
-        # unconstrained (mode off, stop_after) it began and never finished (`<tool_call>\ndef ...`)
-        assert [c.name for c in calls] == ["get_weather"] and text.endswith("</tool_call>")
+    if calls:  # the grammar ended the answer after the call (not the stop_after string)
+        assert (last.finish_reason, last.stop_string) == ("stop", None) and text.endswith("</tool_call>")
+    if engine.config.device == "cpu":  # this model on the native forward calls (on CUDA's fp32
+        # weights it answers in text); unconstrained it began the call and never finished it
+        assert [c.name for c in calls] == ["get_weather"]
         free = run(engine, loop, request(prompt, max_tokens=80, mode="off", stop_after=("</tool_call>",)))
         assert "<tool_call>" in free[1] and parse_tool_calls(free[1], one_call=True)[1] == []
     for call in calls:
