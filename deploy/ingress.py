@@ -86,11 +86,12 @@ class Ingress:
         tokenizer = await self.tokenizer()
         requests = engine_requests(request_id, tokenizer, body, self.config)
         chat = isinstance(body, ChatCompletionRequest)
-        output = fmt.Output(kind, requests[0].sampling.logprobs is not None, chat and bool(body.functions),
-                            fmt.TokenTexts(tokenizer.decode), chat and not body.parallel_tool_calls)
+        num_top = requests[0].sampling.logprobs
+        output = fmt.Output(kind, num_top is not None, chat and bool(body.functions), fmt.TokenTexts(tokenizer.decode),
+                            chat and not body.parallel_tool_calls, body.prompt_logprobs)
         echoes = [None] * len(requests)
         if not chat and body.echo:  # each choice's prompt: prompt-major, n choices each
-            echoes = [fmt.Echo(p if isinstance(p, str) else tokenizer.decode(p), r.prompt[0])
+            echoes = [fmt.Echo(p if isinstance(p, str) else tokenizer.decode(p), r.prompt[0], num_top or 0)
                       for r, p in zip(requests, (p for p in body.prompts for _ in range(body.n)))]
         # Serve gives every handle call made for one HTTP request that request's internal id, and
         # its router indexes the calls it is placing by that id: of two placed at once, one was
@@ -104,8 +105,8 @@ class Ingress:
         except BaseException as exc:
             for stream, _ in opened:
                 cancel(stream)
-            if isinstance(exc, ApiError):  # an engine that cannot score a prompt
-                raise exc.renamed({"prompt_logprobs": "echo"}) from None
+            if isinstance(exc, ApiError) and body.prompt_logprobs is None:  # echo asked an engine that
+                raise exc.renamed({"prompt_logprobs": "echo"}) from None  # cannot score a prompt
             raise
         created = int(time.time())
         if body.stream:
@@ -116,7 +117,7 @@ class Ingress:
         accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
         choices = [fmt.full_choice(kind, i, acc, output, parse_tool_calls(acc.text, output.one_call)
                                    if output.tools else None, echoes[i]) for i, acc in enumerate(accs)]
-        return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs,
+        return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs, output,
                                               body.n))
 
     async def respond(self, body: ResponsesRequest):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from deploy.tool_call_stream import ToolCallStream
@@ -33,7 +33,7 @@ class Accumulated:
     cached_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for (echo)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for (echo, vLLM's)
     token_ids: list[int] = field(default_factory=list)  # what a resumed attempt continues after
     prediction: Sequence[int] = ()  # the request's predicted output (token ids), if any
     stops: Sequence[str] = ()  # the request's stop strings and stop ids: what stop_reason may name
@@ -143,10 +143,13 @@ def tool_call_id() -> str:
 @dataclass(frozen=True)
 class Echo:
     """Completions' `echo`: a choice's prompt shown before its output, `text` and, with
-    logprobs, its `first_token` (unscored) and the prompt logprobs after it."""
+    logprobs, its `first_token` (unscored) and the prompt logprobs after it, each with the
+    `num_top` alternatives the output's have (the engine may have scored more for vLLM's
+    `prompt_logprobs`)."""
 
     text: str
     first_token: int
+    num_top: int = 0
 
 
 def shown_logprobs(echo: Optional[Echo], prompt_logprobs: Sequence[TokenLogprob],
@@ -155,7 +158,23 @@ def shown_logprobs(echo: Optional[Echo], prompt_logprobs: Sequence[TokenLogprob]
     with `echo` the prompt's first token unscored, then the prompt's and the output's."""
     if echo is None:
         return logprobs, ()
-    return [*prompt_logprobs, *logprobs], (echo.first_token,)
+    prompt = [e if len(e.top) <= echo.num_top else replace(e, top=e.top[:echo.num_top]) for e in prompt_logprobs]
+    return [*prompt, *logprobs], (echo.first_token,)
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprob], num_top: int,
+                         token_text: TokenTexts) -> list[Optional[dict[str, dict[str, Any]]]]:
+    """vLLM's `prompt_logprobs`: null for the prompt's first token (nothing before it scores
+    it), then per token {token id: {logprob, rank, decoded_token}}, the token's own first, then
+    the `num_top` likeliest of its row (ranks 1 to num_top)."""
+    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict[str, Any]]:
+        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
+
+    def row(e: TokenLogprob) -> dict[str, dict[str, Any]]:
+        likeliest = (entry(i, lp, rank) for rank, (i, lp) in enumerate(e.top[:num_top], 1) if i != e.token_id)
+        return dict([entry(e.token_id, e.logprob, e.rank), *likeliest])
+
+    return [None, *map(row, entries)]
 
 
 def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
@@ -168,8 +187,12 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
         entries, unscored = shown_logprobs(echo, acc.prompt_logprobs, acc.logprobs)
         logprobs = logprobs_body(kind, entries, output.token_texts, unscored=unscored)
     if kind != "chat":
-        return {"index": index, "text": (echo.text if echo else "") + acc.text, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        choice = {"index": index, "text": (echo.text if echo else "") + acc.text, "logprobs": logprobs,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if output.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs, output.prompt_logprobs,
+                                                             output.token_texts)
+        return choice
     message: dict[str, Any] = {"role": "assistant", "content": acc.text}
     if tool_calls is not None and tool_calls[1]:
         message["content"] = tool_calls[0]
@@ -181,10 +204,15 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                  accs: Sequence[Accumulated], n: int = 1) -> dict[str, Any]:
-    """The non-streaming body: its choices (`full_choice`) and the usage of their outputs."""
-    return {"id": response_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+                  accs: Sequence[Accumulated], output: Output, n: int = 1) -> dict[str, Any]:
+    """The non-streaming body: its choices (`full_choice`) and the usage of their outputs; a
+    chat's vLLM `prompt_logprobs` are the response's (one prompt), a completion's each choice's."""
+    body = {"id": response_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created, "model": model, "choices": choices, "usage": usage(accs, n)}
+    if kind == "chat" and output.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(accs[0].prompt_logprobs, output.prompt_logprobs,
+                                                       output.token_texts)
+    return body
 
 
 def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional[str],
@@ -230,13 +258,15 @@ def typed_sse(event: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class Output:
     """What a response shows besides text: logprobs (when asked), tool calls (chat with tools;
-    `one_call` when parallel calls are not allowed: the output ends at its first)."""
+    `one_call` when parallel calls are not allowed: the output ends at its first), vLLM's
+    `prompt_logprobs` with this many alternatives (when asked)."""
 
     kind: Kind
     logprobs: bool
     tools: bool
     token_texts: TokenTexts
     one_call: bool = False
+    prompt_logprobs: Optional[int] = None
 
 
 class StreamPieces:

@@ -134,13 +134,13 @@ def generation_request(
         raise ApiError(400, f"{max_tokens_field}: {asked} + {len(prompt_ids)} prompt tokens exceed the context "
                             f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(config.default_max_tokens, room)
-    prompt_logprobs = None
+    prompt_logprobs = request.prompt_logprobs  # vLLM's
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
-        if request.echo:  # the prompt is shown with its logprobs too
-            prompt_logprobs = logprobs
+        if request.echo and logprobs is not None:  # the prompt is shown with its logprobs too
+            prompt_logprobs = max(logprobs, prompt_logprobs or 0)  # each shows its own top
     logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
     in_vocabulary(tokenizer, list(logit_bias), "logit_bias")
     in_vocabulary(tokenizer, list(request.stop_token_ids), "stop_token_ids")

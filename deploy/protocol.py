@@ -130,12 +130,22 @@ class _Sampling(RequestModel):
                                                               description="token ids that end the output")
     logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id -> bias
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each generated as a request of its own")
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                           description="vLLM's: each prompt token's logprob, rank and this many "
+                                                       "alternatives (not streamed)")
     user: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, stop):
         return check_stops(stop)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("stream"):  # as vLLM: they are not in any chunk
+            raise ValueError("not with stream=true")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -364,12 +374,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="1 + the tokens strictly likelier")
+    decoded_token: str
+
+
+# vLLM's: null for the prompt's first token, then {token id: ...}, the prompt token's own first
+PromptLogprobs = List[Optional[Dict[str, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str]
     stop_reason: Union[str, int, None] = Field(None, description="vLLM's: the stop string or stop id that ended it")
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -416,6 +437,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: List[ChatChoice]
     usage: Usage
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ModelCard(BaseModel):

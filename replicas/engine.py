@@ -239,11 +239,13 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class TokenLogprob:
     """An emitted token's log-probability under the target's own distribution (temperature 1,
-    before top-k/top-p, grammar-masked), and the `top` most likely tokens as (id, logprob)."""
+    before top-k/top-p, grammar-masked), the `top` most likely tokens as (id, logprob), and the
+    token's `rank` there: 1 + the tokens strictly likelier (0: not known)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
 
 
 @dataclass(frozen=True)

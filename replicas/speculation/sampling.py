@@ -168,16 +168,18 @@ def position_uniforms(seed: int, first_position: int, count: int) -> Tensor:
 
 
 def token_logprobs(logits: Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
-    """Each emitted token's logprob under its row of `logits [T, V]`, and the row's `num_top`
-    most likely tokens: the model's own distribution (temperature 1, before top-k / top-p),
-    with penalties and a grammar's mask already applied. Forbidden tokens (-inf) are never
-    listed."""
+    """Each emitted token's logprob under its row of `logits [T, V]`, its rank there, and the
+    row's `num_top` most likely tokens: the model's own distribution (temperature 1, before
+    top-k / top-p), with penalties and a grammar's mask already applied. Forbidden tokens
+    (-inf) are never listed."""
     logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)  # [T, V]
     index = torch.tensor(token_ids, dtype=torch.long, device=logits.device).reshape(-1, 1)
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    chosen = logprobs.gather(1, index)  # [T, 1]
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
     if num_top:
         top_values, top_ids = torch.topk(logprobs, num_top, dim=-1)
         tops = [tuple((i, v) for i, v in zip(ids, values) if v != float("-inf"))
                 for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-    return [TokenLogprob(int(t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+    return [TokenLogprob(int(t), lp, top, rank)
+            for t, lp, top, rank in zip(token_ids, chosen.squeeze(1).tolist(), tops, ranks)]

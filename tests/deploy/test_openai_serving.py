@@ -312,6 +312,33 @@ def test_echo_scores_a_text_as_its_generation_did_streamed_or_not(client):
     assert client.completions.create(**{**kwargs, "logprobs": None}).choices[0].text == choice.text
 
 
+def test_vllm_prompt_logprobs_are_echos_with_ranks_on_completions_and_chat(url):
+    """vLLM's `prompt_logprobs` (what scripts written against `vllm serve` score prompts with):
+    null, then per prompt token {id: logprob, rank, decoded_token}, the token's own first, then
+    its row's k likeliest; the same figures echo shows, each with its own number of alternatives.
+    A chat's are the response's: its prompt is the rendered conversation."""
+    prompt = "a b c d a b c d a b c d a b"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 3}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    scored, echoed = response["choices"][0]["prompt_logprobs"], response["choices"][0]["logprobs"]
+    assert scored[0] is None and len(scored) == response["usage"]["prompt_tokens"]  # echo shows the output's too
+    for entry, token, logprob, top in zip(scored[1:], echoed["tokens"][1:], echoed["token_logprobs"][1:],
+                                          echoed["top_logprobs"][1:]):
+        own, *likeliest = entry.values()
+        assert own["decoded_token"] == token and own["logprob"] == logprob and own["rank"] >= 1
+        ranks = {e["rank"] for e in likeliest} | ({own["rank"]} if own["rank"] <= 3 else set())
+        assert sorted(ranks) == [1, 2, 3]  # the token's own rank among them if it is one of the 3
+        best = next(e for e in (own, *likeliest) if e["rank"] == 1)
+        assert len(top) == 1 and list(top.values()) == [best["logprob"]]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0,
+            "prompt_logprobs": 0}
+    response = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()
+    scored = response["prompt_logprobs"]
+    assert len(scored) == response["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(len(entry) == 1 for entry in scored[1:])  # the token's own, no alternatives
+
+
 def test_a_batch_of_prompts_is_each_prompt_alone_in_order(url, client):
     """A list of token-id prompts as lm-evaluation-harness's local-completions sends it for
     loglikelihood (`max_tokens` 1, `logprobs` 1, `echo`): a choice per prompt, in order, each

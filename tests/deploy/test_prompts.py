@@ -11,9 +11,10 @@ import pytest
 
 from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
-from deploy.openai_format import prediction_details
+from deploy.openai_format import Echo, TokenTexts, prediction_details, shown_logprobs, vllm_prompt_logprobs
 from deploy.prompts import generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from replicas.engine import TokenLogprob
 from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -158,3 +159,20 @@ def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(cha
     assert prediction_details(ids, edited) == {"accepted_prediction_tokens": len(ids) - 3,
                                                "rejected_prediction_tokens": 3}
     assert prediction_details(ids, [])["accepted_prediction_tokens"] == 0
+
+
+def test_prompt_logprobs_ask_the_engine_for_the_most_alternatives_either_field_shows(chatml):
+    """vLLM's prompt_logprobs and echo with logprobs score the same prompt once, with the larger
+    count; each field then shows its own (echo its logprobs' count, sliced)."""
+    config = IngressConfig.from_args(AppArgs())
+    # (echo, logprobs, prompt_logprobs): what the engine scores the prompt with
+    asked = {(True, None, None): None, (False, 2, None): None, (True, 2, None): 2, (False, None, 3): 3,
+             (True, 2, 3): 3, (True, 4, 1): 4, (False, 4, 1): 1}
+    for (echo, top, vllm_top), engine_top in asked.items():
+        request_ = CompletionRequest(model="m", prompt="ab", echo=echo, logprobs=top, prompt_logprobs=vllm_top)
+        assert generation_request("r", chatml, request_, config).sampling.prompt_logprobs == engine_top
+    scored = [TokenLogprob(7, -1.0, ((8, -0.5), (7, -1.0), (9, -2.0)), rank=2)]
+    assert shown_logprobs(Echo("ab", 5, num_top=1), scored, [])[0] == [TokenLogprob(7, -1.0, ((8, -0.5),), rank=2)]
+    texts = TokenTexts(lambda ids: chr(ord("a") + ids[0]))
+    assert vllm_prompt_logprobs(scored, 2, texts) == [None, {  # the token's own first, once
+        "7": {"logprob": -1.0, "rank": 2, "decoded_token": "h"}, "8": {"logprob": -0.5, "rank": 1, "decoded_token": "i"}}]

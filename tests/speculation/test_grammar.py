@@ -149,6 +149,15 @@ def test_logprobs_of_a_row_do_not_depend_on_the_other_rows():
     assert together == alone
 
 
+def test_a_tokens_rank_counts_the_tokens_strictly_likelier():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, float("-inf")], [3.0, 1.0, 2.0, 0.0, 1.0]])
+    entries = token_logprobs(logits, [1, 4], num_top=2)
+    assert [e.rank for e in entries] == [1, 3]  # a tie shares the rank; -inf never ranks above
+    assert [i for i, _ in entries[1].top] == [0, 2]
+    ranks = [token_logprobs(logits[1:], [t], num_top=0)[0].rank for t in range(5)]
+    assert ranks == [1, 3, 2, 5, 3]
+
+
 @pytest.mark.parametrize("bad, message", [
     (GrammarSpec("json_schema", "{"), "not valid JSON"),
     (GrammarSpec("json_schema", "[1, 2]"), "must be an object"),
