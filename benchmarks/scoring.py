@@ -8,7 +8,12 @@ first; transformers runs the same ids through its fp32 forward and a log-softmax
 median milliseconds per text and scored tokens per second; for ours, what scoring adds to a
 plain prefill. Agreement with transformers' fp32 (ours reads the GGUF's Q4_1/Q8_0 weights):
 the mean and largest absolute logprob difference and how often the two agree on the likeliest
-next token. Writes benchmarks/results/scoring.json.
+next token. Then each text as a multiple-choice question, as a harness scores one: its head as
+the context and `--choices` endings of 32 tokens (its own, the next texts'), one prompt each,
+scored in turn by an engine without prefix cache and by one with it (and the MTP head, whose
+hidden states the cache keeps: the lm_head scores a cached context from them); median
+milliseconds per question, and whether both give the same logprobs. Writes
+benchmarks/results/scoring.json.
 
     .venv/bin/python benchmarks/scoring.py [--texts 8] [--tokens 512] [--threads 2]
 """
@@ -54,6 +59,22 @@ async def ours(engine: TorchEngine, ids: list[int], scored: bool) -> tuple[float
     return time.perf_counter() - started, logprobs
 
 
+def questions(batch: list[list[int]], choices: int, ending: int = 32) -> list[list[list[int]]]:
+    """Each text as a question's prompts: its head, then the last `ending` tokens of it and of
+    the next `choices - 1` texts."""
+    return [[ids[:-ending] + batch[(i + k) % len(batch)][-ending:] for k in range(choices)]
+            for i, ids in enumerate(batch)]
+
+
+async def question(engine: TorchEngine, prompts: list[list[int]]) -> tuple[float, list]:
+    """(seconds, each choice's prompt logprobs) of one question, its choices scored in turn."""
+    seconds, scored = 0.0, []
+    for ids in prompts:
+        elapsed, logprobs = await ours(engine, ids, True)
+        seconds, scored = seconds + elapsed, scored + [logprobs]
+    return seconds, scored
+
+
 def transformers_scores(model, ids: list[int]) -> tuple[float, torch.Tensor, torch.Tensor]:
     """(seconds, each prompt token's logprob after the first, the likeliest token at each)."""
     with torch.inference_mode():
@@ -69,6 +90,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--choices", type=int, default=4, help="endings per multiple-choice question")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scoring.json")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -96,7 +118,20 @@ def main() -> None:
         agree += [e.top[0][0] == int(t) for e, t in zip(mine, likeliest)]
         print(f"  text {i}: {len(ids)} tokens, ours plain {runs[False][0] * 1e3:.0f} ms, scored "
               f"{runs[True][0] * 1e3:.0f} ms, transformers {seconds * 1e3:.0f} ms", flush=True)
-    loop.run_until_complete(engine.shutdown())
+    cached = TorchEngine(TorchEngineConfig(num_threads=args.threads, speculation=SpeculationConfig(mode="off")))
+    loop.run_until_complete(cached.start())  # the shipped defaults: the MTP head, the prefix cache
+    cold_s, cached_s, same = [], [], True
+    for i, prompts in enumerate(questions(batch, args.choices)):
+        runs = {}
+        for which in ((engine, cached) if i % 2 == 0 else (cached, engine)):
+            runs[which] = loop.run_until_complete(question(which, prompts))
+        cold_s.append(runs[engine][0])
+        cached_s.append(runs[cached][0])
+        same = same and runs[engine][1] == runs[cached][1]
+        print(f"  question {i}: {args.choices} x {len(prompts[0])} tokens, without prefix cache "
+              f"{runs[engine][0] * 1e3:.0f} ms, with {runs[cached][0] * 1e3:.0f} ms", flush=True)
+    for one in (engine, cached):
+        loop.run_until_complete(one.shutdown())
     scored_tokens = sum(len(ids) - 1 for ids in batch)
     result = {
         "machine": cpu_description(), "threads": args.threads, "texts": len(batch),
@@ -111,6 +146,12 @@ def main() -> None:
         "vs_transformers_fp32": {"mean_abs_logprob_diff": round(statistics.fmean(diffs), 4),
                                  "max_abs_logprob_diff": round(max(diffs), 3),
                                  "same_likeliest_token": round(sum(agree) / len(agree), 4)},
+        "multiple_choice": {
+            "choices": args.choices, "ending_tokens": 32,
+            "ms_per_question_median": {"without_prefix_cache": round(statistics.median(cold_s) * 1e3, 1),
+                                       "with_prefix_cache": round(statistics.median(cached_s) * 1e3, 1)},
+            "speedup": round(statistics.median(c / w for c, w in zip(cold_s, cached_s)), 2),
+            "identical_logprobs": same},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -122,8 +122,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's logprob and its k most likely alternatives
     # the same for the prompt's tokens after its first, under the model alone (no penalty or
-    # bias): what `echo` with logprobs scores (a prompt asking them is prefilled whole, its
-    # prefix never taken from the prefix cache)
+    # bias): what `echo` with logprobs scores (a cached prefix of such a prompt is scored from
+    # the hidden states the prefix cache keeps with an MTP head; without, it is prefilled whole)
     prompt_logprobs: int | None = None
     # OpenAI's: minus presence_penalty for a token already in the output, minus
     # frequency_penalty per occurrence, on the logits (greedy too)

@@ -187,8 +187,9 @@ class EngineCore:
         seq.mtp_fed = self.mtp is not None and drafts_with_mtp(request_mode(self.speculation, seq))
         context = seq.context
         reused, reused_hidden = 0, None
-        # the longest cached prefix goes into the slot: prefill the rest (all of a prompt to score)
-        if self.prefix is not None and not self._scores_prompt(seq):
+        # the longest cached prefix goes into the slot: prefill the rest (all of a prompt to score,
+        # unless the cache keeps the prefix's hidden states: the lm_head scores those)
+        if self.prefix is not None and (not self._scores_prompt(seq) or self.prefix.keeps_hidden):
             seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
             reused = self.cache.lengths[seq.slot]
             seq.cached_tokens = min(reused, len(seq.prompt_ids))
@@ -213,8 +214,8 @@ class EngineCore:
         if reused_hidden is not None:  # the MTP head needs every position's
             hidden = torch.cat((reused_hidden, hidden))
         first = end - len(hidden)  # hidden's first position
-        if self._scores_prompt(seq):
-            self._score_prompt(seq, hidden[start - first:], start)
+        if self._scores_prompt(seq):  # from the first position `hidden` holds: a cached prefix's too
+            self._score_prompt(seq, hidden, first)
         seq.num_cached = end
         # (without an MTP head no hidden state is stored: the offset is moot)
         self._store_prefix(seq, hidden[max(0, len(seq.prefix_blocks) * BLOCK_TOKENS - first):])

@@ -269,6 +269,12 @@ class PrefixCache:
         return evicted
 
     @property
+    def keeps_hidden(self) -> bool:
+        """Blocks keep their positions' hidden states (with an MTP head): what the lm_head scores
+        a cached prefix's prompt tokens from, without prefilling it."""
+        return self._hidden is not None
+
+    @property
     def cached_blocks(self) -> int:
         return len(self._lru)
 

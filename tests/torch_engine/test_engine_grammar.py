@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from replicas.engine import GrammarSpec, RequestError
+from replicas.torch_engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from tests.torch_engine.engine_util import chat_prompt, collect_logprobs, request
 
 pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
@@ -204,19 +205,23 @@ async def _scored(engine, prompt_ids, k):
 def test_prompt_logprobs_are_bitwise_those_of_generating_the_prompt(engine, loop, monkeypatch, chunk):
     """Row invariance end to end: a text scored in one prefill, in one chunk or several, gets
     the logprobs its own greedy generation gave it token by token (1-row decode steps and
-    verify rows alike), compared with ==; scored again, it is prefilled again, never taken
-    from the prefix cache, and scores the same."""
+    verify rows alike), compared with ==; scored again, or within a longer text, its prefix
+    comes from the prefix cache, the lm_head scoring the hidden states kept there, and it
+    scores the same."""
     head = engine.tokenizer.encode("The capital of France is", add_special_tokens=False)
-    tokens, _, logprobs, _ = run(engine, loop, request(head, max_tokens=24, logprobs=3, ignore_eos=True))
+    tokens, _, logprobs, _ = run(engine, loop, request(head + head, max_tokens=40, logprobs=3, ignore_eos=True))
+    text = head + head + tokens
     if chunk:
         monkeypatch.setattr(engine.core, "max_prefill_tokens", chunk)
-    scored, last = loop.run_until_complete(_scored(engine, head + tokens, 3))
-    assert [e.token_id for e in scored] == (head + tokens)[1:]
-    assert scored[len(head) - 1:] == logprobs
-    again, last = loop.run_until_complete(_scored(engine, head + tokens, 3))
-    assert again == scored and last.cached_tokens == 0
-    _, _, _, plain = run(engine, loop, request(head + tokens, max_tokens=1))
-    assert plain.prompt_logprobs == () and plain.cached_tokens > 0  # the cache had it all along
+    with monkeypatch.context() as cold:  # prefilled whole, as an engine without an MTP head keeps no hidden states
+        cold.setattr(PrefixCache, "keeps_hidden", property(lambda self: False))
+        scored, last = loop.run_until_complete(_scored(engine, text, 3))
+    assert [e.token_id for e in scored] == text[1:] and last.cached_tokens == 0
+    assert scored[2 * len(head) - 1:] == logprobs
+    again, last = loop.run_until_complete(_scored(engine, text, 3))
+    assert again == scored and last.cached_tokens >= BLOCK_TOKENS  # the generation's blocks
+    longer, last = loop.run_until_complete(_scored(engine, text + head, 3))
+    assert longer[:len(scored)] == scored and last.cached_tokens >= BLOCK_TOKENS
 
 
 @pytest.mark.parametrize("penalties", [
