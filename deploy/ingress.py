@@ -32,15 +32,13 @@ from deploy.errors import ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
+from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel
+from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
 from deploy.response_store import KeptResponses
 from deploy.responses import ResponsesRequest
 from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
 from deploy.tool_calls import parse_tool_calls
-from deploy.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-    ModelCard, ModelList,
-)
 from replicas.engine import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)

@@ -60,3 +60,8 @@ async def collect(engine: TrtllmEngine, req: GenerationRequest):
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+def joined(deltas):
+    """(the text, the token ids) of a stream's deltas."""
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 
 import pytest
 
-from replicas.engine import JSON_LAYOUT, Engine, GrammarSpec, RequestError, Resume
+from replicas.engine import Engine, RequestError, Resume
 from replicas.stats import NOT_GATED
 from replicas.trtllm.translate import UnsupportedRelease
 from replicas.trtllm_engine import TrtllmEngine
 from tests.polling import async_wait_until
-from tests.trtllm.conftest import collect, engine_config, fake_api, request, run, started
+from tests.trtllm.conftest import collect, engine_config, fake_api, joined, request, run, started
 
 PROMPT = "def f(x):\n    return x\n"
-
-
-def joined(deltas):
-    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
 
 
 def test_implements_the_engine_protocol():
@@ -358,74 +353,6 @@ def test_an_upstream_failure_mid_stream_is_an_error_delta(monkeypatch):
     deltas = run(go())
     assert deltas[-1].finish_reason == "error" and "illegal memory access" in deltas[-1].error
     assert len(deltas) == 3
-
-
-@pytest.mark.parametrize("mode, gate, refused", [
-    ("mtp", 4, False), ("off", 4, False), ("hybrid", 0, False),  # no SA draft is ever verified
-    ("hybrid", 4, True), ("sa", 4, True),
-])
-def test_a_grammar_is_guided_decoding_or_a_refusal_naming_the_field(mode, gate, refused):
-    grammar = GrammarSpec("json_schema", json.dumps({"type": "object"}), "response_format.json_schema.schema")
-
-    async def go():
-        engine = await started(engine_config(mode, drafter="mtp", batch_gate=gate))
-        submitted = []
-        submit = engine._llm.generate_async
-        engine._llm.generate_async = lambda *a, **kw: submitted.append(kw["sampling_params"]) or submit(*a, **kw)
-        try:
-            if refused:
-                with pytest.raises(RequestError, match="suffix-automaton") as info:
-                    engine.generate(dataclasses.replace(request(PROMPT), grammar=grammar))
-                assert info.value.param == grammar.param
-                return None
-            await collect(engine, dataclasses.replace(request(PROMPT), grammar=grammar))
-            return submitted[0].guided_decoding
-        finally:
-            await engine.shutdown()
-
-    guide = run(go())
-    if not refused:
-        assert guide.json == {"type": "object", "x-guidance": JSON_LAYOUT}
-
-
-@pytest.mark.parametrize("mode, guided", [("mtp", True), ("hybrid", False)])
-def test_an_optional_grammar_is_guided_decoding_or_runs_unconstrained(mode, guided):
-    """Tool calls under auto: guided, the grammar ends the text and stop_after is not matched;
-    where upstream cannot constrain the request (SA drafts verified) it runs unguided instead of
-    being refused, ended after its stop_after string."""
-    grammar = GrammarSpec("lark", "start: /(.|\\n)*/", "tools", optional=True)
-
-    async def go():
-        engine = await started(engine_config(mode, drafter="mtp"))
-        submitted = []
-        submit = engine._llm.generate_async
-        engine._llm.generate_async = lambda *a, **kw: submitted.append(kw["sampling_params"]) or submit(*a, **kw)
-        try:
-            req = request("one two. three ", max_tokens=60, stop_after=("o. t",))
-            deltas = await collect(engine, dataclasses.replace(req, grammar=grammar))
-            return joined(deltas)[0], submitted[0].guided_decoding
-        finally:
-            await engine.shutdown()
-
-    text, guide = run(go())
-    if guided:
-        assert guide.grammar == grammar.text and text.startswith("one two. three")
-    else:
-        assert guide is None and text == "one two. t"
-
-
-def test_no_guided_decoding_backend_refuses_grammars():
-    async def go():
-        engine = await started(engine_config("mtp", drafter="mtp", guided_decoding_backend="none"))
-        try:
-            with pytest.raises(RequestError, match="no guided decoding") as info:
-                engine.generate(dataclasses.replace(request(PROMPT), grammar=GrammarSpec("json_object")))
-            assert info.value.param == "response_format"
-            assert "guided_decoding_backend" not in engine._llm.args.model_fields_set
-        finally:
-            await engine.shutdown()
-
-    run(go())
 
 
 def test_a_resumed_request_is_refused_not_rerun():
