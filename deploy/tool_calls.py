@@ -86,7 +86,8 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
         return (f"{start}\nTEXT: /(.|\\n)*/\nopen[lazy]: TEXT {json.dumps(TOOL_CALL_OPEN)}\n"
                 f'call: open "\\n" body {close_tag}\n{body}')
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return f"{start}\ncall: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {close_tag}\n{body}"
+    open_tag = json.dumps(TOOL_CALL_OPEN + "\n")
+    return f"{start}\ncall: {open_tag} body {close_tag}\n{body}"
 
 
 def _call_schema(function: dict, arguments_pointer: str) -> dict:

@@ -91,7 +91,8 @@ class Constraint:
             bits = np.unpackbits(words[rows, cols].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
             at, bit = np.nonzero(bits == 0)
             rows, tokens = rows[at], cols[at] * 32 + bit
-            rows, tokens = rows[tokens < self._vocab_size], tokens[tokens < self._vocab_size]
+            inside = tokens < self._vocab_size  # the last word's bits past the vocabulary
+            rows, tokens = rows[inside], tokens[inside]
             if logits.device.type == "cpu":
                 logits.numpy()[rows, tokens] = -np.inf
             else:
