@@ -125,6 +125,22 @@ class Detokenizer:
         return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), joins)
 
 
+def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int],
+                         kept: tuple[str, ...]) -> tuple[str, tuple[int, str]]:
+    """The output ended at the first of its unsent tokens whose text holds a stop string, as
+    one token a step would have found it: the tokens after it (accepted drafts of the same
+    step, a final stop id) and their logprobs are dropped, so usage and logprobs do not depend
+    on speculation. -> (the text cut at the stop, find_stop's hit)."""
+    for n in range(seq.num_sent_tokens + 1, len(ids) + 1):
+        text = seq.settled_text + detokenizer.decode(ids[seq.settled_tokens:n])
+        found = find_stop(text, seq.num_sent_chars, seq.sampling.stop, kept)
+        if found is not None:
+            del seq.output_ids[n:]
+            del seq.logprobs[n:]
+            return text[: found[0]], found
+    raise AssertionError("a stop string found in the text is in none of its prefixes")
+
+
 def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | None:
     """Decode the output so far and return the delta not yet sent (None if nothing new).
 
@@ -136,14 +152,14 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
         ids = ids[:-1]
     tail = detokenizer.decode(ids[seq.settled_tokens:])
     text = seq.settled_text + tail
-    if detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
-        seq.settled_text, seq.settled_tokens = text, len(ids)
     stops = seq.sampling.stop
     kept = seq.sampling.stop_after if seq.constraint is None else ()  # a grammar ends the text itself
     found = find_stop(text, seq.num_sent_chars, stops, kept)
     if found is not None:
-        text = text[: found[0]]
+        text, found = _stop_at_first_token(seq, detokenizer, ids, kept)
         seq.finish_reason, seq.stop_string = "stop", found[1]
+    elif detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
+        seq.settled_text, seq.settled_tokens = text, len(ids)
     releasable = len(text)
     if seq.finish_reason is None:
         if text.endswith("\ufffd"):  # an incomplete multi-byte character

@@ -196,3 +196,24 @@ def test_a_prediction_is_drafted_and_changes_nothing(engine, loop, prompts, refe
 
 def predicted(prompt, prediction, max_tokens=48, **sampling):
     return dataclasses.replace(request(prompt, max_tokens=max_tokens, **sampling), prediction=tuple(prediction))
+
+
+def test_a_stop_string_met_inside_accepted_drafts_ends_the_output_as_off_does(engine, loop, prompts):
+    # A stop string the drafts of one step run past: the tokens after the one that completes
+    # it go too, so tokens, logprobs and usage are speculation off's (they had counted them).
+    engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
+    try:
+        for prompt in (prompts[3], prompts[-1]):
+            text = loop.run_until_complete(collect(engine, request(prompt, max_tokens=64, mode="off")))[1]
+            for at in (len(text) // 3, 2 * len(text) // 3):
+                stop = text[at:at + 3]
+                runs = [loop.run_until_complete(collect_logprobs(engine, request(
+                    prompt, max_tokens=64, mode=mode, stop=[stop], logprobs=1))) for mode in ("off", "sa")]
+                (tokens, cut, logprobs, last), (sa_tokens, sa_cut, sa_logprobs, sa_last) = runs
+                assert stop not in cut and cut == text[:text.index(stop)]
+                assert last.finish_reason == sa_last.finish_reason == "stop"
+                assert sa_last.speculation["accepted_tokens"] > 0
+                assert (sa_tokens, sa_cut, sa_logprobs) == (tokens, cut, logprobs)
+                assert sa_last.completion_tokens == last.completion_tokens == len(tokens) == len(logprobs)
+    finally:
+        engine.configure(engine.config.speculation)
