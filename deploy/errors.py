@@ -81,8 +81,9 @@ def param_from_loc(loc: Sequence[Any]) -> Optional[str]:
     return name or None
 
 
-def validation_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI's validation failure -> a 400 naming the first offending field."""
+def validation_error(exc: RequestValidationError, content_type: str = "application/json") -> ApiError:
+    """FastAPI's validation failure -> a 400 naming the first offending field (a body sent as
+    another content type than JSON is not read as JSON: said so)."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
@@ -98,11 +99,16 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         expected = ctx.get("expected_tags", "").replace("'type=", "'")
         message = f"type {ctx.get('tag', '').removeprefix('type=')!r} is not one of {expected}"
     if param is None:  # the body itself: missing, not JSON, or not an object
+        if "json" not in content_type:
+            return ApiError(400, f"request body must be JSON sent as Content-Type: application/json, "
+                                 f"got {content_type or 'none'}")
         return ApiError(400, f"request body must be a JSON object ({message})")
     return ApiError(400, f"{param}: {message}", param)
 
 
 def http_error(exc: StarletteHTTPException) -> ApiError:
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for bad UTF-8
+        return ApiError(400, "malformed JSON body: not valid UTF-8 JSON")
     return ApiError(exc.status_code, str(exc.detail))
 
 
@@ -113,7 +119,7 @@ def install_error_handlers(app) -> None:
         return exc.response(request.url.path)
 
     async def on_validation(request, exc: RequestValidationError):
-        return validation_error(exc).response(request.url.path)
+        return validation_error(exc, request.headers.get("content-type", "")).response(request.url.path)
 
     async def on_http(request, exc: StarletteHTTPException):
         return http_error(exc).response(request.url.path)

@@ -38,7 +38,6 @@ from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, E
 from deploy.response_store import KeptResponses
 from deploy.responses import ResponsesRequest
 from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
-from deploy.tool_calls import parse_tool_calls
 from replicas.engine import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -85,8 +84,9 @@ class Ingress:
         requests = engine_requests(request_id, tokenizer, body, self.config)
         chat = isinstance(body, ChatCompletionRequest)
         num_top = requests[0].sampling.logprobs
-        output = fmt.Output(kind, num_top is not None, chat and bool(body.functions), fmt.TokenTexts(tokenizer.decode),
-                            chat and not body.parallel_tool_calls, body.prompt_logprobs)
+        output = fmt.Output(kind, num_top is not None, chat and bool(body.functions),
+                            fmt.TokenTexts.for_tokenizer(tokenizer), chat and not body.parallel_tool_calls,
+                            body.prompt_logprobs)
         echoes = [None] * len(requests)
         if not chat and body.echo:  # each choice's prompt: prompt-major, n choices each
             echoes = [fmt.Echo(p if isinstance(p, str) else tokenizer.decode(p), r.prompt[0], num_top or 0)
@@ -113,8 +113,9 @@ class Ingress:
                                                include_usage, body.n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
-        choices = [fmt.full_choice(kind, i, acc, output, parse_tool_calls(acc.text, output.one_call)
-                                   if output.tools else None, echoes[i]) for i, acc in enumerate(accs)]
+        choices = [fmt.full_choice(kind, i, acc, output,
+                                   fmt.answer_tool_calls(acc, output.one_call) if output.tools else None, echoes[i])
+                   for i, acc in enumerate(accs)]
         return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs, output,
                                               body.n))
 
@@ -134,7 +135,7 @@ class Ingress:
 
         request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
         created, model = int(time.time()), self.config.model_name
-        texts = fmt.TokenTexts((await self.tokenizer()).decode) if body.logprobs else None
+        texts = fmt.TokenTexts.for_tokenizer(await self.tokenizer()) if body.logprobs else None
         items = responses.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls)
 
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
@@ -171,7 +172,7 @@ class Ingress:
         model = self.config.model_name
         blocks = messages.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
         if body.stream:
-            begun = messages.message_body(request.request_id, model, blocks, input_tokens=len(request.prompt))
+            begun = messages.message_body(request.request_id, model, blocks, first=opened[1])
 
             async def closing(acc: fmt.Accumulated) -> list[dict[str, Any]]:
                 return [{"type": "message_delta", "usage": messages.usage(acc),

@@ -24,9 +24,10 @@ from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
-    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, type_tag,
+    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, check_unique_names,
+    type_tag,
 )
-from replicas.engine import RequestSpeculation
+from replicas.engine import GenerationDelta, RequestSpeculation
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -153,6 +154,19 @@ class CountTokensRequest(RequestModel):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[ThinkingDisabled] = None
 
+    @field_validator("messages")
+    @classmethod
+    def _prefill(cls, messages: List[Message]) -> List[Message]:
+        if _prefilled(messages) and _text_of(messages[-1]) != _text_of(messages[-1]).rstrip():
+            raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        check_unique_names([t.name for t in tools])
+        return tools
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
@@ -188,10 +202,25 @@ class MessagesRequest(CountTokensRequest):
 
 
 # -- the chat request it means -----------------------------------------------------------------
+def _text_of(message: Message) -> str:
+    return message.content if isinstance(message.content, str) else "".join(
+        b.text for b in message.content if b.type == "text")
+
+
+def _prefilled(messages: List[Message]) -> bool:
+    """Does the conversation end with the start of the answer (Anthropic's prefill: a last
+    assistant message of text, which the answer continues; an empty one is no prefill)?"""
+    last = messages[-1]
+    return (last.role == "assistant" and bool(_text_of(last))
+            and (isinstance(last.content, str) or all(b.type == "text" for b in last.content)))
+
+
 def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
     messages = [ChatMessage(role="system", content=system)] if system else []
     for m in body.messages:
+        if m is body.messages[-1] and m.role == "assistant" and not m.content:
+            continue  # an empty last answer: no prefill
         if isinstance(m.content, str):
             messages.append(ChatMessage(role=m.role, content=m.content))
         elif m.role == "assistant":
@@ -233,7 +262,8 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
         tool_choice=tool_choice if body.tools else None,
-        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False))
+        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
+        add_generation_prompt=not _prefilled(body.messages), continue_final_message=_prefilled(body.messages))
 
 
 # the chat pipeline's fields as a Messages request names them (ApiError.renamed)
@@ -292,12 +322,16 @@ def usage(acc: Accumulated) -> dict[str, int]:
 
 
 def message_body(message_id: str, model: str, blocks: ContentBlocks, acc: Optional[Accumulated] = None,
-                 input_tokens: int = 0) -> dict[str, Any]:
-    """The Message object: begun (no `acc`; `input_tokens` for its usage), or finished."""
+                 first: Optional[GenerationDelta] = None) -> dict[str, Any]:
+    """The Message object: finished (`acc`), or begun, its usage the prompt's as the stream's
+    `first` delta tells it (the part the prefix cache held apart, as the finished one's)."""
+    begun = acc is None
+    if begun:
+        acc = Accumulated(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
     return {
         "id": message_id, "type": "message", "role": "assistant", "model": model,
-        "content": blocks.parts if acc is not None else [],
-        "stop_reason": blocks.stop_reason(acc) if acc is not None else None,
-        "stop_sequence": acc.stop_string if acc is not None else None,
-        "usage": usage(acc) if acc is not None else {"input_tokens": input_tokens, "output_tokens": 0},
+        "content": [] if begun else blocks.parts,
+        "stop_reason": None if begun else blocks.stop_reason(acc),
+        "stop_sequence": None if begun else acc.stop_string,
+        "usage": usage(acc),
     }

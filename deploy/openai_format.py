@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
-from deploy.tool_call_stream import ToolCallStream
-from deploy.tool_calls import ToolCall
+from deploy.tool_call_stream import ToolCallStream, parse_cut_output
+from deploy.tool_calls import ToolCall, parse_tool_calls
 from replicas.engine import GenerationDelta, GenerationRequest, TokenLogprob
 
 Kind = Literal["completion", "chat"]
@@ -101,17 +101,59 @@ def prediction_details(prediction: Sequence[int], output: Sequence[int]) -> dict
 
 
 class TokenTexts:
-    """Token id -> its text (each token decoded alone), cached: what logprobs entries show."""
+    """Token id -> its text (each token decoded alone), cached: what logprobs entries show; and
+    its bytes (`raw`: the token's own, where the tokenizer tells them; else its text's UTF-8)."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
+    def __init__(self, decode: Callable[[list[int]], str],
+                 raw: Callable[[int], Optional[bytes]] = lambda _: None) -> None:
+        self._decode, self._raw = decode, raw
         self._texts: dict[int, str] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> TokenTexts:
+        return cls(tokenizer.decode, token_bytes(tokenizer))
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._decode([token_id])
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        """Chat logprobs' `bytes`: a token that holds part of a character (its text U+FFFD)
+        shows its own bytes, which joined with its neighbours' make the character."""
+        raw = self._raw(token_id)
+        return list(raw if raw is not None else self(token_id).encode("utf-8"))
+
+
+def byte_level_alphabet() -> list[str]:
+    """Byte-level BPE's (GPT-2's) character for each byte value: printable Latin-1 stands for
+    itself, the other bytes take the code points from 256 on, in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], Optional[bytes]]:
+    """Token id -> its bytes for a byte-level BPE tokenizer (its vocabulary string read back
+    through the alphabet above); None for an added token (written as its text) and for any
+    other tokenizer."""
+    from tokenizers.decoders import ByteLevel
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.decoder, ByteLevel):
+        return lambda _: None
+    byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+
+    def raw(token_id: int) -> Optional[bytes]:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in added or not isinstance(piece, str) or any(c not in byte_of for c in piece):
+            return None
+        return bytes(byte_of[c] for c in piece)
+
+    return raw
 
 
 def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: TokenTexts,
@@ -122,7 +164,7 @@ def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: Token
     if kind == "chat":
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": logprob, "bytes": token_text.bytes(token_id)}
 
         return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top]}
                             for e in entries]}
@@ -198,9 +240,15 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
         message["content"] = tool_calls[0]
         message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
-        finish_reason = "tool_calls"
+        if all(c.complete for c in tool_calls[1]):
+            finish_reason = "tool_calls"
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
+
+
+def answer_tool_calls(acc: Accumulated, one_call: bool) -> tuple[Optional[str], list[ToolCall]]:
+    """A finished chat answer as (content, calls); one that max_tokens cut as its stream sent it."""
+    return (parse_cut_output if acc.finish_reason == "length" else parse_tool_calls)(acc.text, one_call)
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -288,7 +336,9 @@ class StreamPieces:
             self._text_offset += sum(len(out.token_texts(t)) for t in (*unscored, *(e.token_id for e in entries)))
         if self._tools is None:
             return text, [], logprobs
-        events = self._tools.feed(delta.text) + (self._tools.finish() if delta.finish_reason else [])
+        events = self._tools.feed(delta.text)
+        if delta.finish_reason:
+            events += self._tools.finish(cut=delta.finish_reason == "length")
         text = "".join(e.content for e in events if e.content is not None)
         fragments = []
         for e in events:
@@ -304,4 +354,4 @@ class StreamPieces:
 
     def finish_reason(self, reason: str) -> str:
         tools = self._tools
-        return "tool_calls" if tools is not None and tools.ok and tools.num_calls else reason
+        return "tool_calls" if tools is not None and tools.ok and tools.num_calls and not tools.cut else reason

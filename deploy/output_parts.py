@@ -35,7 +35,9 @@ class OutputParts:
         if self._calls is None:
             pieces = [StreamEvent(content=text)] if text or logprobs else []
         else:
-            pieces = self._calls.feed(text) + (self._calls.finish() if finish_reason else [])
+            pieces = self._calls.feed(text)
+            if finish_reason:
+                pieces += self._calls.finish(cut=finish_reason == "length")
         events: list[Event] = []
         for piece in pieces:
             if piece.content is not None:

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
 from deploy.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
-from deploy.tool_calls import TOOL_CALL_CLOSE, format_tool_calls, tool_call_grammar, tools_system_prompt
+from deploy.tool_calls import TOOL_CALL_CLOSE, format_tool_calls, schema_error, tool_call_grammar, tools_system_prompt
 from replicas.engine import GenerationRequest, GrammarSpec, RequestError, RequestSpeculation, SamplingParams
 
 
@@ -84,6 +84,12 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
                            "response_format")
         if isinstance(request.tool_choice, NamedToolChoice):
             functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
+        callable_names = {f["name"] for f in functions}
+        for i, tool in enumerate(request.tools):  # a call it may make is held to each schema
+            error = schema_error(tool.function.parameters) if tool.function.name in callable_names else None
+            if error is not None:
+                param = f"tools[{i}].function.parameters"
+                raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
         return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls), "tool_choice")
     if fmt is None or fmt.type == "text":
         # auto: text, or a call held to the grammar once its open tag is written; unless
@@ -118,6 +124,10 @@ def generation_request(
 ) -> GenerationRequest:
     """Validate limits and build the engine request; ApiError(400) naming the field."""
     field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    try:
+        grammar = grammar_spec(request)  # its schemas' mistakes before its size
+    except RequestError as exc:
+        raise ApiError(400, str(exc), exc.param) from exc
     prompt_ids = prompt_token_ids(tokenizer, request)
     if not prompt_ids:
         raise ApiError(400, f"{field}: renders to an empty prompt", field)
@@ -163,7 +173,7 @@ def generation_request(
         )
         return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
                                  speculation=request.speculation or RequestSpeculation(),
-                                 grammar=grammar_spec(request), prediction=prediction)
+                                 grammar=grammar, prediction=prediction)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
 

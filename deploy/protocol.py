@@ -4,8 +4,8 @@ schema is `deploy/response_bodies.py`).
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
 ignored setting; a field we do not implement is accepted only at its neutral value
-(chat's `store: false`, `service_tier` "auto" or "default");
-labels and hints are taken and not read (`user`, `metadata`, the Responses API's
+(chat's `store: false`, `service_tier` "auto" or "default", `modalities: ["text"]`,
+`audio: null`); labels and hints are taken and not read (`user`, `metadata`,
 `safety_identifier` and `prompt_cache_key`: our prefix cache finds a prompt's prefix by
 itself). Text a tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON
 `"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI
@@ -29,7 +29,8 @@ class RequestModel(BaseModel):
     """A request body or a part of one: unknown fields are a 400, values frozen, types strict
     (as OpenAI's: `"5"` is not an integer, nor `true`, nor `2.0`; an integer is a number)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True,
+                              allow_inf_nan=False)  # JSON has no NaN: a bound's error would misname it
 
 
 def _unicode(text: str) -> str:
@@ -97,10 +98,20 @@ def check_tool_choice(needs_tools: bool, name: Optional[str], tools: set[str]) -
         raise ValueError(f"names {name!r}, which is not among the tools")
 
 
+def check_unique_names(names: List[str]) -> None:
+    """Each offered function has a name of its own (ValueError otherwise): chat's, the
+    Responses API's and the Messages API's tools."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"function names must be unique; repeated: {', '.join(repeated)}")
+
+
 def check_stops(stop: Union[str, List[str], None]) -> Union[str, List[str], None]:
     stops = [stop] if isinstance(stop, str) else stop or []
-    if len(stops) > 4 or any(not s for s in stops):
-        raise ValueError("at most 4 non-empty stop strings")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    if len(stops) > 4:
+        raise ValueError(f"at most 4 stop strings, got {len(stops)}")
     return stop
 
 
@@ -140,6 +151,13 @@ class _Sampling(RequestModel):
     @classmethod
     def _stop(cls, stop):
         return check_stops(stop)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):  # as OpenAI and vLLM
+            raise ValueError("only with stream=true")
+        return options
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -233,7 +251,7 @@ class ChatMessage(RequestModel):
     content: Optional[Union[Text, List[TextPart]]] = Field(None, validate_default=True)
     name: Optional[Text] = None
     tool_calls: Optional[List[AssistantToolCall]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    tool_call_id: Optional[str] = Field(None, validate_default=True)  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -250,6 +268,13 @@ class ChatMessage(RequestModel):
         if tool_calls is not None and info.data.get("role") != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         return tool_calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id, info: ValidationInfo):
+        if not call_id and info.data.get("role") == "tool":
+            raise ValueError("a tool message names the call it answers")
+        return call_id
 
     @property
     def text(self) -> str:
@@ -308,6 +333,10 @@ class ChatCompletionRequest(_Sampling):
     metadata: Metadata = None
     store: Literal[False] = False  # no chat completion is kept for later
     service_tier: ServiceTier = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    modalities: Optional[List[Literal["text"]]] = None  # text is all this server answers
+    audio: None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -315,6 +344,12 @@ class ChatCompletionRequest(_Sampling):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("needs logprobs=true")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        check_unique_names([t.function.name for t in tools or []])
+        return tools
 
     @field_validator("tool_choice")
     @classmethod

@@ -29,7 +29,7 @@ from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
     Metadata, NamedToolChoice, RequestModel, ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool,
-    ToolChoiceFunction, check_tool_choice, joined_text, type_tag,
+    ToolChoiceFunction, check_tool_choice, check_unique_names, joined_text, type_tag,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
@@ -174,6 +174,12 @@ class ResponsesRequest(RequestModel):
         if len(value) == 0:
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        check_unique_names([t.name for t in tools])
+        return tools
 
     @field_validator("tool_choice")
     @classmethod

@@ -35,10 +35,10 @@ class StreamEvent:
     arguments: str = ""
 
 
-def _partial_open_len(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of the open tag."""
-    for k in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if text.endswith(TOOL_CALL_OPEN[:k]):
+def _partial_tag_len(text: str, tag: str = TOOL_CALL_OPEN) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:k]):
             return k
     return 0
 
@@ -82,12 +82,18 @@ class ToolCallStream:
         self._started = False  # some content sent: later leading whitespace is content
         self._failed = False
         self._num_calls = 0
+        self._cut = False
 
     @property
     def ok(self) -> bool:
         """Every open tag so far began a well-formed call (after `finish`: the output is what
         `parse_tool_calls` accepts)."""
         return not self._failed and self._block is None
+
+    @property
+    def cut(self) -> bool:
+        """`finish(cut=True)` ended the output inside a call whose name had been sent."""
+        return self._cut
 
     @property
     def num_calls(self) -> int:
@@ -106,16 +112,36 @@ class ToolCallStream:
         self._pending += text
         return self._feed_content()
 
-    def finish(self) -> list[StreamEvent]:
-        """Flush held-back content. An unclosed call that sent no fragment is content."""
+    def finish(self, cut: bool = False) -> list[StreamEvent]:
+        """Flush held-back content. An unclosed call that sent no fragment is content, unless
+        `cut` (max_tokens ended the output inside it): then a call short of only its close tag
+        is a call, one whose name went out sends the rest of its arguments as written (`cut`
+        turns True), and one cut before its name (or in its open tag) is dropped."""
         if self._failed or self._ended:
             return []
-        if self._block is not None:
+        block, self._block = self._block, None
+        if block is not None:
+            if not cut and self._name is None:
+                return self._fail(self._pre_ws + TOOL_CALL_OPEN + block)
+            if not cut:
+                self._failed = True
+                return []
+            body = block.rstrip()
+            body = body[:len(body) - _partial_tag_len(body, TOOL_CALL_CLOSE)]
+            found = find_close(body + TOOL_CALL_CLOSE, len(body))
+            if found is not None and found[1] is not None:  # all but its close tag: a call
+                self._block = block
+                return self._close(*found) + self.finish(cut)
             if self._name is None:
-                return self._fail(self._pre_ws + TOOL_CALL_OPEN + self._block)
-            self._failed = True
-            return []
+                return []
+            self._cut = True
+            if self._args_start is None:
+                return []
+            rest = block[self._args_start + self._args_sent:].rstrip()
+            return [StreamEvent(index=self._num_calls - 1, arguments=rest)] if rest else []
         held, self._pending = self._pending, ""
+        if cut:  # an open tag begun: a call cut before its name
+            held = held[:len(held) - _partial_tag_len(held)]
         return self._content(held) if held.strip() else []
 
     def _content(self, text: str) -> list[StreamEvent]:
@@ -134,7 +160,7 @@ class ToolCallStream:
         buf = self._pending
         i = buf.find(TOOL_CALL_OPEN)
         if i < 0:
-            keep_from = len(buf[:len(buf) - _partial_open_len(buf)].rstrip())
+            keep_from = len(buf[:len(buf) - _partial_tag_len(buf)].rstrip())
             self._pending = buf[keep_from:]
             return self._content(buf[:keep_from])
         before = buf[:i].rstrip()
@@ -189,3 +215,25 @@ class ToolCallStream:
             self._ended, self._pending = True, ""
             return events
         return events + self._feed_content()
+
+
+def parse_cut_output(text: str, one_call: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """`parse_tool_calls` for an output that max_tokens cut: what its stream sends with
+    `finish(cut=True)`, so the answer is the same streamed or not. The calls made before the
+    cut, then the call being written when the cut came, if its name was: its arguments as far
+    as written (not valid JSON; `ToolCall.complete` False); a call cut before its name is
+    dropped."""
+    stream = ToolCallStream(one_call)
+    events = stream.feed(text) + stream.finish(cut=True)
+    names: list[str] = []
+    arguments: list[str] = []
+    for e in events:
+        if e.content is None:
+            if e.name is not None:
+                names.append(e.name)
+                arguments.append("")
+            arguments[e.index] += e.arguments
+    calls = [ToolCall(name, args) for name, args in zip(names, arguments)]
+    if stream.cut:
+        calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments, complete=False)
+    return "".join(e.content for e in events if e.content is not None) or None, calls

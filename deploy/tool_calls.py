@@ -90,6 +90,18 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
     return f"{start}\ncall: {open_tag} body {close_tag}\n{body}"
 
 
+def schema_error(parameters: dict | None) -> str | None:
+    """Why the grammar engine refuses a function's parameters schema (None: it takes it)."""
+    from llguidance import LLMatcher
+
+    if parameters is None:
+        return None
+    try:
+        return LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(parameters, defaults=JSON_LAYOUT)) or None
+    except ValueError as exc:
+        return str(exc)
+
+
 def _call_schema(function: dict, arguments_pointer: str) -> dict:
     # The parameters schema is nested under the call object, so its local "$ref"s ("#/$defs/X")
     # must be rebased onto where it now sits, or llguidance fails to resolve them.
@@ -120,6 +132,7 @@ def _rebase_refs(schema: object, base: str) -> object:
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object, standard separators
+    complete: bool = True  # False: max_tokens cut the call (its arguments as far as written)
 
 
 def _as_call(obj: object) -> ToolCall | None:

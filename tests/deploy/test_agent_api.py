@@ -134,19 +134,47 @@ def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):
     kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
                   tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
     plain = agent_client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    names, arguments, finish = {}, {}, None
-    for chunk in agent_client.chat.completions.create(**kwargs, stream=True):
+    _, names, arguments, finish = _streamed_calls(agent_client, kwargs)
+    assert finish == "tool_calls"
+    assert names == [c.function.name for c in plain] and names[0] == "get_time"
+    assert arguments == [c.function.arguments for c in plain]
+    assert "timezone" in json.loads(arguments[0])
+
+
+def _streamed_calls(client, kwargs):
+    """A streamed chat answer assembled: (content, call names, their arguments, finish_reason)."""
+    content, names, arguments, finish = "", {}, {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
         if not chunk.choices:
             continue
+        content += chunk.choices[0].delta.content or ""
         for fragment in chunk.choices[0].delta.tool_calls or []:
             if fragment.function.name:
                 names[fragment.index] = fragment.function.name
             arguments[fragment.index] = arguments.get(fragment.index, "") + (fragment.function.arguments or "")
         finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
-    assert [names[i] for i in sorted(names)] == [c.function.name for c in plain] and names[0] == "get_time"
-    assert [arguments[i] for i in sorted(arguments)] == [c.function.arguments for c in plain]
-    assert "timezone" in json.loads(arguments[0])
+    return content, [names[i] for i in sorted(names)], [arguments[i] for i in sorted(arguments)], finish
+
+
+def test_calls_cut_by_max_tokens_are_one_answer_streamed_or_not(agent_client):
+    # Parallel calls allowed: this model repeats its call until max_tokens cuts one. The calls
+    # before the cut are calls, the cut one (named) keeps its arguments as far as written, and
+    # no markup is left in the content, streamed or not.
+    finishes = set()
+    for max_tokens in range(40, 100, 7):
+        kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=max_tokens,
+                      temperature=0, tool_choice="required")
+        plain = agent_client.chat.completions.create(**kwargs).choices[0]
+        calls = plain.message.tool_calls
+        content, names, arguments, finish = _streamed_calls(agent_client, kwargs)
+        assert calls and "<tool_call>" not in (plain.message.content or "") + content
+        assert (content or None, names, arguments, finish) == (
+            plain.message.content, [c.function.name for c in calls], [c.function.arguments for c in calls],
+            plain.finish_reason)
+        for call in calls[:-1]:
+            json.loads(call.function.arguments)
+        finishes.add(finish)
+    assert "length" in finishes and finishes <= {"tool_calls", "length"}  # some cut inside a call
 
 
 def test_chat_logprobs_shapes_and_streaming(agent_client):

@@ -66,6 +66,17 @@ def test_bad_input(url, name, path, body, headers, status, param):
     assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("body,content_type,says", [
+    (b'{"model": "fake", "prompt": "hi"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+    (b'{"model": "fake", "prompt": "\xff\xfe"}', "application/json", "not valid UTF-8"),
+    (b'{"model": "fake", "prompt": "hi", "temperature": NaN}', "application/json", "temperature: Input should be a "
+                                                                                   "finite number"),
+])
+def test_a_body_that_is_not_json_says_why(url, body, content_type, says):
+    response = httpx.post(f"{url}/v1/completions", content=body, headers={**AUTH, "Content-Type": content_type})
+    assert response.status_code == 400 and says in response.json()["error"]["message"], response.text
+
+
 @pytest.fixture(scope="module")
 def wide_url(url):
     """An app whose limits fit a tools prompt (the byte-level fake tokenizer makes it long)."""
@@ -175,7 +186,8 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto")),
+    ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto",
+                                  safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None)),
     ("/v1/responses", respond(user="u1", metadata={"team": "a"}, service_tier="default", safety_identifier="h1",
                               prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"])),
 ])

@@ -104,3 +104,36 @@ def test_max_tokens_stops_the_message(claude):
     message = claude.messages.create(model=MODEL, max_tokens=5, extra_body=GREEDY,
                                      messages=[{"role": "user", "content": "Tell me a long story."}])
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
+
+
+def test_a_last_assistant_message_is_a_prefill_the_answer_continues(claude, agent_client):
+    question = {"role": "user", "content": "What is the capital of France?"}
+    chat = agent_client.chat.completions.create(
+        model=MODEL, messages=[question, {"role": "assistant", "content": "The capital of France is"}],
+        max_completion_tokens=12, temperature=0,
+        extra_body={**OFF, "add_generation_prompt": False, "continue_final_message": True})
+    for content in ("The capital of France is", [{"type": "text", "text": "The capital of France is"}]):
+        kwargs = dict(model=MODEL, messages=[question, {"role": "assistant", "content": content}])
+        message = claude.messages.create(**kwargs, max_tokens=12, extra_body=GREEDY)
+        assert message.content[0].text == chat.choices[0].message.content
+        usage = message.usage
+        assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+        assert claude.messages.count_tokens(**kwargs).input_tokens == chat.usage.prompt_tokens
+    # an empty last answer is no prefill: the answer starts a turn, as with no such message
+    fresh = claude.messages.count_tokens(model=MODEL, messages=[question]).input_tokens
+    assert claude.messages.count_tokens(model=MODEL, messages=[question, {"role": "assistant", "content": ""}]
+                                        ).input_tokens == fresh
+    with pytest.raises(anthropic.BadRequestError, match="whitespace"):
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[question, {"role": "assistant", "content": "It "}])
+
+
+def test_a_streams_first_usage_splits_the_prompt_as_its_last(claude):
+    # sent twice: the second finds its prompt in the prefix cache, and says so from its start
+    kwargs = dict(model=MODEL, max_tokens=8, extra_body=GREEDY, stream=True,
+                  messages=[{"role": "user", "content": "Name a colour of the rainbow, please, and only one."}])
+    for _ in range(2):
+        events = list(claude.messages.create(**kwargs))
+        start, delta = events[0].message.usage, next(e for e in events if e.type == "message_delta").usage
+        assert (start.input_tokens, start.cache_read_input_tokens) == (delta.input_tokens,
+                                                                        delta.cache_read_input_tokens)
+    assert start.cache_read_input_tokens > 0

@@ -176,3 +176,16 @@ def test_prompt_logprobs_ask_the_engine_for_the_most_alternatives_either_field_s
     texts = TokenTexts(lambda ids: chr(ord("a") + ids[0]))
     assert vllm_prompt_logprobs(scored, 2, texts) == [None, {  # the token's own first, once
         "7": {"logprob": -1.0, "rank": 2, "decoded_token": "h"}, "8": {"logprob": -0.5, "rank": 1, "decoded_token": "i"}}]
+
+
+def test_logprob_bytes_are_each_tokens_own(chatml):
+    # A character split over tokens: each token's text alone is U+FFFD, its bytes are its own
+    # part of the character, and the tokens' bytes joined are the text's UTF-8.
+    texts = TokenTexts.for_tokenizer(chatml)
+    for text in ("🎉🎉 é", "naïve 日本語 ok", "plain words"):
+        ids = chatml.encode(text, add_special_tokens=False)
+        assert b"".join(bytes(texts.bytes(i)) for i in ids) == text.encode("utf-8")
+    split = chatml.encode("🎉", add_special_tokens=False)
+    assert len(split) > 1 and all(texts(i) == "\ufffd" for i in split)
+    end = chatml.convert_tokens_to_ids("<|im_end|>")
+    assert texts.bytes(end) == list(b"<|im_end|>")  # an added token: its text

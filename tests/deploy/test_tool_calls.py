@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from deploy.tool_call_stream import StreamEvent, ToolCallStream
+from deploy.tool_call_stream import StreamEvent, ToolCallStream, parse_cut_output
 from deploy.tool_calls import (
     TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_calls, parse_tool_calls, tool_call_grammar,
     tools_system_prompt,
@@ -118,11 +118,11 @@ def test_system_prompt_lists_functions_and_shows_the_format():
 
 # ---- streaming ---------------------------------------------------------------------------
 
-def _stream(pieces, one_call=False):
+def _stream(pieces, one_call=False, cut=False):
     stream, events = ToolCallStream(one_call), []
     for piece in pieces:
         events += stream.feed(piece)
-    events += stream.finish()
+    events += stream.finish(cut)
     content, calls = "", []
     for e in events:
         if e.content is not None:
@@ -236,6 +236,31 @@ def test_stream_sends_the_name_and_arguments_before_the_close_tag():
     assert [e.arguments for e in stream.feed("}\n</tool_ca")] == ["}"]  # now the outer "}" waits
     assert stream.feed("ll>") == []
     assert stream.finish() == [] and stream.ok and stream.num_calls == 1
+
+
+def test_an_output_cut_inside_a_call_keeps_the_calls_before_it_streamed_or_not():
+    # max_tokens ends the output inside its second call: the first stands; the second is a
+    # call once its JSON is whole, is kept cut (its arguments as far as written) once its
+    # name is, and is dropped before that; the same answer at every split of the stream.
+    output = "Checking.\n" + PARIS + "\n" + SUM
+    start = output.index(SUM)
+    header_end = start + len(TOOL_CALL_OPEN + '\n{"name": "add", "arguments": ')
+    whole = output.index("}}", start) + 2
+    for end in range(start, len(output)):
+        text = output[:end]
+        content, calls = parse_cut_output(text)
+        assert content == "Checking." and calls[0] == ToolCall("get_weather", '{"city": "Paris"}'), text
+        if end >= whole:
+            assert calls[1:] == [ToolCall("add", '{"a": 1, "b": 2.5}')], text
+        elif end > header_end:
+            assert calls[1].name == "add" and not calls[1].complete, text
+            assert calls[1].arguments == output[header_end:end].rstrip(), text
+        else:
+            assert len(calls) == 1, text
+        for pieces in list(_splits(text))[::7]:
+            got_content, got_calls, stream = _stream(pieces, cut=True)
+            assert (got_content or None, got_calls) == (content, [ToolCall(c.name, c.arguments) for c in calls])
+            assert stream.ok and stream.cut == (not calls[-1].complete), pieces
 
 
 # ---- grammar (llguidance) ----------------------------------------------------------------
