@@ -7,6 +7,7 @@ The body is `{"error": {"message", "type", "param", "code"}}`, the shape the off
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, Optional, Sequence
 
 from fastapi.exceptions import RequestValidationError
@@ -38,10 +39,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def renamed(self, fields: dict[str, str]) -> "ApiError":
-        """This error with its field named as another API names it (`fields`: ours -> theirs)."""
-        field = fields.get(self.param or "")
+        """This error with its field named as another API names it (`fields`: ours -> theirs;
+        "[]" in a name stands for any list index, kept)."""
+        param = self.param or ""
+        field = fields.get(param) or fields.get(re.sub(r"\[\d+\]", "[]", param))
         if field is None:
             return self
+        indices = iter(re.findall(r"\[\d+\]", param))
+        field = re.sub(r"\[\]", lambda _: next(indices), field)
         message = field + self.message.removeprefix(self.param) if self.message.startswith(self.param) else self.message
         return ApiError(self.status, message, field, self.code, self.retry_after_s)
 

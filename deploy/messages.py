@@ -157,7 +157,8 @@ class CountTokensRequest(RequestModel):
     @field_validator("messages")
     @classmethod
     def _prefill(cls, messages: List[Message]) -> List[Message]:
-        if _prefilled(messages) and _text_of(messages[-1]) != _text_of(messages[-1]).rstrip():
+        begun = _answer_begun(messages)
+        if begun and begun != begun.rstrip():
             raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
         return messages
 
@@ -202,24 +203,20 @@ class MessagesRequest(CountTokensRequest):
 
 
 # -- the chat request it means -----------------------------------------------------------------
-def _text_of(message: Message) -> str:
-    return message.content if isinstance(message.content, str) else "".join(
-        b.text for b in message.content if b.type == "text")
-
-
-def _prefilled(messages: List[Message]) -> bool:
-    """Does the conversation end with the start of the answer (Anthropic's prefill: a last
-    assistant message of text, which the answer continues; an empty one is no prefill)?"""
+def _answer_begun(messages: List[Message]) -> Optional[str]:
+    """The start of the answer the conversation ends with (Anthropic's prefill: a last
+    assistant message of text only, which the answer continues; "" is no prefill), or None."""
     last = messages[-1]
-    return (last.role == "assistant" and bool(_text_of(last))
-            and (isinstance(last.content, str) or all(b.type == "text" for b in last.content)))
+    if last.role != "assistant" or (not isinstance(last.content, str) and any(b.type != "text" for b in last.content)):
+        return None
+    return last.content if isinstance(last.content, str) else "".join(b.text for b in last.content)
 
 
 def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
     messages = [ChatMessage(role="system", content=system)] if system else []
     for m in body.messages:
-        if m is body.messages[-1] and m.role == "assistant" and not m.content:
+        if m is body.messages[-1] and _answer_begun(body.messages) == "":
             continue  # an empty last answer: no prefill
         if isinstance(m.content, str):
             messages.append(ChatMessage(role=m.role, content=m.content))
@@ -257,18 +254,20 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
                         top_k=body.top_k, stop=body.stop_sequences, stream=body.stream, speculation=body.speculation,
                         user=body.metadata.user_id if body.metadata else None, response_format=fmt and {
                             "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
+    prefill = bool(_answer_begun(body.messages))
     tools = [Tool(type="function", function=FunctionDefinition(name=t.name, description=t.description,
                                                                parameters=t.input_schema)) for t in body.tools]
     return ChatCompletionRequest(
         model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
         tool_choice=tool_choice if body.tools else None,
         parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
-        add_generation_prompt=not _prefilled(body.messages), continue_final_message=_prefilled(body.messages))
+        add_generation_prompt=not prefill, continue_final_message=prefill)
 
 
 # the chat pipeline's fields as a Messages request names them (ApiError.renamed)
 FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
-          "response_format.json_schema.schema": "output_config.format.schema"}
+          "response_format.json_schema.schema": "output_config.format.schema",
+          "tools[].function.parameters": "tools[].input_schema"}
 
 
 # -- output --------------------------------------------------------------------------------------

@@ -281,7 +281,8 @@ def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[C
 
 # the chat pipeline's fields as a Responses request names them (ApiError.renamed)
 FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-          "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema"}
+          "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema",
+          "tools[].function.parameters": "tools[].parameters"}
 
 
 # -- output --------------------------------------------------------------------------------------

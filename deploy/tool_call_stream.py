@@ -114,35 +114,36 @@ class ToolCallStream:
 
     def finish(self, cut: bool = False) -> list[StreamEvent]:
         """Flush held-back content. An unclosed call that sent no fragment is content, unless
-        `cut` (max_tokens ended the output inside it): then a call short of only its close tag
-        is a call, one whose name went out sends the rest of its arguments as written (`cut`
-        turns True), and one cut before its name (or in its open tag) is dropped."""
+        `cut` (max_tokens ended the output inside it: `_cut_call`)."""
         if self._failed or self._ended:
             return []
-        block, self._block = self._block, None
-        if block is not None:
-            if not cut and self._name is None:
-                return self._fail(self._pre_ws + TOOL_CALL_OPEN + block)
-            if not cut:
-                self._failed = True
-                return []
-            body = block.rstrip()
-            body = body[:len(body) - _partial_tag_len(body, TOOL_CALL_CLOSE)]
-            found = find_close(body + TOOL_CALL_CLOSE, len(body))
-            if found is not None and found[1] is not None:  # all but its close tag: a call
-                self._block = block
-                return self._close(*found) + self.finish(cut)
+        if self._block is not None:
+            if cut:
+                return self._cut_call()
             if self._name is None:
-                return []
-            self._cut = True
-            if self._args_start is None:
-                return []
-            rest = block[self._args_start + self._args_sent:].rstrip()
-            return [StreamEvent(index=self._num_calls - 1, arguments=rest)] if rest else []
+                return self._fail(self._pre_ws + TOOL_CALL_OPEN + self._block)
+            self._failed = True
+            return []
         held, self._pending = self._pending, ""
         if cut:  # an open tag begun: a call cut before its name
             held = held[:len(held) - _partial_tag_len(held)]
         return self._content(held) if held.strip() else []
+
+    def _cut_call(self) -> list[StreamEvent]:
+        """The call max_tokens cut: one short of only its close tag is a call; one whose name
+        went out sends the rest of its arguments as written (`cut` turns True); one cut before
+        its name is dropped."""
+        block = self._block.rstrip()
+        body = block[:len(block) - _partial_tag_len(block, TOOL_CALL_CLOSE)]
+        found = find_close(body + TOOL_CALL_CLOSE, len(body))
+        if found is not None and found[1] is not None:
+            return self._close(*found) + self.finish(cut=True)
+        self._block = None
+        if self._name is None:
+            return []
+        self._cut = True
+        rest = block[self._args_start + self._args_sent:] if self._args_start is not None else ""
+        return [StreamEvent(index=self._num_calls - 1, arguments=rest)] if rest else []
 
     def _content(self, text: str) -> list[StreamEvent]:
         if not self._started:
