@@ -18,7 +18,7 @@ import json
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
@@ -126,8 +126,13 @@ ToolChoice = Annotated[Union[
 ], Discriminator(type_tag)]
 
 
-class ThinkingDisabled(RequestModel):
-    type: Literal["disabled"]  # the model has no thinking mode
+class Thinking(RequestModel):
+    """Extended thinking, taken and not read: the model has no thinking mode, so an answer has
+    no thinking blocks. Claude Code sends `adaptive` with every request."""
+
+    model_config = ConfigDict(extra="ignore")  # whatever settings a newer client adds
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: Optional[int] = Field(None, ge=0)
 
 
 class MessagesMetadata(RequestModel):
@@ -152,7 +157,7 @@ class CountTokensRequest(RequestModel):
     system: Optional[Union[Text, List[TextBlock]]] = None
     tools: List[ToolDefinition] = []
     tool_choice: Optional[ToolChoice] = None
-    thinking: Optional[ThinkingDisabled] = None
+    thinking: Optional[Thinking] = None
 
     @field_validator("messages")
     @classmethod

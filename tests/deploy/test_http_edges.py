@@ -190,6 +190,8 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
                                   safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None)),
     ("/v1/responses", respond(user="u1", metadata={"team": "a"}, service_tier="default", safety_identifier="h1",
                               prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"])),
+    ("/v1/messages", message(thinking={"type": "adaptive", "budget_tokens": 0}, metadata={"user_id": "u1"})),
+    ("/v1/messages", message(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"})),
 ])
 def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, body):
     bare = {k: v for k, v in body.items() if k in ("model", "messages", "input", "max_tokens", "max_output_tokens")}
@@ -199,6 +201,8 @@ def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, bod
     labelled, plain = labelled.json(), plain.json()
     if "choices" in labelled:
         assert labelled["choices"][0]["message"] == plain["choices"][0]["message"]
+    elif path == "/v1/messages":  # no thinking blocks: the model does not think
+        assert labelled["content"] == plain["content"]
     else:  # a response shows its metadata back, as OpenAI's
         assert labelled["output"][0]["content"] == plain["output"][0]["content"]
         assert labelled["metadata"] == {"team": "a"} and plain["metadata"] == {}
