@@ -8,7 +8,9 @@ message, `tool_use` blocks as an assistant's tool calls, `tool_result` blocks as
 constrained and generated exactly as `/v1/chat/completions` would; the answer comes back as
 content blocks (`ContentBlocks`: a `text` block per run of text, a `tool_use` block per call),
 streamed as Anthropic's events. `cache_control` marks are taken and not read: the prefix cache
-finds a prompt's cached prefix by itself. Text only: an image or document block is a 400.
+finds a prompt's cached prefix by itself (Claude Code's billing header, which changes with
+every request, is left out of the prompt for it). Text only: an image or document block is a
+400.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from replicas.engine import GenerationDelta, RequestSpeculation
 
 # -- request -----------------------------------------------------------------------------------
 class CacheControl(RequestModel):
+    """A prefix-cache mark, taken and not read (settings a newer client adds too: Claude Code's
+    `scope`): the prefix cache finds a prompt's cached prefix by itself."""
+
+    model_config = ConfigDict(extra="ignore")
     type: Literal["ephemeral"]
-    ttl: Optional[Literal["5m", "1h"]] = None
 
 
 class TextBlock(RequestModel):
@@ -53,18 +58,32 @@ class ToolUseBlock(RequestModel):
     cache_control: Optional[CacheControl] = None
 
 
+class ToolReferenceBlock(RequestModel):
+    """A tool named in a tool result (Claude Code's tool search): nothing for the model to read."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["tool_reference"]
+
+
+ResultBlock = Annotated[Union[
+    Annotated[TextBlock, Tag("type=text")],
+    Annotated[ToolReferenceBlock, Tag("type=tool_reference")],
+], Discriminator(type_tag)]
+
+
 class ToolResultBlock(RequestModel):
     """The client's result of call `tool_use_id`, which the model reads as a tool message."""
 
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: Union[Text, List[TextBlock]] = ""
+    content: Union[Text, List[ResultBlock]] = ""
     is_error: bool = False
     cache_control: Optional[CacheControl] = None
 
     @property
     def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(
+            b.text for b in self.content if b.type == "text")
         return f"Error: {text}" if self.is_error else text
 
 
@@ -76,16 +95,17 @@ ContentBlock = Annotated[Union[
 
 
 class Message(RequestModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # a system instruction mid-conversation (Claude Code's)
     content: Union[Text, List[ContentBlock]]
 
     @field_validator("content")
     @classmethod
     def _blocks(cls, content, info: ValidationInfo):
         role = info.data.get("role")
-        misplaced = "tool_result" if role == "assistant" else "tool_use"
-        if isinstance(content, list) and any(block.type == misplaced for block in content):
-            raise ValueError(f"a {role} message has no {misplaced} blocks")
+        allowed = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use"}}.get(role, {"text"})
+        misplaced = sorted({block.type for block in content} - allowed) if isinstance(content, list) else []
+        if misplaced:
+            raise ValueError(f"a {role} message has no {misplaced[0]} blocks")
         return content
 
 
@@ -96,6 +116,7 @@ class ToolDefinition(RequestModel):
     input_schema: JsonSchema
     strict: Optional[bool] = None  # a forced call always follows the schema; a chosen one is parsed as written
     cache_control: Optional[CacheControl] = None
+    eager_input_streaming: Optional[bool] = None  # a hint (Claude Code's): inputs stream as written anyway
 
 
 class ToolChoiceAuto(RequestModel):
@@ -198,6 +219,8 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Optional[Literal["auto", "standard_only"]] = None  # we have one tier
     speed: Optional[Literal["standard"]] = None
     inference_geo: Optional[str] = None  # a label, not read
+    context_management: Optional[Dict[str, Any]] = None  # server-side context edits: not made, the context is kept
+    diagnostics: Optional[Any] = None  # Claude Code's, not read
     user_profile_id: Optional[str] = None  # a label, not read
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
 
@@ -217,14 +240,22 @@ def _answer_begun(messages: List[Message]) -> Optional[str]:
     return last.content if isinstance(last.content, str) else "".join(b.text for b in last.content)
 
 
+# Claude Code leads its system prompt with a block of its own that changes with every request
+# ("x-anthropic-billing-header: cc_version=...; cch=..."): read by Anthropic's billing, not by
+# the model, and kept it would leave no prompt a cached prefix to share.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
 def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
-    system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
+    system = body.system if isinstance(body.system, str) else "".join(
+        b.text for b in body.system or [] if not b.text.startswith(BILLING_HEADER))
     messages = [ChatMessage(role="system", content=system)] if system else []
     for m in body.messages:
         if m is body.messages[-1] and _answer_begun(body.messages) == "":
             continue  # an empty last answer: no prefill
-        if isinstance(m.content, str):
-            messages.append(ChatMessage(role=m.role, content=m.content))
+        if isinstance(m.content, str) or m.role == "system":
+            messages.append(ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else "".join(
+                b.text for b in m.content)))
         elif m.role == "assistant":
             text = "".join(b.text for b in m.content if b.type == "text")
             calls = [AssistantToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import httpx
 import jsonschema
 import pytest
 
@@ -137,3 +138,39 @@ def test_a_streams_first_usage_splits_the_prompt_as_its_last(claude):
         assert (start.input_tokens, start.cache_read_input_tokens) == (delta.input_tokens,
                                                                         delta.cache_read_input_tokens)
     assert start.cache_read_input_tokens > 0
+
+
+def _claude_code_request(cch: str) -> dict:
+    """A request shaped as Claude Code 2.1 sends them (its fields, trimmed to a small model)."""
+    cached = {"type": "ephemeral", "scope": "global", "ttl": "1h"}
+    return dict(
+        model=MODEL, max_tokens=16, stream=True,
+        system=[{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.252; cch={cch};"},
+                {"type": "text", "text": "You are a coding agent. Answer briefly.", "cache_control": cached}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "List the files."}]},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                      {"type": "text", "text": "main.py\nREADME.md"}, {"type": "tool_reference", "tool_name": "ls"}]}]},
+                  {"role": "system", "content": "Keep answers under one line."},
+                  {"role": "user", "content": [
+                      {"type": "text", "text": "Which is the code?", "cache_control": cached}]}],
+        tools=[{"name": "ls", "description": "List files.", "input_schema": {"type": "object", "properties": {}},
+                "eager_input_streaming": True}],
+        thinking={"type": "adaptive", "budget_tokens": 0}, metadata={"user_id": "user_abc@host:1"},
+        context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}, diagnostics={"session": "s1"},
+        output_config={"effort": "xhigh"})
+
+
+def test_a_claude_code_request_is_answered_and_its_prompt_cached_across_requests(agent_url):
+    # its billing header changes with every request: left out, the next request finds the prompt cached
+    usages = []
+    for cch in ("fa690", "0b1c2"):
+        with httpx.Client(base_url=agent_url, timeout=300) as client:
+            with client.stream("POST", "/v1/messages", json=_claude_code_request(cch)) as response:
+                assert response.status_code == 200, response.read()
+                events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "message_stop"
+        usages.append(next(e for e in events if e["type"] == "message_delta")["usage"])
+    prompt = usages[0]["input_tokens"] + usages[0]["cache_read_input_tokens"]
+    assert usages[1]["input_tokens"] + usages[1]["cache_read_input_tokens"] == prompt
+    assert usages[1]["cache_read_input_tokens"] >= prompt - 32  # all but its last, partial block
