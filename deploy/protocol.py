@@ -115,6 +115,14 @@ def check_stops(stop: Union[str, List[str], None]) -> Union[str, List[str], None
     return stop
 
 
+# Hints for reasoning models, taken and not read: this model does not reason and has one
+# verbosity (agent clients send them whatever the model: Codex CLI sends reasoning effort
+# "none" to a model it does not know).
+ReasoningEffort = Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]]
+Verbosity = Optional[Literal["low", "medium", "high"]]
+PromptCacheRetention = Optional[Literal["in_memory", "24h"]]  # our prefix cache keeps what its budget holds
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
@@ -335,6 +343,9 @@ class ChatCompletionRequest(_Sampling):
     service_tier: ServiceTier = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: PromptCacheRetention = None
+    reasoning_effort: ReasoningEffort = None
+    verbosity: Verbosity = None
     modalities: Optional[List[Literal["text"]]] = None  # text is all this server answers
     audio: None = None
 

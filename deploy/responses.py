@@ -28,8 +28,9 @@ from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
-    Metadata, NamedToolChoice, RequestModel, ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool,
-    ToolChoiceFunction, check_tool_choice, check_unique_names, joined_text, type_tag,
+    Metadata, NamedToolChoice, PromptCacheRetention, ReasoningEffort, RequestModel, ResponseFormatJsonObject,
+    ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity, check_tool_choice, check_unique_names,
+    joined_text, type_tag,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
@@ -135,6 +136,13 @@ TextFormat = Annotated[Union[
 
 class TextConfig(RequestModel):
     format: TextFormat = ResponseFormatText(type="text")
+    verbosity: Verbosity = None
+
+
+class Reasoning(RequestModel):
+    effort: ReasoningEffort = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
 
 
 class ResponsesRequest(RequestModel):
@@ -166,6 +174,8 @@ class ResponsesRequest(RequestModel):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: PromptCacheRetention = None
+    reasoning: Optional[Reasoning] = None  # hints: no output of ours has reasoning
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
 
     @field_validator("input")

@@ -187,9 +187,12 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
 
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto",
-                                  safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None)),
+                                  safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None,
+                                  reasoning_effort="none", verbosity="low", prompt_cache_retention="24h")),
     ("/v1/responses", respond(user="u1", metadata={"team": "a"}, service_tier="default", safety_identifier="h1",
-                              prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"])),
+                              prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"],
+                              reasoning={"effort": "none", "summary": "auto"}, text={"verbosity": "medium"},
+                              prompt_cache_retention="in_memory")),
     ("/v1/messages", message(thinking={"type": "adaptive", "budget_tokens": 0}, metadata={"user_id": "u1"})),
     ("/v1/messages", message(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"})),
 ])
