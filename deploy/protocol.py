@@ -6,8 +6,8 @@ Requests forbid unknown fields, so a typo is a 400 naming it rather than a silen
 ignored setting; a field we do not implement is accepted only at its neutral value
 (chat's `store: false`, `service_tier` "auto" or "default", `modalities: ["text"]`,
 `audio: null`); labels and hints are taken and not read (`user`, `metadata`,
-`safety_identifier` and `prompt_cache_key`: our prefix cache finds a prompt's prefix by
-itself). Text a tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON
+`safety_identifier`, `prompt_cache_key` and `prompt_cache_retention`: our prefix cache finds
+a prompt's prefix by itself; reasoning models' `reasoning_effort` and `verbosity`). Text a tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON
 `"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI
 generates from these models is what schemathesis fuzzes.
 """
