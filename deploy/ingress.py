@@ -279,9 +279,10 @@ class Ingress:
         tasks = [asyncio.ensure_future(choice(i)) for i in range(len(requests))]
         try:
             try:
-                if kind == "chat":
+                if kind == "chat":  # content null where the answer may be calls alone, as OpenAI's
+                    opening = None if output.tools else ""
                     for i in range(len(requests)):
-                        yield fmt.sse(fmt.chunk(kind, response_id, created, model, "", role=True, index=i))
+                        yield fmt.sse(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i))
                 finished = 0
                 while finished < len(requests):
                     event = await events.get()

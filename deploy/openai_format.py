@@ -271,7 +271,7 @@ def chunk(kind: Kind, response_id: str, created: int, model: str, text: Optional
     and `tool_calls` carries `delta.tool_calls` fragments; the last one (`finish_reason` set)
     says `stop_reason` too."""
     if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
         if text is not None:
             delta["content"] = text
         if tool_calls:

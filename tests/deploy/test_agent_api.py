@@ -143,11 +143,12 @@ def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):
 
 def _streamed_calls(client, kwargs):
     """A streamed chat answer assembled: (content, call names, their arguments, finish_reason)."""
-    content, names, arguments, finish = "", {}, {}, None
+    content, names, arguments, finish = None, {}, {}, None  # content null until some comes (OpenAI's)
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         if not chunk.choices:
             continue
-        content += chunk.choices[0].delta.content or ""
+        if chunk.choices[0].delta.content is not None:
+            content = (content or "") + chunk.choices[0].delta.content
         for fragment in chunk.choices[0].delta.tool_calls or []:
             if fragment.function.name:
                 names[fragment.index] = fragment.function.name
@@ -167,8 +168,8 @@ def test_calls_cut_by_max_tokens_are_one_answer_streamed_or_not(agent_client):
         plain = agent_client.chat.completions.create(**kwargs).choices[0]
         calls = plain.message.tool_calls
         content, names, arguments, finish = _streamed_calls(agent_client, kwargs)
-        assert calls and "<tool_call>" not in (plain.message.content or "") + content
-        assert (content or None, names, arguments, finish) == (
+        assert calls and "<tool_call>" not in (plain.message.content or "") + (content or "")
+        assert (content, names, arguments, finish) == (
             plain.message.content, [c.function.name for c in calls], [c.function.arguments for c in calls],
             plain.finish_reason)
         for call in calls[:-1]:
