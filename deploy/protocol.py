@@ -7,8 +7,9 @@ ignored setting; a field we do not implement is accepted only at its neutral val
 (chat's `store: false`, `service_tier` "auto" or "default", `modalities: ["text"]`,
 `audio: null`); labels and hints are taken and not read (`user`, `metadata`,
 `safety_identifier`, `prompt_cache_key` and `prompt_cache_retention`: our prefix cache finds
-a prompt's prefix by itself; reasoning models' `reasoning_effort` and `verbosity`). Text a tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON
-`"\ud800"`, or the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI
+a prompt's prefix by itself; reasoning models' `reasoning_effort` and `verbosity`). Text a
+tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the
+raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI
 generates from these models is what schemathesis fuzzes.
 """
 
