@@ -76,12 +76,14 @@ def server_error(exc: BaseException, what: str = "engine") -> ApiError:
 
 
 def param_from_loc(loc: Sequence[Any]) -> Optional[str]:
-    """`("body", "messages", 0, "role")` -> `"messages[0].role"`; type tags from unions dropped."""
+    """`("body", "messages", 0, "role")` -> `"messages[0].role"`; union branches (type tags,
+    model class names) dropped."""
     name = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in ("str", "int", "list", "bool"):
+        elif (isinstance(part, str) and part.isidentifier() and not part[0].isupper()
+              and part not in ("str", "int", "list", "bool")):
             name += f".{part}" if name else part
     return name or None
 

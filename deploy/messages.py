@@ -87,10 +87,20 @@ class ToolResultBlock(RequestModel):
         return f"Error: {text}" if self.is_error else text
 
 
+class ThinkingBlock(RequestModel):
+    """Another model's thinking in an earlier answer (a session begun on Claude): not rendered,
+    as Anthropic's API drops earlier turns' thinking."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["thinking", "redacted_thinking"]
+
+
 ContentBlock = Annotated[Union[
     Annotated[TextBlock, Tag("type=text")],
     Annotated[ToolUseBlock, Tag("type=tool_use")],
     Annotated[ToolResultBlock, Tag("type=tool_result")],
+    Annotated[ThinkingBlock, Tag("type=thinking")],
+    Annotated[ThinkingBlock, Tag("type=redacted_thinking")],
 ], Discriminator(type_tag)]
 
 
@@ -102,7 +112,8 @@ class Message(RequestModel):
     @classmethod
     def _blocks(cls, content, info: ValidationInfo):
         role = info.data.get("role")
-        allowed = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use"}}.get(role, {"text"})
+        allowed = {"user": {"text", "tool_result"},
+                   "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}.get(role, {"text"})
         misplaced = sorted({block.type for block in content} - allowed) if isinstance(content, list) else []
         if misplaced:
             raise ValueError(f"a {role} message has no {misplaced[0]} blocks")

@@ -49,8 +49,9 @@ class OutputParts:
                 events += self._start(self.call_part(piece.name), False)
             if piece.arguments:
                 events += self.on_arguments(self._open, piece.arguments)
-        if finish_reason is not None:
-            events += self._close(finish_reason)
+        if finish_reason is not None:  # a call the cut did not fall in is whole
+            whole_call = not self._open_is_text and self._calls is not None and not self._calls.cut
+            events += self._close("stop" if whole_call else finish_reason)
         return events
 
     @property

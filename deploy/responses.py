@@ -139,6 +139,10 @@ class TextConfig(RequestModel):
     verbosity: Verbosity = None
 
 
+class ResponsesStreamOptions(RequestModel):
+    include_obfuscation: bool = True  # no obfuscation padding is sent either way
+
+
 class Reasoning(RequestModel):
     effort: ReasoningEffort = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None
@@ -176,6 +180,7 @@ class ResponsesRequest(RequestModel):
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: PromptCacheRetention = None
     reasoning: Optional[Reasoning] = None  # hints: no output of ours has reasoning
+    stream_options: Optional[ResponsesStreamOptions] = None
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
 
     @field_validator("input")

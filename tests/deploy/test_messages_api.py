@@ -148,7 +148,10 @@ def _claude_code_request(cch: str) -> dict:
         system=[{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.252; cch={cch};"},
                 {"type": "text", "text": "You are a coding agent. Answer briefly.", "cache_control": cached}],
         messages=[{"role": "user", "content": [{"type": "text", "text": "List the files."}]},
-                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]},
+                  {"role": "assistant", "content": [  # begun on Claude: its thinking is not rendered
+                      {"type": "thinking", "thinking": "List them.", "signature": "sig"},
+                      {"type": "redacted_thinking", "data": "opaque"},
+                      {"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
                       {"type": "text", "text": "main.py\nREADME.md"}, {"type": "tool_reference", "tool_name": "ls"}]}]},
                   {"role": "system", "content": "Keep answers under one line."},

@@ -95,6 +95,25 @@ def test_max_output_tokens_leaves_the_response_incomplete(agent_client):
     assert response.output[0].status == "incomplete" and response.usage.output_tokens == 5
 
 
+def test_calls_a_cut_falls_after_are_complete_and_the_one_it_falls_in_is_not(agent_client):
+    # parallel calls allowed: the model repeats its call until max_output_tokens cuts one
+    statuses = set()
+    for max_output_tokens in range(25, 70, 6):
+        response = agent_client.responses.create(model=MODEL, input=ASK_WEATHER, tools=[WEATHER],
+                                                 tool_choice="required", max_output_tokens=max_output_tokens,
+                                                 temperature=0)
+        assert response.status == "incomplete" and response.output
+        for item in response.output:
+            try:
+                json.loads(item.arguments)
+                whole = True
+            except ValueError:
+                whole = False
+            assert item.status == ("completed" if whole else "incomplete"), (max_output_tokens, item)
+            statuses.add(item.status)
+    assert statuses == {"completed", "incomplete"}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_function_call_and_its_round_trip(agent_client, stream):
     ask = dict(model=MODEL, input=ASK_WEATHER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
