@@ -20,14 +20,14 @@ import json
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
-    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, check_unique_names,
-    type_tag,
+    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, type_tag,
+    unique_names,
 )
 from replicas.engine import GenerationDelta, RequestSpeculation
 
@@ -187,7 +187,7 @@ class CountTokensRequest(RequestModel):
     model: str = Field(min_length=1)
     messages: List[Message] = Field(min_length=1)
     system: Optional[Union[Text, List[TextBlock]]] = None
-    tools: List[ToolDefinition] = []
+    tools: Annotated[List[ToolDefinition], AfterValidator(unique_names)] = []
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
 
@@ -198,12 +198,6 @@ class CountTokensRequest(RequestModel):
         if begun and begun != begun.rstrip():
             raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
         return messages
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, tools):
-        check_unique_names([t.name for t in tools])
-        return tools
 
     @field_validator("tool_choice")
     @classmethod

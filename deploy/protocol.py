@@ -107,6 +107,12 @@ def check_unique_names(names: List[str]) -> None:
         raise ValueError(f"function names must be unique; repeated: {', '.join(repeated)}")
 
 
+def unique_names(tools: list) -> list:
+    """A list of tools that have a `name` each (the Responses and Messages APIs'), checked."""
+    check_unique_names([t.name for t in tools])
+    return tools
+
+
 def check_stops(stop: Union[str, List[str], None]) -> Union[str, List[str], None]:
     stops = [stop] if isinstance(stop, str) else stop or []
     if any(not s for s in stops):

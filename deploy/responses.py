@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, List, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
@@ -29,8 +29,8 @@ from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
     Metadata, NamedToolChoice, PromptCacheRetention, ReasoningEffort, RequestModel, ResponseFormatJsonObject,
-    ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity, check_tool_choice, check_unique_names,
-    joined_text, type_tag,
+    ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity, check_tool_choice, joined_text,
+    type_tag, unique_names,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
@@ -164,7 +164,7 @@ class ResponsesRequest(RequestModel):
     max_output_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    tools: List[FunctionTool] = []
+    tools: Annotated[List[FunctionTool], AfterValidator(unique_names)] = []
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = TextConfig()
@@ -189,12 +189,6 @@ class ResponsesRequest(RequestModel):
         if len(value) == 0:
             raise ValueError("must not be empty")
         return value
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, tools):
-        check_unique_names([t.name for t in tools])
-        return tools
 
     @field_validator("tool_choice")
     @classmethod
