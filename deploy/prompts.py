@@ -13,6 +13,7 @@ functions described in the system message, earlier calls written as `<tool_call>
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Optional, Union
 
@@ -103,6 +104,23 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
 
 
+def conversation_key(tokenizer: Any, request: ChatCompletionRequest, rendered: str) -> Optional[bytes]:
+    """A chat's affinity key: a digest of its conversation's opening (the messages through the
+    first user message, as the template renders them), which every later turn of it starts
+    with, so the router sends each turn where the last one left its prefix in cache, however
+    short the first turn. None where the opening does not begin the rendered chat (a template
+    that renders a turn by what comes after it) or there is no user message."""
+    first_user = next((i for i, m in enumerate(request.messages) if m.role == "user"), None)
+    if first_user is None:
+        return None
+    opening = render_chat(tokenizer, request.model_copy(update={
+        "messages": request.messages[:first_user + 1], "add_generation_prompt": False,
+        "continue_final_message": False}))
+    if not opening or not rendered.startswith(opening):
+        return None
+    return b"chat:" + hashlib.blake2b(opening.encode(), digest_size=16).digest()
+
+
 def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompletionRequest]) -> list[int]:
     if isinstance(request, ChatCompletionRequest):
         return tokenizer.encode(render_chat(tokenizer, request), add_special_tokens=False)
@@ -128,7 +146,9 @@ def generation_request(
         grammar = grammar_spec(request)  # its schemas' mistakes before its size
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
-    prompt_ids = prompt_token_ids(tokenizer, request)
+    rendered = render_chat(tokenizer, request) if isinstance(request, ChatCompletionRequest) else None
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False) if rendered is not None else \
+        prompt_token_ids(tokenizer, request)
     if not prompt_ids:
         raise ApiError(400, f"{field}: renders to an empty prompt", field)
     if len(prompt_ids) > config.max_prompt_tokens:
@@ -173,7 +193,8 @@ def generation_request(
         )
         return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
                                  speculation=request.speculation or RequestSpeculation(),
-                                 grammar=grammar, prediction=prediction)
+                                 grammar=grammar, prediction=prediction,
+                                 affinity_key=conversation_key(tokenizer, request, rendered) if rendered else None)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
 

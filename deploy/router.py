@@ -58,12 +58,13 @@ class SpeculationGateRouter(RequestRouter):
         self.prefix_affinity_max_extra_load = int(prefix_affinity_max_extra_load)
 
     def affinity_key(self, pending_request: PendingRequest) -> Optional[bytes]:
-        """The prefix key of a `generate` call's prompt (None: no affinity)."""
+        """The key of a `generate` call's request: its conversation's (a chat's), else its
+        prompt's prefix (None: no affinity)."""
         request = pending_request.args[0] if pending_request.args else None
         prompt = getattr(request, "prompt", None)
         if not self.prefix_affinity_chars or not prompt:
             return None
-        return prefix_key(prompt, self.prefix_affinity_chars)
+        return getattr(request, "affinity_key", None) or prefix_key(prompt, self.prefix_affinity_chars)
 
     def replica_loads(self, candidates: List[RunningReplica]) -> List[ReplicaLoad]:
         cache = self.replica_queue_len_cache

@@ -230,6 +230,9 @@ class GenerationRequest:
     # token ids of the output the client expects (OpenAI's Predicted Outputs): one more text
     # to draft from, so a good prediction is accepted in long runs; never changes the output
     prediction: Sequence[int] = ()
+    # what routes a chat's every turn to one replica (its prefix cache): a digest of the
+    # conversation's opening (deploy/prompts.conversation_key); None: the prompt's own prefix
+    affinity_key: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.grammar is not None and self.sampling.min_tokens:  # it may allow only the end there

@@ -2,13 +2,15 @@
 
 A replica's prefix cache only helps the prompts that reach it, so turns of one
 conversation (each resends the last one's prompt and answer) should reach the same
-replica. The key is the prompt's first `prefix_chars` characters (a prompt of token ids:
-its first `prefix_chars // 4` ids, about as many tokens), and the replica is chosen by rendezvous hashing over the candidates: the one with the
-highest hash of (key, replica id). It needs no state and no client cooperation: every
-router instance (one per Ingress replica) picks the same replica for the same prefix, a
-replica joining or leaving moves only the keys it wins or held, and it works with every
-OpenAI client unmodified, where a session header would need each client to send one.
-A prompt shorter than the key gets no affinity (cheap to prefill anyway).
+replica. A chat's key is its conversation's opening, which every turn starts with (the
+ingress computes it: `GenerationRequest.affinity_key`); another prompt's is its first
+`prefix_chars` characters (a prompt of token ids: its first `prefix_chars // 4` ids, about
+as many tokens), and a prompt shorter than that gets no affinity (cheap to prefill anyway).
+The replica is chosen by rendezvous hashing over the candidates: the one with the highest
+hash of (key, replica id). It needs no state and no client cooperation: every router
+instance (one per Ingress replica) picks the same replica for the same key, a replica
+joining or leaving moves only the keys it wins or held, and it works with every OpenAI
+client unmodified, where a session header would need each client to send one.
 
 Affinity never overrides speculation or load: the preferred replica goes first only if a
 request there would speculate whenever one anywhere would (it is not over its gate while

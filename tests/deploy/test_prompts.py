@@ -189,3 +189,20 @@ def test_logprob_bytes_are_each_tokens_own(chatml):
     assert len(split) > 1 and all(texts(i) == "\ufffd" for i in split)
     end = chatml.convert_tokens_to_ids("<|im_end|>")
     assert texts.bytes(end) == list(b"<|im_end|>")  # an added token: its text
+
+
+@pytest.mark.parametrize("tokenizer", ["chatml", "tools_aware"])
+def test_every_turn_of_a_conversation_has_its_openings_key(tokenizer, request):
+    # however short its first turn: each later turn starts with the same opening, and the
+    # router sends them where the last turn's prefix is cached
+    tok = request.getfixturevalue(tokenizer)
+    config = IngressConfig.from_args(AppArgs())
+    system = {"role": "system", "content": "You are terse."}
+    turns = [[system, {"role": "user", "content": "hi"}]]
+    turns.append(turns[0] + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Weather?"}])
+    turns.append(turns[1] + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks."}])
+    keys = {generation_request("r", tok, chat(t, tools=tools(WEATHER)), config).affinity_key for t in turns}
+    assert len(keys) == 1 and None not in keys
+    other = [system, {"role": "user", "content": "hello"}]
+    assert generation_request("r", tok, chat(other, tools=tools(WEATHER)), config).affinity_key not in keys
+    assert generation_request("r", tok, CompletionRequest(model="m", prompt="hi"), config).affinity_key is None

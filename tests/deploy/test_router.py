@@ -4,6 +4,7 @@ tests/speculation/test_ranking.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -162,6 +163,21 @@ def test_prompts_that_start_alike_go_to_one_replica_while_it_has_room():
     router.initialize_state(prefix_affinity_chars=0)  # off: the gate rule alone (ties keep input order)
     ranks = asyncio.run(router.choose_replicas(replicas, _pending(prompt=turn2)))
     assert [r[0].replica_id.unique_id for r in ranks] == ["a", "b", "c"]
+
+
+def test_a_chats_turns_go_where_their_conversation_key_prefers():
+    stats = {rid: {"batch_size": 1, "batch_gate": 4, "acceptance_length": 2.0} for rid in ("a", "b", "c")}
+    router, replicas = _router_with_replicas(stats)
+    router.initialize_state(prefix_affinity_chars=64)
+    homes = set()
+    for key in (b"chat:one", b"chat:two", b"chat:three"):
+        home = preferred_replica(key, ["a", "b", "c"])
+        homes.add(home)
+        for prompt in ("hi", "hi there, a longer second turn " * 4):  # short, and past the prefix key
+            pending = _pending(prompt=prompt)
+            pending.args[0] = dataclasses.replace(pending.args[0], affinity_key=key)
+            assert asyncio.run(router.choose_replicas(replicas, pending))[0][0].replica_id.unique_id == home
+    assert len(homes) > 1
 
 
 def test_importing_the_router_does_not_import_torch():
