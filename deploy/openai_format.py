@@ -240,7 +240,7 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
         message["content"] = tool_calls[0]
         message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
-        if all(c.complete for c in tool_calls[1]):
+        if finish_reason != "length":  # a cut answer says so, whatever calls it holds (as OpenAI's)
             finish_reason = "tool_calls"
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
@@ -354,4 +354,4 @@ class StreamPieces:
 
     def finish_reason(self, reason: str) -> str:
         tools = self._tools
-        return "tool_calls" if tools is not None and tools.ok and tools.num_calls and not tools.cut else reason
+        return "tool_calls" if tools is not None and tools.ok and tools.num_calls and reason != "length" else reason

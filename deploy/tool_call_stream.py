@@ -20,6 +20,7 @@ def _header_atoms(name: str) -> list[str]:
 
 
 _HEADER = re.compile("".join(_header_atoms(r'((?:[^"\\]|\\.)*)')))
+_NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a cut call's `{"name": "..."`
 _HEADER_PREFIX = re.compile(functools.reduce(
     lambda inner, atom: f"{atom}(?:{inner})?", reversed(_header_atoms(r'(?:[^"\\]|\\.)*\\?')), ""))
 
@@ -131,19 +132,25 @@ class ToolCallStream:
 
     def _cut_call(self) -> list[StreamEvent]:
         """The call max_tokens cut: one short of only its close tag is a call; one whose name
-        went out sends the rest of its arguments as written (`cut` turns True); one cut before
-        its name is dropped."""
+        is written sends the rest of its arguments as written (`cut` turns True), its name
+        first if it had not gone out (the cut came before its arguments); one cut before its
+        name is dropped."""
         block = self._block.rstrip()
         body = block[:len(block) - _partial_tag_len(block, TOOL_CALL_CLOSE)]
         found = find_close(body + TOOL_CALL_CLOSE, len(body))
         if found is not None and found[1] is not None:
             return self._close(*found) + self.finish(cut=True)
-        self._block = None
+        self._block, events = None, []
         if self._name is None:
-            return []
+            named = _NAMED.match(block)
+            self._name = _json_string(named.group(1)) if named else None
+            if self._name is None:
+                return []
+            events.append(StreamEvent(index=self._num_calls, name=self._name))
+            self._num_calls += 1
         self._cut = True
         rest = block[self._args_start + self._args_sent:] if self._args_start is not None else ""
-        return [StreamEvent(index=self._num_calls - 1, arguments=rest)] if rest else []
+        return events + ([StreamEvent(index=self._num_calls - 1, arguments=rest)] if rest else [])
 
     def _content(self, text: str) -> list[StreamEvent]:
         if not self._started:
@@ -222,8 +229,7 @@ def parse_cut_output(text: str, one_call: bool = False) -> tuple[str | None, lis
     """`parse_tool_calls` for an output that max_tokens cut: what its stream sends with
     `finish(cut=True)`, so the answer is the same streamed or not. The calls made before the
     cut, then the call being written when the cut came, if its name was: its arguments as far
-    as written (not valid JSON; `ToolCall.complete` False); a call cut before its name is
-    dropped."""
+    as written (not valid JSON); a call cut before its name is dropped."""
     stream = ToolCallStream(one_call)
     events = stream.feed(text) + stream.finish(cut=True)
     names: list[str] = []
@@ -235,6 +241,4 @@ def parse_cut_output(text: str, one_call: bool = False) -> tuple[str | None, lis
                 arguments.append("")
             arguments[e.index] += e.arguments
     calls = [ToolCall(name, args) for name, args in zip(names, arguments)]
-    if stream.cut:
-        calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments, complete=False)
     return "".join(e.content for e in events if e.content is not None) or None, calls

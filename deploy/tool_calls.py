@@ -132,7 +132,6 @@ def _rebase_refs(schema: object, base: str) -> object:
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object, standard separators
-    complete: bool = True  # False: max_tokens cut the call (its arguments as far as written)
 
 
 def _as_call(obj: object) -> ToolCall | None:

@@ -240,10 +240,12 @@ def test_stream_sends_the_name_and_arguments_before_the_close_tag():
 
 def test_an_output_cut_inside_a_call_keeps_the_calls_before_it_streamed_or_not():
     # max_tokens ends the output inside its second call: the first stands; the second is a
-    # call once its JSON is whole, is kept cut (its arguments as far as written) once its
-    # name is, and is dropped before that; the same answer at every split of the stream.
+    # call once its JSON is whole, is kept cut (its arguments as far as written, none before
+    # they begin) once its name is written, and is dropped before that; the same answer at
+    # every split of the stream.
     output = "Checking.\n" + PARIS + "\n" + SUM
     start = output.index(SUM)
+    name_end = start + len(TOOL_CALL_OPEN + '\n{"name": "add"')
     header_end = start + len(TOOL_CALL_OPEN + '\n{"name": "add", "arguments": ')
     whole = output.index("}}", start) + 2
     for end in range(start, len(output)):
@@ -252,15 +254,14 @@ def test_an_output_cut_inside_a_call_keeps_the_calls_before_it_streamed_or_not()
         assert content == "Checking." and calls[0] == ToolCall("get_weather", '{"city": "Paris"}'), text
         if end >= whole:
             assert calls[1:] == [ToolCall("add", '{"a": 1, "b": 2.5}')], text
-        elif end > header_end:
-            assert calls[1].name == "add" and not calls[1].complete, text
-            assert calls[1].arguments == output[header_end:end].rstrip(), text
+        elif end >= name_end:
+            assert calls[1:] == [ToolCall("add", output[header_end:end].rstrip())], text
         else:
             assert len(calls) == 1, text
         for pieces in list(_splits(text))[::7]:
             got_content, got_calls, stream = _stream(pieces, cut=True)
-            assert (got_content or None, got_calls) == (content, [ToolCall(c.name, c.arguments) for c in calls])
-            assert stream.ok and stream.cut == (not calls[-1].complete), pieces
+            assert (got_content or None, got_calls) == (content, calls)
+            assert stream.ok and stream.cut == (name_end <= end < whole), pieces
 
 
 # ---- grammar (llguidance) ----------------------------------------------------------------
