@@ -5,7 +5,8 @@ schema is `deploy/response_bodies.py`).
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
 ignored setting; a field we do not implement is accepted only at its neutral value
 (chat's `store: false`, `service_tier` "auto" or "default", `modalities: ["text"]`,
-`audio: null`); labels and hints are taken and not read (`user`, `metadata`,
+`audio: null`, completions' `best_of: 1` and `suffix: null`); an explicit null is a field's
+default, as OpenAI's nullable fields take it (`"temperature": null` samples at 1); labels and hints are taken and not read (`user`, `metadata`,
 `safety_identifier`, `prompt_cache_key` and `prompt_cache_retention`: our prefix cache finds
 a prompt's prefix by itself; reasoning models' `reasoning_effort` and `verbosity`). Text a
 tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the
@@ -15,10 +16,12 @@ generates from these models is what schemathesis fuzzes.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
 
@@ -32,6 +35,23 @@ class RequestModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True,
                               allow_inf_nan=False)  # JSON has no NaN: a bound's error would misname it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default is that default: OpenAI's optional fields
+        are nullable, and clients send `"temperature": null` for "not set"."""
+        if isinstance(data, dict):
+            defaulted = _defaulted_keys(cls)
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+@functools.cache
+def _defaulted_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The names and aliases of `model`'s fields whose default is not None."""
+    return frozenset(key for name, field in model.model_fields.items()
+                     if not field.is_required() and field.default is not None for key in (name, field.alias) if key)
 
 
 def _unicode(text: str) -> str:
@@ -210,6 +230,8 @@ class CompletionRequest(_Sampling):
                                           "its tokens' logprobs, the first token's null)")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                     description="each token's logprob and this many alternatives")
+    best_of: Literal[1] = Field(1, description="OpenAI's legacy best-of: 1 only (n asks for choices)")
+    suffix: None = Field(None, description="OpenAI's legacy insertion: not supported")
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -211,6 +211,34 @@ def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, bod
         assert labelled["metadata"] == {"team": "a"} and plain["metadata"] == {}
 
 
+@pytest.mark.parametrize("path, body, model", [
+    ("/v1/chat/completions", chat(), "deploy.protocol.ChatCompletionRequest"),
+    ("/v1/completions", completion(), "deploy.protocol.CompletionRequest"),
+    ("/v1/responses", respond(), "deploy.responses.ResponsesRequest"),
+    ("/v1/messages", message(), "deploy.messages.MessagesRequest"),
+])
+def test_an_explicit_null_is_the_fields_default(url, path, body, model):
+    # OpenAI's optional fields are nullable: a client's "temperature": null means "not set".
+    # Every field with a default sent as null answers as the bare request does.
+    import importlib
+
+    module, name = model.rsplit(".", 1)
+    fields = getattr(importlib.import_module(module), name).model_fields
+    nulls = {key: None for key, field in fields.items() if not field.is_required() and field.default is not None}
+    assert {"temperature", "stream"} <= set(nulls), nulls
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        nulled, plain = client.post(path, json={**body, **nulls}), client.post(path, json=body)
+    assert nulled.status_code == plain.status_code == 200, nulled.text
+    assert _without_ids(nulled.json()) == _without_ids(plain.json())
+
+
+def _without_ids(body):
+    """A response body less what differs between two answers alike: ids and times."""
+    if isinstance(body, dict):
+        return {k: _without_ids(v) for k, v in body.items() if k not in ("id", "created", "created_at", "completed_at")}
+    return [_without_ids(v) for v in body] if isinstance(body, list) else body
+
+
 @pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
 def test_a_response_stream_that_fails_ends_with_error_and_failed_events(url, prompt):
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
