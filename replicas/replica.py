@@ -40,6 +40,24 @@ STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine 
 STALLED_CHECKS = 3  # health checks in a row with live requests and no new token or step = unhealthy
 
 
+def log_through_serve(package: str) -> None:
+    """In a Serve replica, `package`'s loggers write INFO and above through Serve's own handlers
+    (the replica's log file and the driver's console, in Serve's format). Serve configures only
+    `ray.serve`: our INFO lines (the engine's kernels and threads, a preemption, a
+    reconfiguration) went nowhere and warnings went out bare. Outside a replica: nothing."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.get_replica_context()
+    except RayServeException:
+        return
+    ours = logging.getLogger(package)
+    ours.setLevel(logging.INFO)
+    ours.handlers = list(logging.getLogger("ray.serve").handlers)
+    ours.propagate = False
+
+
 def _follow(counter, total: int, last: int, tags: dict[str, str] | None = None) -> int:
     """Advance a Prometheus counter by what an engine's monotonic `total` grew since `last`;
     returns `total`, the next call's `last`."""
@@ -118,6 +136,7 @@ class Replica:
     and reports its stats."""
 
     def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine], metrics: bool = True) -> None:
+        log_through_serve("replicas")
         self._engine_factory = engine_factory
         self._engine: Engine | None = None  # built by the first reconfigure
         self._metrics = _Metrics() if metrics else None

@@ -7,6 +7,7 @@ import asyncio
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -225,6 +226,14 @@ def test_a_client_gone_before_a_plain_answer_aborts_every_choice(url, replica_ha
     assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
 
 
+def _replica_log() -> str:
+    """What the Replica processes of this module's cluster wrote to their Serve log files."""
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob(f"replica_{APP}_Replica_*.log")))
+
+
 def test_reconfigure_moves_the_gate_live(client, replica_handle):
     def gate() -> int:
         return replica_handle.stats.remote().result()["batch_gate"]
@@ -234,6 +243,10 @@ def test_reconfigure_moves_the_gate_live(client, replica_handle):
     deploy(serving_config(batch_gate=0))  # only user_config changes: Serve reconfigures in place
     assert wait_until(lambda: gate() == 0, timeout_s=60, interval_s=0.2), gate()
     assert replica_handle.pid.remote().result() == pid, "the replica restarted instead of reconfiguring"
+    # our INFO lines go to the replica's Serve log: the engine's start and the change
+    assert wait_until(lambda: re.search(r"native CPU forward: \w+ kernels.*\n(.*\n)*.*speculation reconfigured: "
+                                        r"SpeculationConfig\(.*batch_gate=0", _replica_log()), timeout_s=30,
+                      interval_s=0.2), _replica_log()[-2000:]
     closed = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=16, temperature=0)
     assert closed.usage.model_extra["speculation"]["steps"] == 0, closed.usage  # gate 0: no step speculates
 
