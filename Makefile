@@ -95,9 +95,12 @@ serve: install
 
 # Apply an edited deploy.yaml to the server `make serve` runs (another shell): the speculation
 # settings (the Replica's user_config) in place, other changes by restarting what they touch.
+# Checked strictly first: Serve drops unknown keys, and a user_config its replicas refuse
+# stops them (with one replica, the service) instead of leaving the old settings running.
 # RAY_DASHBOARD_ADDRESS=http://127.0.0.1:PORT where its Ray did not get the dashboard's 8265.
 .PHONY: redeploy
 redeploy: $(VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(PY) -m deploy.config_check deploy.yaml
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve deploy deploy.yaml
 
 # One GPU with TensorRT-LLM (inside the pinned container, docs/trtllm.md): start deploy-gpu.yaml,

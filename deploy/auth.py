@@ -46,8 +46,10 @@ class BearerAuth:
             headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             api_key = headers.get(b"x-api-key", b"").decode("latin-1") or None
+            path, root = scope.get("path", ""), scope.get("root_path", "")  # the app's route prefix
             try:
-                check_key(self.keys, scope.get("path", ""), authorization, api_key)
+                check_key(self.keys, path[len(root):] if root and path.startswith(root) else path, authorization,
+                          api_key)
             except ApiError as exc:
                 await exc.response()(scope, receive, send)
                 return

@@ -61,7 +61,9 @@ class LimitArgs(_Strict):
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="default: max_seq_len - 1")
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="when a request gives none")
-    stream_idle_timeout_s: float = Field(300.0, gt=0, description="longest wait for the next token")
+    stream_idle_timeout_s: float = Field(300.0, gt=0, description=(
+        "longest wait for a request's next token once it has one (before, it may be waiting "
+        "for a batch slot; a stalled engine fails its health check)"))
     replica_loss_retry_s: float = Field(30.0, ge=0, description=(
         "a request whose replica dies is sent again, to any replica, for up to this long: whole "
         "before its first token, as a continuation after it (0: never)"))

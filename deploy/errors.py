@@ -58,6 +58,14 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """The replica holding the request died or became unreachable (not the request's fault)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    lost = (ActorDiedError, ActorUnavailableError, RayActorError)
+    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
+
 def server_error(exc: BaseException, what: str = "engine") -> ApiError:
     """Map a failure from a Serve handle to `what` (or the stream) to an HTTP error."""
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -69,6 +77,9 @@ def server_error(exc: BaseException, what: str = "engine") -> ApiError:
                             code="overloaded", retry_after_s=RETRY_AFTER_S)
         if isinstance(candidate, DeploymentUnavailableError):
             return ApiError(503, f"no {what} replica is available yet, retry later", retry_after_s=RETRY_AFTER_S)
+    if replica_lost(exc):  # and no live one took the request over in time: the server's state, not a bug
+        return ApiError(503, f"the {what} replica serving the request was lost and none took it over in time, "
+                             "retry later", retry_after_s=RETRY_AFTER_S)
     if isinstance(exc, asyncio.TimeoutError):
         return ApiError(504, "the engine produced no token within the idle timeout")
     summary = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""

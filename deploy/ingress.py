@@ -28,7 +28,7 @@ from deploy import messages, openai_format as fmt, responses, tokenizing
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
-from deploy.errors import ApiError, install_error_handlers, server_error
+from deploy.errors import RETRY_AFTER_S, ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
@@ -72,6 +72,22 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001
                 raise server_error(exc) from exc
         return self._tokenizer
+
+    async def check_engine_replicas(self) -> None:
+        """ApiError(503) unless Serve's controller counts an engine replica running: the ingress
+        answering alone is no server that can generate (a failed deploy, every replica lost).
+        Asked of the controller, not of a replica: a replica busy with a full batch is healthy."""
+        from ray import serve
+
+        handle = self._replica
+        try:
+            status = await asyncio.to_thread(serve.status)
+            running = status.applications[handle.app_name].deployments[handle.deployment_name].replica_states
+        except Exception as exc:  # noqa: BLE001 - the controller unreachable: nothing can be said to serve
+            raise ApiError(503, f"cannot tell whether an engine replica runs: {type(exc).__name__}",
+                           retry_after_s=RETRY_AFTER_S) from exc
+        if not running.get("RUNNING"):
+            raise ApiError(503, "no engine replica is running, retry later", retry_after_s=RETRY_AFTER_S)
 
     # -- generation -----------------------------------------------------------------------------
     def _served(self, model: str) -> None:
@@ -373,9 +389,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def tokenizer_info():
         return tokenizing.tokenizer_info(await ingress.tokenizer(), config.max_seq_len)
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"model": ErrorResponse}})
     @app.get("/health")  # vLLM's name for it
     async def healthz():
+        await ingress.check_engine_replicas()
         return {"status": "ok"}
 
     return app

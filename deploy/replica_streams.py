@@ -16,23 +16,15 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, AsyncIterator, Union
+from typing import Any, AsyncIterator
 
 from deploy import openai_format as fmt
 from deploy.config import IngressConfig
-from deploy.errors import RETRY_AFTER_S, ApiError, server_error
+from deploy.errors import RETRY_AFTER_S, ApiError, replica_lost, server_error
 from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
 from replicas.stats import METRIC_RETRIES
 
 logger = logging.getLogger(__name__)
-
-
-def _replica_lost(exc: BaseException) -> bool:
-    """The replica holding the request died or became unreachable (not the request's fault)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    lost = (ActorDiedError, ActorUnavailableError, RayActorError)
-    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
 
 
 async def all_choices(coroutines: list) -> list:
@@ -78,14 +70,16 @@ class ReplicaStreams:
                 stream = None
                 try:
                     stream = self._streams.generate.remote(request)  # may raise BackPressureError here
-                    first = await self._next(stream)
+                    # no idle timeout yet: a request waiting for a batch slot is not idle, and a
+                    # replica whose engine stalls fails its health check and is replaced
+                    first = await stream.__anext__()
                     break
                 except BaseException as exc:
                     if stream is not None:
                         cancel(stream)
                     if isinstance(exc, StopAsyncIteration):
                         raise ApiError(500, "the engine stream ended before any output") from None
-                    if _replica_lost(exc) and time.monotonic() < deadline:
+                    if replica_lost(exc) and time.monotonic() < deadline:
                         logger.warning("request %s lost its replica before any output (%s); sending it again",
                                        request.request_id, type(exc).__name__)
                         self._count_retry("resume" if request.resume is not None else "retry")
@@ -108,19 +102,16 @@ class ReplicaStreams:
                                             tag_keys=("kind",))
         self._retries.inc(tags={"kind": kind})
 
-    async def _next(self, stream) -> Union[GenerationDelta, RequestRejected]:
-        return await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
-
     async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated, routing: asyncio.Lock):
         """(stream, its next delta). When the replica died mid-stream, the request is sent again
         as a continuation of what the client already has (`Resume`): the rest of the stream
         comes from the new replica, exactly what the dead one would have produced."""
         try:
-            return stream, await self._next(stream)
+            return stream, await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
         except StopAsyncIteration:
             raise
         except Exception as exc:
-            if not _replica_lost(exc) or self._config.replica_loss_retry_s <= 0:
+            if not replica_lost(exc) or self._config.replica_loss_retry_s <= 0:
                 raise
             cancel(stream)
             logger.warning("request %s lost its replica after %d tokens (%s); resuming it",

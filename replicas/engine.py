@@ -66,7 +66,7 @@ def _require(ok: bool, name: str, message: str) -> None:
 _SETTINGS = ConfigDict(extra="forbid")
 
 
-@pydantic.dataclasses.dataclass(frozen=True, config=_SETTINGS)
+@pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))  # "8" is no length
 class SpeculationConfig:
     """Server-wide speculation settings: the Replica's `user_config`, hot through `Engine.configure`."""
 
@@ -88,6 +88,8 @@ class SpeculationConfig:
         """The Replica's `user_config` as settings; a ValueError names `user_config.<key>`."""
         if not isinstance(user_config, dict):
             raise ValueError(f"user_config: must be a mapping of speculation settings, got {user_config!r}")
+        if user_config.get("mode") is False:  # YAML 1.1 reads a bare `mode: off` as false
+            user_config = {**user_config, "mode": "off"}
         try:
             return cls(**user_config)
         except pydantic.ValidationError as exc:

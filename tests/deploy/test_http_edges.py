@@ -19,7 +19,7 @@ from deploy.config import AppArgs
 from replicas.engine import SpeculationConfig
 from tests.deploy.bad_input import AUTH, BAD_INPUT, KEY, chat, completion, message, respond
 from tests.deploy.fakes import FakeEngine
-from tests.polling import async_wait_until
+from tests.polling import async_wait_until, wait_until
 
 pytestmark = pytest.mark.ray  # conftest's `serve_url`: a local Ray cluster with Serve
 
@@ -30,10 +30,10 @@ ENGINE_WINDOW = 100  # the fake engine's own window, smaller than the ingress's,
 small_window_engine = partial(FakeEngine, max_seq_len=ENGINE_WINDOW)
 
 
-def fake_args(**replica) -> AppArgs:
+def fake_args(limits: dict | None = None, **replica) -> AppArgs:
     return AppArgs(
         engine={"max_seq_len": 256}, served_model_name="fake", api_keys_env="SPECSERVE_TEST_KEYS",
-        limits={"max_body_bytes": 8192, "max_prompt_tokens": 200, "max_tokens": 64},
+        limits={"max_body_bytes": 8192, "max_prompt_tokens": 200, "max_tokens": 64, **(limits or {})},
         replica={"num_cpus": 0, **replica},
     )
 
@@ -48,6 +48,9 @@ def url(serve_url):
               name="tight", route_prefix="/tight")
     # two replicas, for a replica lost before the first token
     serve.run(compose_app(fake_args(num_replicas=2), small_window_engine), name="pair", route_prefix="/pair")
+    # one replica serving one request at a time, a 1 s idle timeout, nothing sent again when it dies
+    serve.run(compose_app(fake_args({"replica_loss_retry_s": 0, "stream_idle_timeout_s": 1}, max_ongoing_requests=1),
+                          small_window_engine), name="lossy", route_prefix="/lossy")
     return serve_url
 
 
@@ -148,6 +151,29 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
     assert refused.status_code == 400 and refused.json()["type"] == "error"
     assert refused.json()["error"]["type"] == "invalid_request_error" and refused.json()["error"]["message"]
     assert "type" not in post("/v1/chat/completions", chat(temperature=3), **AUTH).json()  # OpenAI's shape
+
+
+class _EngineThatNeverStarts(FakeEngine):
+    async def start(self) -> None:
+        raise RuntimeError("this engine never starts")
+
+
+def test_health_is_a_503_while_no_engine_replica_runs(url):
+    # the ingress up, its Replicas failing to start: not a server that can generate (was 200)
+    from ray import serve
+
+    serve._run(compose_app(fake_args(), _EngineThatNeverStarts), name="broken", route_prefix="/broken",
+              _blocking=False)
+    try:
+        assert wait_until(lambda: httpx.get(f"{url}/broken/healthz").status_code != 404, timeout_s=60,
+                          interval_s=0.5)
+        for path in ("/broken/healthz", "/broken/health"):
+            response = httpx.get(f"{url}{path}")
+            assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1, response.text
+            assert response.json()["error"]["message"] == "no engine replica is running, retry later"
+    finally:
+        serve.delete("broken")
+    assert httpx.get(f"{url}/healthz").status_code == 200
 
 
 def test_healthz_needs_no_key_and_everything_else_does(url):
@@ -297,6 +323,33 @@ def test_a_replica_lost_costs_only_latency(url, tmp_path, stream, die_at):
         choice = response.json()["choices"][0]
         text, tokens = choice["text"], choice["logprobs"]["tokens"]
     assert text == "abcdefgh" and "".join(tokens) == text
+
+
+def test_a_replica_lost_with_no_retry_left_is_a_503_with_retry_after(url, tmp_path):
+    # replica_loss_retry_s 0: the request is not sent again; the server's state, not a fault of
+    # the request or a bug, so the client is told when to retry (was a 500 naming Ray's error)
+    marker = tmp_path / "died"
+    response = httpx.post(f"{url}/lossy/v1/completions", headers=AUTH, timeout=60,
+                          json=completion(prompt=f"DIE_AT:0:{marker} "))
+    assert marker.exists() and response.status_code == 503, response.text
+    assert int(response.headers["Retry-After"]) >= 1 and "was lost" in response.json()["error"]["message"]
+
+
+def test_the_idle_timeout_does_not_count_the_wait_for_a_slot(url):
+    # the second request waits ~2 s for the replica's one slot, twice the idle timeout: waiting
+    # is not idling (was a 504); once running, its tokens come within the timeout
+    async def both():
+        async with httpx.AsyncClient(base_url=f"{url}/lossy", headers=AUTH, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/completions",
+                                                    json=completion(prompt="SLOW", max_tokens=40)))
+            await asyncio.sleep(0.3)
+            second = await client.post("/v1/completions", json=completion(prompt="SLOW", max_tokens=4))
+            return await first, second
+
+    started = time.perf_counter()
+    first, second = asyncio.run(both())
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert time.perf_counter() - started > 2  # it did wait for the slot
 
 
 def test_replica_failure_without_stream_is_a_500(url):

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import yaml
 
 from replicas.engine import GenerationRequest, RequestRejected, SamplingParams, SpeculationConfig
 from replicas.replica import Replica
@@ -93,10 +94,18 @@ def test_the_reported_gate_is_the_engines_not_the_setting():
 @pytest.mark.parametrize("user_config,field", [
     ({"batch_gates": 2}, "user_config.batch_gates"), ({"mode": "turbo"}, "user_config.mode"),
     ({"max_draft_len": 0}, "user_config.max_draft_len"), ([2], "user_config"),
+    ({"max_draft_len": "8"}, "user_config.max_draft_len"), ({"grammar_drafts": "yes"}, "user_config.grammar_drafts"),
 ])
 def test_bad_user_config_names_the_field(user_config, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         run(make_replica(user_config))
+
+
+def test_a_bare_yaml_off_is_mode_off():
+    # YAML 1.1 reads `mode: off` as false: the setting it means, not a refused user_config
+    assert SpeculationConfig.from_user_config(yaml.safe_load("mode: off")).mode == "off"
+    with pytest.raises(ValueError, match="^user_config.mode"):
+        SpeculationConfig.from_user_config(yaml.safe_load("mode: on"))
 
 
 def test_engine_validation_becomes_a_rejection_and_speculate_false_turns_it_off():
