@@ -34,6 +34,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import cpu_description  # noqa: E402
+from replicas.stats import NOT_GATED  # noqa: E402
 from training.corpora import CODE_EDITS, EDIT_PREFILL, SPEC_BENCH  # noqa: E402
 
 APP = "specserve"
@@ -226,7 +228,9 @@ def apply(doc: dict, timeout_s: float = 300) -> None:
         status = serve.status().applications.get(APP)
         if status is not None and status.status == "RUNNING":
             handle = serve.get_deployment_handle("Replica", APP)
-            if handle.stats.remote().result()["batch_gate"] == replica_config(doc)["batch_gate"]:
+            settings = replica_config(doc)  # the gate as the engine applies it: none when it never drafts
+            if handle.stats.remote().result()["batch_gate"] == (NOT_GATED if settings["mode"] == "off"
+                                                                else settings["batch_gate"]):
                 time.sleep(2.5)  # let the router's copy of the stats catch up (one period stale)
                 return
         if status is not None and status.status == "DEPLOY_FAILED":
@@ -301,7 +305,9 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
 
-    report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+    from replicas.torch_engine import _cpu_forward
+
+    report = {"machine": {**cpu_description(), "platform": platform.platform(), "kernel_path": _cpu_forward.best_isa()},
               "max_tokens": args.max_tokens, "workload": args.workload, "settings": applied,
               "engine": app_args["engine"], "results": results,
               "ray_overhead_per_request": overhead}
@@ -312,7 +318,10 @@ def main() -> None:
 
 
 def table(report: dict) -> str:
-    lines = ["| setting | conc | tok/s | TTFT p50/p99 s | TPOT p50/p99 ms | accept len | errors |",
+    m = report["machine"]
+    lines = [f"{m['model']} (family {m.get('family')} model {m.get('model_number')}), {m['cpus']} CPUs, "
+             f"kernels {m.get('kernel_path')}, {report['max_tokens']} tokens per request", "",
+             "| setting | conc | tok/s | TTFT p50/p99 s | TPOT p50/p99 ms | accept len | errors |",
              "|---|---|---|---|---|---|---|"]
     for name, levels in report["results"].items():
         for c, r in levels.items():
@@ -344,8 +353,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Serve, deploy.yaml, {report.get('workload', 'mixed')} workload, "
-                 f"{report['max_tokens']} tokens per request, {report['machine']['cpus']} CPUs")
+    machine = report["machine"]
+    fig.suptitle(f"Serve, deploy.yaml, {report.get('workload', 'mixed')} workload, {report['max_tokens']} tokens "
+                 f"per request, {machine.get('model', 'CPU')} ({machine['cpus']} CPUs)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
