@@ -307,7 +307,8 @@ def main() -> None:
 
     from replicas.torch_engine import _cpu_forward
 
-    report = {"machine": {**cpu_description(), "platform": platform.platform(), "kernel_path": _cpu_forward.best_isa()},
+    machine = {**cpu_description(), "platform": platform.platform(), "kernel_path": _cpu_forward.best_isa()}
+    report = {"machine": machine,
               "max_tokens": args.max_tokens, "workload": args.workload, "settings": applied,
               "engine": app_args["engine"], "results": results,
               "ray_overhead_per_request": overhead}

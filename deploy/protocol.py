@@ -1,17 +1,18 @@
 """OpenAI-compatible request models (the HTTP edge's schema) and the parts the other APIs'
-requests share (`deploy/responses.py`, `deploy/messages.py` hold theirs; the response bodies'
-schema is `deploy/response_bodies.py`).
+requests share (`deploy/responses.py`, `deploy/messages.py` hold theirs; the response
+bodies' schema is `deploy/response_bodies.py`).
 
-Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently
-ignored setting; a field we do not implement is accepted only at its neutral value
-(chat's `store: false`, `service_tier` "auto" or "default", `modalities: ["text"]`,
-`audio: null`, completions' `best_of: 1` and `suffix: null`); an explicit null is a field's
-default, as OpenAI's nullable fields take it (`"temperature": null` samples at 1); labels and hints are taken and not read (`user`, `metadata`,
-`safety_identifier`, `prompt_cache_key` and `prompt_cache_retention`: our prefix cache finds
-a prompt's prefix by itself; reasoning models' `reasoning_effort` and `verbosity`). Text a
-tokenizer will read must be valid Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the
-raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI
-generates from these models is what schemathesis fuzzes.
+Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently ignored
+setting; a field we do not implement is accepted only at its neutral value (chat's `store:
+false`, `service_tier` "auto" or "default", `modalities: ["text"]`, `audio: null`,
+completions' `best_of: 1` and `suffix: null`); an explicit null is a field's default, as
+OpenAI's nullable fields take it (`"temperature": null` samples at 1); labels and hints are
+taken and not read (`user`, `metadata`, `safety_identifier`, `prompt_cache_key` and
+`prompt_cache_retention`: our prefix cache finds a prompt's prefix by itself; reasoning
+models' `reasoning_effort` and `verbosity`). Text a tokenizer will read must be valid
+Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the raw bytes ed a0 80) is a 400
+naming its field. The OpenAPI schema FastAPI generates from these models is what
+schemathesis fuzzes.
 """
 
 from __future__ import annotations

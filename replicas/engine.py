@@ -61,12 +61,13 @@ def _require(ok: bool, name: str, message: str) -> None:
 
 # The speculation settings are defined once, here. Both are pydantic dataclasses: frozen,
 # unknown keys rejected, validated at construction (and by `dataclasses.replace`), and
-# usable as fields of the HTTP and deploy.yaml schemas. A bad value raises pydantic's
-# ValidationError (a ValueError) naming the field.
+# usable as fields of the HTTP and deploy.yaml schemas; the server's types strictly too
+# (YAML has types: "8" is no draft length). A bad value raises pydantic's ValidationError
+# (a ValueError) naming the field.
 _SETTINGS = ConfigDict(extra="forbid")
 
 
-@pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))  # "8" is no length
+@pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
 class SpeculationConfig:
     """Server-wide speculation settings: the Replica's `user_config`, hot through `Engine.configure`."""
 
