@@ -43,6 +43,7 @@ from replicas.replica import log_through_serve
 
 logger = logging.getLogger(__name__)
 
+HEALTH_STATUS_TIMEOUT_S = 10.0  # a controller slower than this to say what runs: not healthy
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 _STREAM_DOC = {"content": {"text/event-stream": {}}, "description": "SSE chunks ending with data: [DONE]"}
 
@@ -81,7 +82,7 @@ class Ingress:
 
         handle = self._replica
         try:
-            status = await asyncio.to_thread(serve.status)
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_STATUS_TIMEOUT_S)
             running = status.applications[handle.app_name].deployments[handle.deployment_name].replica_states
         except Exception as exc:  # noqa: BLE001 - the controller unreachable: nothing can be said to serve
             raise ApiError(503, f"cannot tell whether an engine replica runs: {type(exc).__name__}",

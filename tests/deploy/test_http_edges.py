@@ -165,12 +165,12 @@ def test_health_is_a_503_while_no_engine_replica_runs(url):
     serve._run(compose_app(fake_args(), _EngineThatNeverStarts), name="broken", route_prefix="/broken",
               _blocking=False)
     try:
-        assert wait_until(lambda: httpx.get(f"{url}/broken/healthz").status_code != 404, timeout_s=60,
+        assert wait_until(lambda: httpx.get(f"{url}/broken/healthz", timeout=30).status_code != 404, timeout_s=60,
                           interval_s=0.5)
         for path in ("/broken/healthz", "/broken/health"):
-            response = httpx.get(f"{url}{path}")
+            response = httpx.get(f"{url}{path}", timeout=30)
             assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1, response.text
-            assert response.json()["error"]["message"] == "no engine replica is running, retry later"
+            assert "engine replica" in response.json()["error"]["message"]
     finally:
         serve.delete("broken")
     assert httpx.get(f"{url}/healthz").status_code == 200
