@@ -4,6 +4,7 @@ mid-stream failures, backpressure and a schemathesis run over the served OpenAPI
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import time
 from functools import partial
@@ -246,8 +247,6 @@ def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, bod
 def test_an_explicit_null_is_the_fields_default(url, path, body, model):
     # OpenAI's optional fields are nullable: a client's "temperature": null means "not set".
     # Every field with a default sent as null answers as the bare request does.
-    import importlib
-
     module, name = model.rsplit(".", 1)
     fields = getattr(importlib.import_module(module), name).model_fields
     nulls = {key: None for key, field in fields.items() if not field.is_required() and field.default is not None}
