@@ -72,6 +72,13 @@ class LimitArgs(_Strict):
         "deployment, on the head node) for previous_response_id and GET /v1/responses/{id}; the oldest go first "
         "(0: none kept)"))
 
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "LimitArgs":
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens: {self.default_max_tokens} is over max_tokens ({self.max_tokens}), "
+                             f"the most a request may ask for")
+        return self
+
 
 class ReplicaArgs(_Strict):
     """Serve options of the engine deployment."""

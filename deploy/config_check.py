@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from deploy.config import AppArgs
-from replicas.engine import SpeculationConfig
+from replicas.engine import DEFAULT_MODEL, SpeculationConfig
 
 DEPLOYMENT_NAMES = ("Ingress", "Replica", "ResponseStore")
 
@@ -89,12 +90,17 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
         try:
             args = AppArgs.model_validate(app.get("args") or {})
             build_app(args)
+        except ValidationError as exc:
+            problems += _validation_lines(exc, f"applications[{i}].args")
+            args = None
         except Exception as exc:  # noqa: BLE001
             problems.append(f"applications[{i}].args: {exc}")
             args = None
+        else:
+            problems += _engine_size_problems(args, f"applications[{i}].args")
         for j, deployment in enumerate(app.get("deployments") or []):
             where = f"applications[{i}].deployments[{j}]"
-            problems += _policy_problems(deployment, where)
+            problems += _autoscaling_problems(deployment, where)
             if deployment.get("name") not in DEPLOYMENT_NAMES:
                 problems.append(f"{where}.name: {deployment.get('name')!r} is not one of {DEPLOYMENT_NAMES}")
             elif deployment.get("user_config") is not None:
@@ -103,6 +109,12 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
                 else:
                     problems += _speculation_problems(deployment["user_config"], args, where)
     return problems
+
+
+def _validation_lines(exc: ValidationError, where: str) -> list[str]:
+    """One line per failed field, named by its path under `where`."""
+    return [".".join([where, *map(str, error["loc"])]) + ": " + error["msg"].removeprefix("Value error, ")
+            for error in exc.errors()]
 
 
 def _runtime_env_problems(runtime_env: Any, where: str) -> list[str]:
@@ -135,9 +147,37 @@ def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str)
     return []
 
 
-def _policy_problems(deployment: dict[str, Any], where: str) -> list[str]:
-    """Our autoscaling policy's `policy_kwargs`, checked as the policy will read them at start."""
-    policy = (deployment.get("autoscaling_config") or {}).get("policy") or {}
+def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
+    """The embedded engine's sizes against its model's config, as the engine checks them when it
+    starts (on CPU: a GPU's KV pages are at least as large, so nothing refused here would start
+    there). A checkpoint directory not on this machine is not checked."""
+    engine = args.engine
+    if engine.kind != "torch" or (engine.model != DEFAULT_MODEL and not Path(engine.model).expanduser().is_dir()):
+        return []
+    from replicas.torch_engine.loader import model_config
+    from replicas.torch_engine.sizes import cpu_size_problems
+
+    try:
+        model = model_config(engine.model)
+    except (OSError, ValueError) as exc:
+        return [f"{where}.engine.model: {exc}"]
+    return [f"{where}.engine.{problem}" for problem in cpu_size_problems(
+        engine.max_seq_len, engine.kv_cache_bytes, engine.prefix_cache_bytes, engine.mtp_weights is not None, model)]
+
+
+def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
+    """An `autoscaling_config` as Serve builds it at deploy time (its schema keeps the mapping
+    unchecked until then), and our policy's `policy_kwargs` as the policy reads them."""
+    config = deployment.get("autoscaling_config")
+    if not isinstance(config, dict):
+        return []
+    from ray.serve.config import AutoscalingConfig
+
+    try:
+        AutoscalingConfig.model_validate(config)
+    except ValidationError as exc:
+        return _validation_lines(exc, f"{where}.autoscaling_config")
+    policy = config.get("policy") or {}
     if not str(policy.get("policy_function", "")).startswith("autoscaling.policy:"):
         return []
     from autoscaling.decision import PolicyConfig

@@ -22,10 +22,9 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
-from replicas.torch_engine.kv_cache import PAGE_TOKENS, page_bytes
 from replicas.torch_engine.loader import load_tokenizer, packaged_gguf_path, resolve_model_dir
-from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.sequence import Detokenizer, Sequence
+from replicas.torch_engine.sizes import check_context, kv_pages
 from replicas.torch_engine.suffix_drafts import prediction_prefix, suffix_drafts
 
 if TYPE_CHECKING:
@@ -78,20 +77,6 @@ class TorchEngineConfig:
         for name in ("num_threads", "sa_global_pool_tokens", "prefix_cache_bytes", "kv_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-
-
-def kv_pages(cfg: TorchEngineConfig, model: ModelConfig) -> int | None:
-    """Pages of the paged KV cache that `kv_cache_bytes` buys (None: every slot's whole window);
-    ValueError naming the key when they would not hold one context window."""
-    if not cfg.kv_cache_bytes:
-        return None
-    page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim)
-    pages, window = cfg.kv_cache_bytes // page, -(-cfg.max_seq_len // PAGE_TOKENS)
-    if pages < window:
-        raise ValueError(f"kv_cache_bytes: {cfg.kv_cache_bytes} bytes hold {pages} pages of {PAGE_TOKENS} tokens "
-                         f"({page} bytes each); one context window (max_seq_len {cfg.max_seq_len}) needs {window}, "
-                         f"so at least {window * page} bytes (or 0 for every slot's whole window)")
-    return pages
 
 
 class TorchEngine:
@@ -147,11 +132,13 @@ class TorchEngine:
 
             model = CudaLlamaModel.from_pretrained(model_dir, device=device)
             logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
+        check_context(cfg.max_seq_len, model.cfg)
         self.tokenizer = load_tokenizer(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         if device.type == "cpu":
-            cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len, kv_pages(cfg, model.cfg))
+            pages = kv_pages(cfg.max_seq_len, cfg.kv_cache_bytes, model.cfg)
+            cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len, pages)
         else:
             cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len)
         prefix = None

@@ -21,12 +21,7 @@ from typing import Callable
 
 import torch
 
-PAGE_TOKENS = 32  # positions per page: the native K layout's block
-
-
-def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int = 2) -> int:
-    """Bytes of 32 positions' K and V in every layer: one page of the paged (fp16) cache."""
-    return PAGE_TOKENS * 2 * num_layers * num_kv_heads * head_dim * element_size
+from replicas.torch_engine.sizes import PAGE_TOKENS, page_bytes
 
 
 class KVCacheFull(RuntimeError):

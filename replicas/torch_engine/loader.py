@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from replicas.engine import DEFAULT_MODEL
+from replicas.torch_engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,16 @@ def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None)
     if not (target / "model.safetensors").is_file():
         convert_gguf(packaged_gguf_path(), target)
     return target
+
+
+def model_config(model: str = DEFAULT_MODEL) -> ModelConfig:
+    """The config of `model` (the embedded default's from its GGUF header, else the checkpoint
+    directory's config.json), without loading a weight or converting anything."""
+    if model == DEFAULT_MODEL:
+        from replicas.torch_engine.gguf_weights import GgufWeights
+
+        return GgufWeights(packaged_gguf_path()).config
+    return ModelConfig.from_hf_dir(Path(model).expanduser())
 
 
 def load_tokenizer(model_dir: Path):

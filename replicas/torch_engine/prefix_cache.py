@@ -43,10 +43,10 @@ from typing import Sequence as Seq
 import torch
 from torch import Tensor
 
-from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCache, PagedKVCache, page_bytes
+from replicas.torch_engine.kv_cache import KVCache, PagedKVCache
+from replicas.torch_engine.sizes import PAGE_TOKENS, page_bytes, prefix_block_bytes, prefix_blocks
 
 BLOCK_TOKENS = PAGE_TOKENS  # a cached block is one page (one block of the native K layout)
-BUDGET_KEY = "prefix_cache_bytes"
 
 
 @dataclass(eq=False)
@@ -142,15 +142,9 @@ class PrefixCache:
         """`cache`: the target's KV cache (its slots are what blocks come from and go to);
         `hidden_size` 0 keeps no hidden states (no MTP head). `budget_bytes` must hold the
         blocks of one full context window (`cache.max_seq_len`)."""
-        self.block_bytes = (page_bytes(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.k.element_size())
-                            + BLOCK_TOKENS * hidden_size * 4)
-        self.num_blocks = budget_bytes // self.block_bytes
-        need = -(-cache.max_seq_len // BLOCK_TOKENS)
-        if self.num_blocks < need:
-            raise ValueError(f"{BUDGET_KEY}: {budget_bytes} bytes hold {self.num_blocks} blocks of "
-                             f"{BLOCK_TOKENS} tokens ({self.block_bytes} bytes each); one request's context "
-                             f"window ({cache.max_seq_len} tokens) needs {need}, so at least "
-                             f"{need * self.block_bytes} bytes (or 0 to turn the cache off)")
+        self.block_bytes = prefix_block_bytes(
+            page_bytes(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.k.element_size()), hidden_size)
+        self.num_blocks = prefix_blocks(cache.max_seq_len, budget_bytes, self.block_bytes)
         self.cache = cache
         if isinstance(cache, PagedKVCache):
             self.store: SharedPages | CopiedBlocks = SharedPages(cache)

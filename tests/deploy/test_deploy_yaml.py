@@ -69,6 +69,9 @@ OVERRIDES = [
     ("bad user_config value", {"name": "Replica", "user_config": {"mode": "turbo"}}, False),
     ("unknown deployment", {"name": "Engine", "num_replicas": 2}, False),
     ("user_config on the ingress", {"name": "Ingress", "user_config": {"batch_gate": 2}}, False),
+    ("no replica at most", {"name": "Replica", "autoscaling_config": {"min_replicas": 0, "max_replicas": 0}}, False),
+    ("fewer at most than at least", {"name": "Replica", "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}},
+     False),
 ]
 
 
@@ -86,6 +89,11 @@ BAD_VALUES = [
     ("engine.max_prefill_tokens", 0),
     ("limits.max_tokens", 0),
     ("limits.max_prompt_tokens", 999999),
+    ("limits.default_max_tokens", 5000),  # over limits.max_tokens
+    # sizes against the model's own (the embedded default: 8,192 positions, 0.7 MB a page)
+    ("engine.max_seq_len", 16384),
+    ("engine.kv_cache_bytes", 1 << 20),
+    ("engine.prefix_cache_bytes", 1 << 20),
     ("replica.num_replicas", "two"),
     ("replica.gate_hold_s", -1),
     ("replica.gate_hold_min_acceptance", 0.5),

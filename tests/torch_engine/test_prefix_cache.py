@@ -14,11 +14,12 @@ import random
 import pytest
 import torch
 
-from replicas.engine import SpeculationConfig
+from replicas.engine import DEFAULT_MODEL, SpeculationConfig
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.kv_cache import KVCache, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS, PrefixCache
+from replicas.torch_engine.loader import model_config
 from tests.polling import wait_until
 from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect_logprobs, request
 
@@ -229,7 +230,7 @@ def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop):
     assert _same_as_cold(loop, engines, prompt, max_tokens=8) == seq.num_cached // BLOCK_TOKENS * BLOCK_TOKENS
 
 
-def test_a_budget_below_one_context_window_is_refused_naming_the_key(loop):
+def test_sizes_short_of_one_context_window_are_refused_naming_the_key(loop):
     cache = KVCache(2, 1, 256, 1, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="prefix_cache_bytes: .* needs 8"):
         PrefixCache(cache, 16, 7 * (2 * 2 * 32 * 8 * 2 + 32 * 16 * 4))
@@ -242,6 +243,11 @@ def test_a_budget_below_one_context_window_is_refused_naming_the_key(loop):
     loop.run_until_complete(engine.shutdown())
     engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=256, device="cpu", kv_cache_bytes=1 << 20))
     with pytest.raises(ValueError, match=r"kv_cache_bytes: 1048576 bytes hold 1 pages .* needs 8"):
+        loop.run_until_complete(engine.start())
+    loop.run_until_complete(engine.shutdown())
+    positions = model_config(DEFAULT_MODEL).max_position_embeddings  # RoPE has no angle past the last
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=positions + 32, prefix_cache_bytes=0))
+    with pytest.raises(ValueError, match=f"max_seq_len: {positions + 32} is past the model's {positions} positions"):
         loop.run_until_complete(engine.start())
     loop.run_until_complete(engine.shutdown())
 

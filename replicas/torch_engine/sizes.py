@@ -1,0 +1,72 @@
+"""What the embedded engine's sizes must hold for its model, in bytes and positions.
+
+The engine checks them when it starts (each ValueError names the key); `deploy.config_check`
+runs the same checks before a deploy, on the model's config alone (`loader.model_config`). No
+torch here.
+"""
+
+from __future__ import annotations
+
+from replicas.torch_engine.model_config import ModelConfig
+
+PAGE_TOKENS = 32  # positions per page: the native K layout's block
+
+
+def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int = 2) -> int:
+    """Bytes of 32 positions' K and V in every layer: one page of the paged (fp16) cache."""
+    return PAGE_TOKENS * 2 * num_layers * num_kv_heads * head_dim * element_size
+
+
+def check_context(max_seq_len: int, model: ModelConfig) -> None:
+    """A context window the model has positions for (RoPE's tables stop at its last one)."""
+    if max_seq_len > model.max_position_embeddings:
+        raise ValueError(f"max_seq_len: {max_seq_len} is past the model's {model.max_position_embeddings} positions "
+                         f"(its max_position_embeddings)")
+
+
+def kv_pages(max_seq_len: int, kv_cache_bytes: int, model: ModelConfig) -> int | None:
+    """Pages of the paged KV cache that `kv_cache_bytes` buys (None: 0, every slot's whole
+    window); ValueError naming the key when they would not hold one context window."""
+    if not kv_cache_bytes:
+        return None
+    page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim)
+    pages, window = kv_cache_bytes // page, -(-max_seq_len // PAGE_TOKENS)
+    if pages < window:
+        raise ValueError(f"kv_cache_bytes: {kv_cache_bytes} bytes hold {pages} pages of {PAGE_TOKENS} tokens "
+                         f"({page} bytes each); one context window (max_seq_len {max_seq_len}) needs {window}, "
+                         f"so at least {window * page} bytes (or 0 for every slot's whole window)")
+    return pages
+
+
+def prefix_blocks(max_seq_len: int, budget_bytes: int, block_bytes: int) -> int:
+    """Blocks of `block_bytes` that the prefix cache's `prefix_cache_bytes` buys; ValueError
+    naming the key when they would not hold one request's context window."""
+    blocks, need = budget_bytes // block_bytes, -(-max_seq_len // PAGE_TOKENS)
+    if blocks < need:
+        raise ValueError(f"prefix_cache_bytes: {budget_bytes} bytes hold {blocks} blocks of {PAGE_TOKENS} tokens "
+                         f"({block_bytes} bytes each); one request's context window ({max_seq_len} tokens) needs "
+                         f"{need}, so at least {need * block_bytes} bytes (or 0 to turn the cache off)")
+    return blocks
+
+
+def prefix_block_bytes(page: int, hidden_size: int) -> int:
+    """One prefix-cache block: a page of K and V (`page` bytes) and, where the MTP head drafts
+    (hidden_size > 0), its fp32 hidden states."""
+    return page + PAGE_TOKENS * hidden_size * 4
+
+
+def cpu_size_problems(max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int, with_mtp: bool,
+                      model: ModelConfig) -> list[str]:
+    """What the checks above say of the CPU engine's sizes (fp16 pages), every one."""
+    page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim)
+    checks = [lambda: check_context(max_seq_len, model), lambda: kv_pages(max_seq_len, kv_cache_bytes, model)]
+    if prefix_cache_bytes:
+        hidden = model.hidden_size if with_mtp else 0
+        checks.append(lambda: prefix_blocks(max_seq_len, prefix_cache_bytes, prefix_block_bytes(page, hidden)))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
