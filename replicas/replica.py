@@ -29,9 +29,9 @@ from replicas.engine import (
 from replicas.speculation.gate import gate_open
 from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
-    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST, METRIC_PREFIX_BLOCKS,
-    METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS, METRIC_SA_ACCEPTANCE, METRIC_TPOT,
-    METRIC_TTFT, SOURCES, EngineStats,
+    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_KV_USAGE, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST,
+    METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS,
+    METRIC_SA_ACCEPTANCE, METRIC_TPOT, METRIC_TTFT, METRIC_WAITING, SOURCES, EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class _Metrics:
             boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 17, 33, MAX_DRAFT_LEN + 1])
         self.gate_open = metrics.Gauge(METRIC_GATE_OPEN, "1 if a new request would be speculated")
         self.batch = metrics.Gauge(METRIC_BATCH_SIZE, "requests decoding in the engine")
+        self.waiting = metrics.Gauge(METRIC_WAITING, "requests queued in the engine for a batch slot or KV pages")
+        self.kv_usage = metrics.Gauge(METRIC_KV_USAGE, "share of the KV cache the requests hold (0 to 1)")
         self.ttft = metrics.Histogram(METRIC_TTFT, "time to first token",
                                       boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64])
         self.tpot = metrics.Histogram(METRIC_TPOT, "time per output token after the first",
@@ -117,6 +119,8 @@ class _Metrics:
         for match_len, rate in stats.sa_acceptance.items():
             self.sa_acceptance.set(rate, tags={"match_len": match_len})
         self.batch.set(stats.batch_size)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
         # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch
         self.gate_open.set(1.0 if gate_open(stats.batch_size, stats.batch_gate, stats.speculating) else 0.0)
 

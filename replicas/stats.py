@@ -48,6 +48,8 @@ METRIC_PREFIX_PROMPT_TOKENS = "prefix_cache_prompt_tokens_total"
 METRIC_PREFIX_BLOCKS = "prefix_cache_blocks"  # gauge: blocks held
 METRIC_PREFIX_EVICTIONS = "prefix_cache_evicted_blocks_total"
 METRIC_KV_PREEMPTIONS = "engine_kv_preemptions_total"
+METRIC_WAITING = "engine_waiting_requests"  # gauge: queued in the engine for a batch slot or KV pages
+METRIC_KV_USAGE = "engine_kv_cache_usage"  # gauge: EngineStats.kv_cache_usage
 # gauges: what the measured draft rule (speculation.draft_length) weighs drafts against
 METRIC_DRAFT_ROW_COST = "spec_draft_row_cost"
 METRIC_MTP_ASK_COST = "spec_mtp_ask_cost"
@@ -133,6 +135,9 @@ class EngineStats:
     prefix_evicted_blocks: int = 0
     # Running requests sent back to the queue for want of KV pages (the paged cache; a total).
     kv_preemptions: int = 0
+    # The share of the KV cache the requests hold now (0 to 1; blocks kept only for the prefix
+    # cache count as free); 0 where the engine does not measure it.
+    kv_cache_usage: float = 0.0
     # Steps run, a total (0 where the engine does not count them): progress while long prompts
     # go in over several steps and no token comes out.
     steps: int = 0

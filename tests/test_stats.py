@@ -63,7 +63,7 @@ def test_engine_stats_as_metrics():
         draft_tokens={"sa": 10, "mtp": 4, "grammar": 3}, accepted_tokens={"sa": 6, "mtp": 1, "grammar": 3},
         step_ms=12.5, tokens_per_s=40.0, batch_gate=8,
         prefix_hit_tokens=96, prefix_prompt_tokens=384, prefix_cached_blocks=7, prefix_evicted_blocks=2,
-        kv_preemptions=5, steps=42, draft_row_cost=0.125, mtp_ask_cost=0.25, sa_acceptance={"1-2": 0.375, "17+": 0.875},
+        kv_preemptions=5, kv_cache_usage=0.5, steps=42, draft_row_cost=0.125, mtp_ask_cost=0.25, sa_acceptance={"1-2": 0.375, "17+": 0.875},
         mtp_accepted_per_ask=1.5,
     )
     metrics = engine_stats.as_metrics()
@@ -73,7 +73,8 @@ def test_engine_stats_as_metrics():
         "draft_tokens_sa": 10.0, "draft_tokens_mtp": 4.0, "draft_tokens_grammar": 3.0,
         "accepted_tokens_sa": 6.0, "accepted_tokens_mtp": 1.0, "accepted_tokens_grammar": 3.0,
         stats.PREFIX_HIT_TOKENS: 96.0, stats.PREFIX_PROMPT_TOKENS: 384.0, stats.PREFIX_HIT_RATE: 0.25,
-        "prefix_cached_blocks": 7.0, "prefix_evicted_blocks": 2.0, "kv_preemptions": 5.0, "steps": 42.0,
+        "prefix_cached_blocks": 7.0, "prefix_evicted_blocks": 2.0, "kv_preemptions": 5.0, "kv_cache_usage": 0.5,
+        "steps": 42.0,
         "draft_row_cost": 0.125, "mtp_ask_cost": 0.25, "sa_acceptance_1-2": 0.375, "sa_acceptance_17+": 0.875,
         "mtp_accepted_per_ask": 1.5,
     }

@@ -410,6 +410,7 @@ class EngineCore:
             step_ms=self.step_ms.value,
             tokens_per_s=self.tokens_per_s.value,
             kv_preemptions=self.preemptions,
+            kv_cache_usage=self.cache.usage(),
             steps=self.steps,
             draft_row_cost=self.drafts.costs.row(max(1, len(self.running))),
             mtp_ask_cost=self.drafts.costs.ask(max(1, len(self.running))) if self.mtp is not None else 0.0,

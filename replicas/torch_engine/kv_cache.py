@@ -77,6 +77,10 @@ class SlotTable:
         """Room for `slot`'s positions [start, end) to be written: always, in fixed slots."""
         return True
 
+    def usage(self) -> float:
+        """The share of the cache the allocated slots' positions fill (0 to 1)."""
+        return sum(self.lengths) / (self.max_slots * self.max_seq_len)
+
     def _release(self, slot: int) -> None:
         """`slot` is being freed: its storage is no longer needed."""
 
@@ -141,6 +145,11 @@ class PagedKVCache(SlotTable):
     @property
     def free_pages(self) -> int:
         return len(self._free_pages)
+
+    def usage(self) -> float:
+        """The share of the pages that slots hold; those only the prefix cache holds it gives
+        back when short (`reclaim`), so they count as free."""
+        return len({page for pages in self._pages for page in pages}) / self.num_pages
 
     def pages_of(self, slot: int) -> list[int]:
         """`slot`'s pages in block order (a copy)."""

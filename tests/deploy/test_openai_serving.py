@@ -131,7 +131,7 @@ def test_usage_reports_speculation_and_the_request_can_turn_it_off(client):
 def test_the_replica_exports_what_the_draft_rule_measured(client):
     """Prometheus has the measured draft rule's view of each Replica: the costs it weighs and
     what SA drafts (by match length) and MTP asks have yielded (this deployment has no MTP
-    head: its gauges read 0)."""
+    head: its gauges read 0); and the engine's queue and KV cache."""
     client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=32, temperature=0)
     gauges = {}
 
@@ -140,14 +140,19 @@ def test_the_replica_exports_what_the_draft_rule_measured(client):
         for name, labels, value in re.findall(r"^ray_(spec_\w+?)(\{[^}]*\})? (\S+)$", text, re.M):
             match_len = re.search(r'match_len="([^"]+)"', labels)
             gauges[(name, match_len.group(1) if match_len else None)] = float(value)
+        for name, value in re.findall(r"^ray_(engine_\w+?)(?:\{[^}]*\})? (\S+)$", text, re.M):
+            gauges[(name, None)] = float(value)
         return all((name, None) in gauges for name in ("spec_draft_row_cost", "spec_mtp_ask_cost",
-                                                         "spec_mtp_accepted_per_ask"))
+                                                         "spec_mtp_accepted_per_ask", "engine_waiting_requests",
+                                                         "engine_kv_cache_usage"))
 
     assert wait_until(scraped, timeout_s=60, interval_s=1), sorted(gauges)
     sa = {match_len: v for (name, match_len), v in gauges.items() if name == "spec_sa_acceptance"}
     assert set(sa) == set(MATCH_LEN_BUCKETS) and all(0 < v < 1 for v in sa.values()), sa
     assert gauges[("spec_draft_row_cost", None)] >= 0  # measured: 0 where extra rows timed no dearer
     assert gauges[("spec_mtp_ask_cost", None)] == gauges[("spec_mtp_accepted_per_ask", None)] == 0
+    # the engine's queue and KV cache, as the last report found them (no request running now)
+    assert gauges[("engine_waiting_requests", None)] == 0 and 0 <= gauges[("engine_kv_cache_usage", None)] < 1
 
 
 def test_a_repeated_conversation_reports_its_cached_prompt_tokens(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicas.torch_engine.kv_cache import PAGE_TOKENS, PagedKVCache
+from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCache, PagedKVCache
 
 
 def small(num_pages: int | None = None, slots: int = 3, max_seq_len: int = 4 * PAGE_TOKENS) -> PagedKVCache:
@@ -62,12 +62,14 @@ def test_shared_pages_are_counted_read_only_and_free_with_their_last_holder():
     for i, page in enumerate(shared):  # b reuses both blocks, copying nothing
         cache.share(b, i, page)
     assert cache.pages_of(b) == shared and [cache.refs[p] for p in shared] == [3, 2]
+    assert cache.usage() == 2 / 12  # a page two slots share is used once
     with pytest.raises(RuntimeError, match="page 1 is shared .* would be written"):
         cache.reserve(b, 40, 70)  # b writing inside a's block 1
     assert cache.reserve(b, 64, 70) and cache.pages_of(b) == shared + [2]
     cache.free(a)
     cache.free(b)
     assert cache.refs[shared[0]] == 1 and cache.free_pages == 11  # block 0 stays while held
+    assert cache.usage() == 0  # ... by the prefix cache alone, which gives it back when short
     cache.unref(shared[0])
     assert cache.free_pages == 12
 
@@ -98,3 +100,12 @@ def test_bad_arguments_are_value_errors():
         cache.share(a, 1, 0)  # not its next block
     with pytest.raises(ValueError, match="hold: page 4 is free"):
         cache.hold(4)
+
+
+def test_a_fixed_slot_cache_is_used_by_the_positions_its_slots_hold():
+    cache = KVCache(num_layers=1, max_slots=2, max_seq_len=64, num_kv_heads=1, head_dim=8)
+    a = cache.allocate()
+    cache.lengths[a] = 32
+    assert cache.usage() == 32 / 128
+    cache.free(a)
+    assert cache.usage() == 0

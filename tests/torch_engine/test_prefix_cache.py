@@ -195,9 +195,21 @@ def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, l
         prompts = [_ids(300 + i, 350) for i in range(8)]
         settings = [dict(mode="auto", logprobs=2), dict(mode="off", temperature=0.8, seed=11)] * 4
 
+        seen = []  # (kv_cache_usage, waiting) as the replica's gauges would read them
+
+        async def watch():
+            while True:
+                stats = tight.stats()
+                seen.append((stats.kv_cache_usage, stats.waiting))
+                await asyncio.sleep(0.05)
+
         async def together():
-            return await asyncio.gather(*(collect_logprobs(tight, request(p, max_tokens=100, **kw))
-                                          for p, kw in zip(prompts, settings)))
+            watcher = asyncio.ensure_future(watch())
+            try:
+                return await asyncio.gather(*(collect_logprobs(tight, request(p, max_tokens=100, **kw))
+                                              for p, kw in zip(prompts, settings)))
+            finally:
+                watcher.cancel()
 
         for prompt, kw, (tokens, _, logprobs, last) in zip(prompts, settings, loop.run_until_complete(together())):
             assert last.finish_reason == "length"
@@ -206,6 +218,9 @@ def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, l
         assert 0 < tight.core.preemptions <= len(prompts)
         assert wait_until(lambda: _idle(tight), timeout_s=10)
         assert cache.free_pages == cache.num_pages - tight.core.prefix.cached_blocks  # the rest are the cache's
+        # the pool ran near full (requests waited for pages); the prefix cache's blocks count as free
+        assert max(usage for usage, _ in seen) > 0.75 and max(waiting for _, waiting in seen) > 0
+        assert (tight.stats().kv_cache_usage, tight.stats().waiting) == (0, 0)
     finally:
         loop.run_until_complete(tight.shutdown())
 
