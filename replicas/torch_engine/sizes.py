@@ -24,29 +24,30 @@ def check_context(max_seq_len: int, model: ModelConfig) -> None:
                          f"(its max_position_embeddings)")
 
 
+def _window_of(key: str, budget: int, unit_bytes: int, unit: str, max_seq_len: int, zero: str) -> int:
+    """How many `unit`s of 32 positions `budget` bytes buy; ValueError naming `key` when fewer
+    than one context window needs."""
+    units, need = budget // unit_bytes, -(-max_seq_len // PAGE_TOKENS)
+    if units < need:
+        raise ValueError(f"{key}: {budget} bytes hold {units} {unit} of {PAGE_TOKENS} tokens ({unit_bytes} bytes "
+                         f"each); one context window (max_seq_len {max_seq_len}) needs {need}, so at least "
+                         f"{need * unit_bytes} bytes (or 0 {zero})")
+    return units
+
+
 def kv_pages(max_seq_len: int, kv_cache_bytes: int, model: ModelConfig) -> int | None:
     """Pages of the paged KV cache that `kv_cache_bytes` buys (None: 0, every slot's whole
     window); ValueError naming the key when they would not hold one context window."""
     if not kv_cache_bytes:
         return None
     page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim)
-    pages, window = kv_cache_bytes // page, -(-max_seq_len // PAGE_TOKENS)
-    if pages < window:
-        raise ValueError(f"kv_cache_bytes: {kv_cache_bytes} bytes hold {pages} pages of {PAGE_TOKENS} tokens "
-                         f"({page} bytes each); one context window (max_seq_len {max_seq_len}) needs {window}, "
-                         f"so at least {window * page} bytes (or 0 for every slot's whole window)")
-    return pages
+    return _window_of("kv_cache_bytes", kv_cache_bytes, page, "pages", max_seq_len, "for every slot's whole window")
 
 
 def prefix_blocks(max_seq_len: int, budget_bytes: int, block_bytes: int) -> int:
     """Blocks of `block_bytes` that the prefix cache's `prefix_cache_bytes` buys; ValueError
     naming the key when they would not hold one request's context window."""
-    blocks, need = budget_bytes // block_bytes, -(-max_seq_len // PAGE_TOKENS)
-    if blocks < need:
-        raise ValueError(f"prefix_cache_bytes: {budget_bytes} bytes hold {blocks} blocks of {PAGE_TOKENS} tokens "
-                         f"({block_bytes} bytes each); one request's context window ({max_seq_len} tokens) needs "
-                         f"{need}, so at least {need * block_bytes} bytes (or 0 to turn the cache off)")
-    return blocks
+    return _window_of("prefix_cache_bytes", budget_bytes, block_bytes, "blocks", max_seq_len, "to turn the cache off")
 
 
 def prefix_block_bytes(page: int, hidden_size: int) -> int:
