@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_peers import bench_llamacpp, bench_transformers, llamacpp_figures  # noqa: E402
+from benchmarks.engine_peers import bench_llamacpp, bench_transformers_apart, llamacpp_figures  # noqa: E402
 from benchmarks.llamacpp_peer import MODES as LLAMACPP_MODES  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig  # noqa: E402
@@ -103,18 +103,20 @@ async def run_clients(engine: TorchEngine, prompts: list[str], mode: str, max_to
     len]. Tokens/s while every client had a request under way (from the last client's first
     token to the first client's last: no batch running down at the end), and the mean
     request's time from submission."""
-    arrivals, done = [], []
+    arrivals, done, outputs = [], [], {}
 
     async def client(c: int) -> None:
         for k in range(rounds):
             run = await run_request(engine, f"{mode}-{c}-{k}", prompts[(c + k) % len(prompts)], max_tokens, arrivals)
             done.append((k, run))
+            outputs[c, k] = run["tokens"]
 
     await asyncio.gather(*(client(c) for c in range(clients)))
     start = max(run["first_s"] for k, run in done if k == 0)
     end = min(run["end_s"] for k, run in done if k == rounds - 1)
     return {"steady_tokens_per_s": sum(n for t, n in arrivals if start < t <= end) / (end - start),
-            "mean_request_s": statistics.mean(run["end_s"] - run["submit_s"] for _, run in done)}
+            "mean_request_s": statistics.mean(run["end_s"] - run["submit_s"] for _, run in done),
+            "outputs": [outputs[key] for key in sorted(outputs)]}
 
 
 @contextlib.contextmanager
@@ -186,9 +188,10 @@ def bench_engine(engine: TorchEngine, loop, prompts: dict[str, list[str]], max_t
     in every step, to see what it would cost), else the shipped gate decides per step.
 
     Modes alternate per prompt group (off, sa, mtp, hybrid; then sa, mtp, hybrid, off ...),
-    so a slow spell of this shared machine, whatever running after another mode costs, and
-    the prefill a later run of a prompt finds in the prefix cache fall on every mode alike
-    rather than on whichever ran then. Greedy outputs are checked against the first mode's.
+    so a slow spell of this shared machine and whatever running after another mode costs
+    fall on every mode alike rather than on whichever ran then (the engine has no prefix
+    cache here: every run prefills cold, as llama.cpp's). Greedy outputs are checked against
+    the first mode's.
     """
     out, outputs = {}, {}
     base = engine.config.speculation
@@ -240,17 +243,17 @@ def bench_alternating(engine: TorchEngine, loop, prompts: dict[str, list[str]], 
     hybrid = dataclasses.replace(base, mode="hybrid")
 
     def batch(group: list[str]):
-        def run(mode: str) -> tuple[float, float]:
+        def run(mode: str) -> tuple[float, float, list]:
             res = loop.run_until_complete(run_batch(engine, group, mode, max_tokens))
             first = min(r["first_s"] for r in res)
             return (sum(len(r["tokens"]) - 1 for r in res) / (max(r["end_s"] for r in res) - first),
-                    statistics.mean(r["end_s"] - first for r in res))
+                    statistics.mean(r["end_s"] - first for r in res), [r["tokens"] for r in res])
         return run
 
     def clients(texts: list[str]):
-        def run(mode: str) -> tuple[float, float]:
+        def run(mode: str) -> tuple[float, float, list]:
             res = loop.run_until_complete(run_clients(engine, texts, mode, max_tokens, CLIENTS, CLIENT_ROUNDS))
-            return res["steady_tokens_per_s"], res["mean_request_s"]
+            return res["steady_tokens_per_s"], res["mean_request_s"], res["outputs"]
         return run
 
     cases = {"batch1/chat, gate shut": (batch(prompts["chat"][:1]), dataclasses.replace(hybrid, batch_gate=0))}
@@ -261,23 +264,37 @@ def bench_alternating(engine: TorchEngine, loop, prompts: dict[str, list[str]], 
         cases[f"{CLIENTS} clients/{workload}"] = (clients(texts), hybrid)
     out = {}
     for case, (run, hybrid_cfg) in cases.items():
-        rates, waits = {"off": [], "hybrid": []}, {"off": [], "hybrid": []}
+        rates, waits, outputs = {"off": [], "hybrid": []}, {"off": [], "hybrid": []}, []
         pair = (("off", dataclasses.replace(base, mode="off")), ("hybrid", hybrid_cfg))
         for rep in range(repeats):
             for mode, cfg in pair[rep % 2:] + pair[:rep % 2]:  # each first in turn
                 engine.configure(cfg)
-                rate, wait = run(mode)
+                rate, wait, tokens = run(mode)
                 rates[mode].append(rate)
                 waits[mode].append(wait)
+                outputs.append(tokens)
         off, hybrid_rate = statistics.median(rates["off"]), statistics.median(rates["hybrid"])
         off_wait, hybrid_wait = statistics.median(waits["off"]), statistics.median(waits["hybrid"])
         out[case] = {"off_tokens_per_s": off, "hybrid_tokens_per_s": hybrid_rate, "hybrid_vs_off": hybrid_rate / off,
                      "off_mean_request_s": off_wait, "hybrid_mean_request_s": hybrid_wait,
-                     "mean_request_off_over_hybrid": off_wait / hybrid_wait}
+                     "mean_request_off_over_hybrid": off_wait / hybrid_wait,
+                     # every run's greedy tokens, hybrid's and off's, the same
+                     "identical_to_off": all(tokens == outputs[0] for tokens in outputs)}
         print(f"  {case:22s} hybrid {hybrid_rate:7.2f} tok/s against off {off:7.2f}: {hybrid_rate / off:.3f}x; "
               f"mean request {off_wait / hybrid_wait:.3f}x sooner", flush=True)
     engine.configure(base)
     return out
+
+
+def identical_flags(node, path: str = ""):
+    """(where, flag) of every `identical_to_*` check in the result, however deep."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}/{key}" if path else str(key)
+            if str(key).startswith("identical_to_"):
+                yield where, value
+            else:
+                yield from identical_flags(value, where)
 
 
 def table_rows(result: dict, batch: str = "batch1") -> list[tuple[str, dict[str, tuple[float, float]]]]:
@@ -390,8 +407,11 @@ def main() -> None:
     mtp_weights = None if args.mtp_weights == "none" else args.mtp_weights
     # No cross-request SA pool: every mode replays the same prompts, and a pool would
     # draft each answer from its earlier run (benchmarks/drafters.py measures the pool).
+    # No prefix cache either: each prompt recurs across modes and batches, and a later run would
+    # skip its prefill, while llama.cpp's server prefills every request (cache_prompt off).
     engine = TorchEngine(TorchEngineConfig(max_batch_size=8, max_seq_len=4096, mtp_weights=mtp_weights,
-                                           sa_global_pool_tokens=0, speculation=SpeculationConfig()))
+                                           sa_global_pool_tokens=0, prefix_cache_bytes=0,
+                                           speculation=SpeculationConfig()))
     loop.run_until_complete(engine.start())
     prompts = workloads(engine.tokenizer, args.prompts)
     result = {"settings": vars(args) | {"out": str(args.out)}, "machine": cpu_description(),
@@ -403,7 +423,7 @@ def main() -> None:
     result["alternating"] = bench_alternating(engine, loop, prompts, args.max_tokens, args.repeats)
     loop.run_until_complete(engine.shutdown())
     print("transformers:")
-    result["transformers"] = bench_transformers(prompts, args.max_tokens)
+    result["transformers"] = bench_transformers_apart(prompts, args.max_tokens, result["threads"])
     print("llama.cpp:")
     result["llamacpp"] = None if args.no_llamacpp else bench_llamacpp(prompts, args.max_tokens, result["threads"])
 
@@ -418,6 +438,9 @@ def main() -> None:
     for key, value in result["ratios"].items():
         print(f"  {key:55s} {value:5.2f}x")
     print(f"wrote {args.out} and its .png and .md")
+    differing = sorted(where for where, same in identical_flags(result) if not same)
+    if differing:
+        raise SystemExit(f"speculation changed greedy output: {', '.join(differing)}")
 
 
 if __name__ == "__main__":

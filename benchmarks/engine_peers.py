@@ -4,7 +4,10 @@ through `xllamacpp` in the bench venv (benchmarks/llamacpp_peer.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -12,9 +15,15 @@ from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 
 
-def bench_transformers(prompts: dict[str, list[str]], max_tokens: int) -> dict:
-    """HF generate, plain and with prompt lookup: decode rate = (N-1) tokens over time(N) - time(1)."""
+def bench_transformers(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict:
+    """HF generate, plain and with prompt lookup, on `threads` threads and exactly `max_tokens`
+    tokens (EOS ignored, as ours and llama.cpp's): decode rate = (N-1) tokens over time(N) -
+    time(1)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # Set here: the engine set torch's threads to 1 when it started (its own ops between native
+    # steps), and torch's setting is per process.
+    torch.set_num_threads(threads)
 
     model_dir = resolve_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -29,14 +38,28 @@ def bench_transformers(prompts: dict[str, list[str]], max_tokens: int) -> dict:
                     t0 = time.perf_counter()
                     model.generate(ids, max_new_tokens=1, do_sample=False)
                     t1 = time.perf_counter()
-                    gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **extra)
+                    gen = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                         **extra)
                     t2 = time.perf_counter()
                 n = gen.shape[1] - ids.shape[1]
                 tokens += n - 1
                 seconds += max(1e-6, (t2 - t1) - (t1 - t0))
-            out[f"{workload}/{name}"] = {"tokens_per_s": tokens / seconds}
+            out[f"{workload}/{name}"] = {"tokens_per_s": tokens / seconds, "threads": torch.get_num_threads()}
             print(f"  batch 1 {workload:9s} {name:17s} {tokens / seconds:7.2f} tok/s", flush=True)
     return out
+
+
+def bench_transformers_apart(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict:
+    """`bench_transformers` in a fresh process that starts without the Makefile's
+    OMP_WAIT_POLICY=PASSIVE (torch's OpenMP reads it once, at start, and passive teams sleep
+    between generate's many small ops), as the llama.cpp peer imports its OpenMP."""
+    saved = os.environ.pop("OMP_WAIT_POLICY", None)
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(bench_transformers, prompts, max_tokens, threads).result()
+    finally:
+        if saved is not None:
+            os.environ["OMP_WAIT_POLICY"] = saved
 
 
 def bench_llamacpp(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict | None:
