@@ -291,7 +291,7 @@ def identical_flags(node, path: str = ""):
     if isinstance(node, dict):
         for key, value in node.items():
             where = f"{path}/{key}" if path else str(key)
-            if str(key).startswith("identical_to_"):
+            if str(key).rsplit("/", 1)[-1].startswith("identical_to_"):  # e.g. "chat/identical_to_off"
                 yield where, value
             else:
                 yield from identical_flags(value, where)
