@@ -16,6 +16,9 @@ from replicas.speculation.affinity import AFFINITY_MAX_EXTRA_LOAD, AFFINITY_PREF
 from replicas.speculation.ranking import GATE_HOLD_MIN_ACCEPTANCE, GATE_HOLD_S
 
 
+DEFAULT_MAX_TOKENS = 256  # a request's max_tokens when it gives none and the config says nothing
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,7 +63,8 @@ class LimitArgs(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="default: max_seq_len - 1")
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
-    default_max_tokens: int = Field(256, ge=1, description="when a request gives none")
+    default_max_tokens: Optional[int] = Field(None, ge=1, description=(
+        f"when a request gives none; default: {DEFAULT_MAX_TOKENS}, or max_tokens where that is lower"))
     stream_idle_timeout_s: float = Field(300.0, gt=0, description=(
         "longest wait for a request's next token once it has one (before, it may be waiting "
         "for a batch slot; a stalled engine fails its health check)"))
@@ -74,10 +78,14 @@ class LimitArgs(_Strict):
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> "LimitArgs":
-        if self.default_max_tokens > self.max_tokens:
+        if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
             raise ValueError(f"default_max_tokens: {self.default_max_tokens} is over max_tokens ({self.max_tokens}), "
                              f"the most a request may ask for")
         return self
+
+    @property
+    def request_default_max_tokens(self) -> int:
+        return self.default_max_tokens or min(DEFAULT_MAX_TOKENS, self.max_tokens)
 
 
 class ReplicaArgs(_Strict):
@@ -169,7 +177,7 @@ class IngressConfig(_Strict):
             max_seq_len=args.engine.max_seq_len,
             max_prompt_tokens=limits.max_prompt_tokens or args.engine.max_seq_len - 1,
             max_tokens=limits.max_tokens,
-            default_max_tokens=limits.default_max_tokens,
+            default_max_tokens=limits.request_default_max_tokens,
             max_body_bytes=limits.max_body_bytes,
             stream_idle_timeout_s=limits.stream_idle_timeout_s,
             replica_loss_retry_s=limits.replica_loss_retry_s,

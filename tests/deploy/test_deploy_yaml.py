@@ -148,3 +148,11 @@ def test_unknown_keys_walks_lists_and_unions():
         {"name": "Replica", "autoscaling_config": {"policy": {"policy_function": "a:b", "nope": 1}}}]}]}
     assert unknown_keys(doc, ServeDeploySchema, "") == [
         "applications[0].deployments[0].autoscaling_config.policy.nope"]
+
+
+def test_a_default_max_tokens_left_out_stays_within_max_tokens():
+    from deploy.config import AppArgs, IngressConfig
+
+    assert IngressConfig.from_args(AppArgs()).default_max_tokens == 256
+    assert IngressConfig.from_args(AppArgs(limits={"max_tokens": 64})).default_max_tokens == 64
+    assert IngressConfig.from_args(AppArgs(limits={"max_tokens": 64, "default_max_tokens": 32})).default_max_tokens == 32
