@@ -9,7 +9,7 @@ at start and live. Importing this never loads torch.
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from replicas.engine import DEFAULT_MODEL, SpeculationConfig
 from replicas.speculation.affinity import AFFINITY_MAX_EXTRA_LOAD, AFFINITY_PREFIX_CHARS
@@ -76,12 +76,13 @@ class LimitArgs(_Strict):
         "deployment, on the head node) for previous_response_id and GET /v1/responses/{id}; the oldest go first "
         "(0: none kept)"))
 
-    @model_validator(mode="after")
-    def _default_within_limit(self) -> "LimitArgs":
-        if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
-            raise ValueError(f"default_max_tokens: {self.default_max_tokens} is over max_tokens ({self.max_tokens}), "
-                             f"the most a request may ask for")
-        return self
+    @field_validator("default_max_tokens")
+    @classmethod
+    def _default_within_limit(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        limit = info.data.get("max_tokens")  # absent where it failed its own check
+        if value is not None and limit is not None and value > limit:
+            raise ValueError(f"{value} is over max_tokens ({limit}), the most a request may ask for")
+        return value
 
     @property
     def request_default_max_tokens(self) -> int:

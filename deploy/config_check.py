@@ -89,14 +89,14 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
             continue
         try:
             args = AppArgs.model_validate(app.get("args") or {})
-            build_app(args)
         except ValidationError as exc:
             problems += _validation_lines(exc, f"applications[{i}].args")
             args = None
-        except Exception as exc:  # noqa: BLE001
-            problems.append(f"applications[{i}].args: {exc}")
-            args = None
         else:
+            try:
+                build_app(args)  # a ValidationError here is of Serve's models, not of the args' paths
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"applications[{i}].args: {exc}")
             problems += _engine_size_problems(args, f"applications[{i}].args")
         for j, deployment in enumerate(app.get("deployments") or []):
             where = f"applications[{i}].deployments[{j}]"
@@ -149,20 +149,24 @@ def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str)
 
 def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
     """The embedded engine's sizes against its model's config, as the engine checks them when it
-    starts (on CPU: a GPU's KV pages are at least as large, so nothing refused here would start
-    there). A checkpoint directory not on this machine is not checked."""
+    starts: for `device: cuda` as on a GPU, else as on CPU (`auto` on a GPU host is checked as
+    on CPU). A checkpoint directory, or the default model's package, not on this machine is not
+    checked."""
     engine = args.engine
     if engine.kind != "torch" or (engine.model != DEFAULT_MODEL and not Path(engine.model).expanduser().is_dir()):
         return []
     from replicas.torch_engine.loader import model_config
-    from replicas.torch_engine.sizes import cpu_size_problems
+    from replicas.torch_engine.sizes import size_problems
 
     try:
         model = model_config(engine.model)
     except (OSError, ValueError) as exc:
+        if engine.model == DEFAULT_MODEL and isinstance(exc, FileNotFoundError):
+            return []  # its package is not installed here
         return [f"{where}.engine.model: {exc}"]
-    return [f"{where}.engine.{problem}" for problem in cpu_size_problems(
-        engine.max_seq_len, engine.kv_cache_bytes, engine.prefix_cache_bytes, engine.mtp_weights is not None, model)]
+    return [f"{where}.engine.{problem}" for problem in size_problems(
+        engine.max_seq_len, engine.kv_cache_bytes, engine.prefix_cache_bytes, engine.mtp_weights is not None, model,
+        cuda=engine.device == "cuda")]
 
 
 def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
@@ -173,8 +177,10 @@ def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
         return []
     from ray.serve.config import AutoscalingConfig
 
+    # num_replicas "auto": Serve lays the mapping over its own defaults (max_replicas 100 ...)
+    base = AutoscalingConfig.default().model_dump(exclude_unset=True) if deployment.get("num_replicas") == "auto" else {}
     try:
-        AutoscalingConfig.model_validate(config)
+        AutoscalingConfig.model_validate({**base, **config})
     except ValidationError as exc:
         return _validation_lines(exc, f"{where}.autoscaling_config")
     policy = config.get("policy") or {}

@@ -22,9 +22,9 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
-from replicas.torch_engine.loader import load_tokenizer, packaged_gguf_path, resolve_model_dir
+from replicas.torch_engine.loader import load_tokenizer, model_config, packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.sequence import Detokenizer, Sequence
-from replicas.torch_engine.sizes import check_context, kv_pages
+from replicas.torch_engine.sizes import kv_pages, size_problems
 from replicas.torch_engine.suffix_drafts import prediction_prefix, suffix_drafts
 
 if TYPE_CHECKING:
@@ -114,6 +114,12 @@ class TorchEngine:
             torch.set_num_threads(cfg.num_threads)
         device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
         model_dir = resolve_model_dir(cfg.model)
+        # the sizes against the model's config, before its weights load (as config_check does)
+        problems = size_problems(cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes, cfg.mtp_weights is not None,
+                                 model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir)),
+                                 cuda=device.type == "cuda")
+        if problems:
+            raise ValueError("; ".join(problems))
         if device.type == "cpu":
             from replicas.torch_engine.native_model import NativeLlamaModel
 
@@ -132,7 +138,6 @@ class TorchEngine:
 
             model = CudaLlamaModel.from_pretrained(model_dir, device=device)
             logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
-        check_context(cfg.max_seq_len, model.cfg)
         self.tokenizer = load_tokenizer(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)

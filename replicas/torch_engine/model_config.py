@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _LLAMA_ARCHS = ("LlamaForCausalLM",)
+# config.json keys with no default
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def _reject(ok: bool, message: str) -> None:
@@ -63,6 +65,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+        _reject(isinstance(raw, dict), f"config.json: an object expected, got {type(raw).__name__}")
+        missing = [key for key in _REQUIRED if key not in raw]
+        _reject(not missing, f"config.json: {', '.join(missing)} missing")
         # Converted GGUFs carry architectures=null, so model_type is the primary check.
         archs = raw.get("architectures") or []
         _reject(raw.get("model_type") == "llama" or any(a in _LLAMA_ARCHS for a in archs),

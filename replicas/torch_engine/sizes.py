@@ -56,11 +56,15 @@ def prefix_block_bytes(page: int, hidden_size: int) -> int:
     return page + PAGE_TOKENS * hidden_size * 4
 
 
-def cpu_size_problems(max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int, with_mtp: bool,
-                      model: ModelConfig) -> list[str]:
-    """What the checks above say of the CPU engine's sizes (fp16 pages), every one."""
-    page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim)
-    checks = [lambda: check_context(max_seq_len, model), lambda: kv_pages(max_seq_len, kv_cache_bytes, model)]
+def size_problems(max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int, with_mtp: bool,
+                  model: ModelConfig, cuda: bool = False) -> list[str]:
+    """What the checks above say of the engine's sizes, every one: on CPU its fp16 pages within
+    `kv_cache_bytes`; on CUDA (`cuda`) fp32 KV in whole windows per slot, and `kv_cache_bytes`
+    not read."""
+    page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 4 if cuda else 2)
+    checks = [lambda: check_context(max_seq_len, model)]
+    if not cuda:
+        checks.append(lambda: kv_pages(max_seq_len, kv_cache_bytes, model))
     if prefix_cache_bytes:
         hidden = model.hidden_size if with_mtp else 0
         checks.append(lambda: prefix_blocks(max_seq_len, prefix_cache_bytes, prefix_block_bytes(page, hidden)))

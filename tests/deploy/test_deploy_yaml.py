@@ -72,6 +72,10 @@ OVERRIDES = [
     ("no replica at most", {"name": "Replica", "autoscaling_config": {"min_replicas": 0, "max_replicas": 0}}, False),
     ("fewer at most than at least", {"name": "Replica", "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}},
      False),
+    # num_replicas "auto": Serve's defaults (max_replicas 100) under the mapping's own keys
+    ("auto, at least 2", {"name": "Replica", "num_replicas": "auto", "autoscaling_config": {"min_replicas": 2}}, True),
+    ("auto, fewer at most than at least", {"name": "Replica", "num_replicas": "auto",
+                                           "autoscaling_config": {"min_replicas": 200}}, False),
 ]
 
 
@@ -138,7 +142,7 @@ def test_bad_values_in_args(document, dotted, value):
     section, key = dotted.split(".")
     doc["applications"][0]["args"][section][key] = value
     problems = check_serve_config(doc)
-    assert problems and key in problems[0], problems
+    assert problems and f"{key}:" in problems[0], problems  # the key named, not only quoted
 
 
 def test_unknown_keys_walks_lists_and_unions():
@@ -156,3 +160,21 @@ def test_a_default_max_tokens_left_out_stays_within_max_tokens():
     assert IngressConfig.from_args(AppArgs()).default_max_tokens == 256
     assert IngressConfig.from_args(AppArgs(limits={"max_tokens": 64})).default_max_tokens == 64
     assert IngressConfig.from_args(AppArgs(limits={"max_tokens": 64, "default_max_tokens": 32})).default_max_tokens == 32
+
+
+def test_sizes_are_checked_as_the_device_named_holds_them(document):
+    """`device: cuda` keeps fp32 KV (a prefix block near twice the CPU's fp16 one) in whole
+    windows per slot (kv_cache_bytes unread); `auto` is checked as on CPU."""
+    def problems(**engine):
+        doc = copy.deepcopy(document)
+        doc["applications"][0]["args"]["engine"].update(engine)
+        return check_serve_config(doc)
+
+    at_8k = {"max_seq_len": 8192, "prefix_cache_bytes": 256 << 20, "kv_cache_bytes": 256 << 20}
+    assert problems(device="cpu", **at_8k) == problems(device="auto", **at_8k) == []
+    on_gpu = problems(device="cuda", **at_8k)
+    assert len(on_gpu) == 1 and ".engine.prefix_cache_bytes:" in on_gpu[0], on_gpu
+    small_kv = {"kv_cache_bytes": 1 << 20, "prefix_cache_bytes": 0}
+    assert problems(device="cuda", **small_kv) == []
+    assert [p.split(": ")[0] for p in problems(device="cpu", **small_kv)] == [
+        "applications[0].args.engine.kv_cache_bytes"]

@@ -253,6 +253,15 @@ def test_config_rejects_what_the_forward_cannot_compute(model_dir, change, messa
         ModelConfig.from_hf_dict(raw)
 
 
+def test_a_config_short_of_a_size_or_not_an_object_is_a_value_error_naming_it(model_dir):
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.pop("hidden_size")
+    with pytest.raises(ValueError, match="config.json: hidden_size missing"):
+        ModelConfig.from_hf_dict(raw)
+    with pytest.raises(ValueError, match="an object expected, got list"):
+        ModelConfig.from_hf_dict([raw])
+
+
 def test_config_accepts_transformers4_rope_theta(model_dir):
     raw = json.loads((model_dir / "config.json").read_text())
     raw.pop("rope_parameters")
