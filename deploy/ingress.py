@@ -142,6 +142,8 @@ class Ingress:
         """`POST /v1/responses`: the chat request it means, generated as `handle` would, its output
         as Responses items; kept in `self.stored` when `store`."""
         self._served(body.model)
+        if referenced := responses.references(body):
+            body = responses.with_items(body, await self.stored.items(referenced))
         history = (await self.stored.get(body.previous_response_id, "previous_response_id"))[1] \
             if body.previous_response_id else []
         conversation = responses.conversation(body, history)
@@ -309,16 +311,15 @@ class Ingress:
                         raise event
                     if event is None:
                         finished += 1
-                    else:
-                        yield fmt.sse(event)
+                    else:  # with include_usage, every chunk but the last has usage null (OpenAI's)
+                        yield fmt.sse({**event, "usage": None} if include_usage else event)
                 if include_usage:
                     yield fmt.sse(fmt.usage_chunk(kind, response_id, created, model, accs, n))
-            except ApiError as exc:
-                yield fmt.sse({"error": {**exc.body()["error"], "code": exc.status}})
+            except ApiError as exc:  # the body a non-stream failure has (its code a string or null)
+                yield fmt.sse(exc.body())
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
                 logger.warning("stream %s failed: %r", response_id, exc)
-                err = server_error(exc)
-                yield fmt.sse({"error": {**err.body()["error"], "code": err.status}})
+                yield fmt.sse(server_error(exc).body())
             yield fmt.DONE
         finally:
             for task in tasks:

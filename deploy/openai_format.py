@@ -235,9 +235,9 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
             choice["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs, output.prompt_logprobs,
                                                              output.token_texts)
         return choice
-    message: dict[str, Any] = {"role": "assistant", "content": acc.text}
+    # with tools offered, the content as their parse (and the stream) gives it, calls made or not
+    message: dict[str, Any] = {"role": "assistant", "content": acc.text if tool_calls is None else tool_calls[0]}
     if tool_calls is not None and tool_calls[1]:
-        message["content"] = tool_calls[0]
         message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
         if finish_reason != "length":  # a cut answer says so, whatever calls it holds (as OpenAI's)

@@ -153,6 +153,7 @@ PromptCacheRetention = Optional[Literal["in_memory", "24h"]]  # our prefix cache
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: bool = True  # no obfuscation padding is sent either way
 
 
 class _Sampling(RequestModel):
@@ -290,6 +291,12 @@ class ChatMessage(RequestModel):
     name: Optional[Text] = None
     tool_calls: Optional[List[AssistantToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = Field(None, validate_default=True)  # a tool message: the call it answers
+    # what the SDK's dump of an answer carries back (`messages.append(message.model_dump())`):
+    # taken and not read (this server answers no refusal, annotation or audio)
+    refusal: Optional[Text] = None
+    annotations: Optional[List[Any]] = None
+    audio: None = None
+    function_call: None = None  # the legacy form of tool_calls: null only
 
     @field_validator("content")
     @classmethod

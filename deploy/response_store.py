@@ -29,20 +29,32 @@ class ResponseStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
+        self._items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of the kept responses
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
         if self.capacity <= 0:
             return
+        self._forget(body["id"])
         self._kept[body["id"]] = (body, messages)
-        self._kept.move_to_end(body["id"])
+        self._items.update((item["id"], item) for item in body["output"])
         while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+            self._forget(next(iter(self._kept)))
 
     async def get(self, response_id: str) -> Optional[Kept]:
         return self._kept.get(response_id)
 
+    async def items(self, item_ids: List[str]) -> dict[str, dict[str, Any]]:
+        """The kept output items among `item_ids`, by id."""
+        return {item_id: self._items[item_id] for item_id in item_ids if item_id in self._items}
+
     async def delete(self, response_id: str) -> bool:
-        return self._kept.pop(response_id, None) is not None
+        return self._forget(response_id)
+
+    def _forget(self, response_id: str) -> bool:
+        kept = self._kept.pop(response_id, None)
+        for item in kept[0]["output"] if kept else ():
+            self._items.pop(item["id"], None)
+        return kept is not None
 
 
 class KeptResponses:
@@ -57,6 +69,17 @@ class KeptResponses:
         if kept is None:
             self._missing(response_id, param)
         return kept
+
+    async def items(self, references: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """The kept output items `references` names (param -> item id), by id; a 400 naming the
+        param of the first that is not kept."""
+        found = await self._call("items", list(references.values()))
+        for param, item_id in references.items():
+            if item_id not in found:
+                raise ApiError(400, f"{param}: no item {item_id!r} in a stored response (this server keeps the items "
+                                    f"of the last {self._capacity} responses made with store=true)", param,
+                               code="item_not_found")
+        return found
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
         """Keep a finished response. The answer has been made: a store that cannot take it is

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
 from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
@@ -94,6 +94,14 @@ class FunctionCallOutputItem(RequestModel):
         return joined_text(self.output)
 
 
+class ItemReference(RequestModel):
+    """An item of a stored response named by its id (`msg_...`, `fc_...`): what clients send
+    back instead of an earlier answer when it was stored (the Vercel AI SDK's default)."""
+
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1)
+
+
 def _item_tag(value: Any) -> Optional[str]:
     # a message may leave out its type (OpenAI's "easy input message")
     return type_tag({"type": "message", **value} if isinstance(value, dict) else value)
@@ -103,6 +111,7 @@ InputItem = Annotated[Union[
     Annotated[InputMessage, Tag("type=message")],
     Annotated[FunctionCallItem, Tag("type=function_call")],
     Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
+    Annotated[ItemReference, Tag("type=item_reference")],
 ], Discriminator(_item_tag)]
 
 
@@ -212,6 +221,22 @@ class ResponsesRequest(RequestModel):
 
 
 # -- the chat request it means -----------------------------------------------------------------
+_INPUT_ITEM = TypeAdapter(InputItem)
+
+
+def references(body: ResponsesRequest) -> dict[str, str]:
+    """The stored items `body`'s input names by reference: `input[i].id` -> the item's id."""
+    items = [] if isinstance(body.input, str) else body.input
+    return {f"input[{i}].id": item.id for i, item in enumerate(items) if isinstance(item, ItemReference)}
+
+
+def with_items(body: ResponsesRequest, items: dict[str, dict[str, Any]]) -> ResponsesRequest:
+    """`body` with each item_reference replaced by the item it names (`items`: by id, as the
+    response that made it was stored)."""
+    return body.model_copy(update={"input": [
+        _INPUT_ITEM.validate_python(items[item.id]) if isinstance(item, ItemReference) else item for item in body.input]})
+
+
 def conversation(body: ResponsesRequest, history: List[ChatMessage]) -> List[ChatMessage]:
     """The chat the model continues, instructions left out: `history` (what
     `previous_response_id` names: its input and output) and then `body.input` as messages, each

@@ -152,6 +152,13 @@ BAD_INPUT = [
      chat(messages=[{"role": "user", "content": "x", "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), {}, 400,
      "messages[0].tool_calls"),
+    ("a legacy function_call on an earlier answer", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                                     "function_call": {"name": "f", "arguments": "{}"}}]), {}, 400,
+     "messages[1].function_call"),
+    ("responses: a reference to no stored item", "/v1/responses",
+     respond(input=[{"role": "user", "content": "x"}, {"type": "item_reference", "id": "msg_none"}]), {}, 400,
+     "input[1].id"),
     ("chat: store true", "/v1/chat/completions", chat(store=True), {}, 400, "store"),
     ("chat: another service tier", "/v1/chat/completions", chat(service_tier="flex"), {}, 400, "service_tier"),
     ("chat: 17 metadata labels", "/v1/chat/completions", chat(metadata={str(i): "x" for i in range(17)}), {}, 400,

@@ -106,6 +106,14 @@ def test_tool_round_trip(agent_client):
                                            temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert final.choices[0].message.content or final.choices[0].message.tool_calls
+    # the answer sent back as the SDK dumps it (refusal, annotations, audio and function_call null)
+    dumped = choice.message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+    again = agent_client.chat.completions.create(model=MODEL, messages=[*WEATHER_CHAT, dumped, history[-1]],
+                                           tools=[WEATHER, TIME], max_tokens=40, temperature=0)
+    said = [(m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []])
+            for m in (again.choices[0].message, final.choices[0].message)]  # call ids are new each time
+    assert said[0] == said[1]
 
 
 def test_a_call_made_under_auto_is_held_to_its_schema_as_with_speculation_off(agent_client):

@@ -11,8 +11,10 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from deploy.errors import ApiError
-from deploy.response_store import KeptResponses
-from deploy.responses import OutputItems, ResponsesRequest, chat_request, conversation, fitted
+from deploy.response_store import KeptResponses, ResponseStore
+from deploy.responses import (
+    OutputItems, ResponsesRequest, chat_request, conversation, fitted, references, with_items,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -129,3 +131,30 @@ def test_an_unreachable_store_is_a_503_that_names_the_store(call):
         asyncio.run(getattr(KeptResponses(_GoneStore(), 4), call)("resp_1"))
     assert info.value.status == 503 and "response store" in info.value.message
     asyncio.run(KeptResponses(_GoneStore(), 4).put({"id": "resp_1"}, []))  # the answer is made: logged, not failed
+
+
+def test_referenced_items_are_the_stored_ones_and_go_with_their_response():
+    """`item_reference` input names an output item of a kept response: it reads as that item
+    sent whole, and is gone once its response is evicted or deleted."""
+    store = ResponseStore(capacity=2)
+    answer = {"id": "msg_a", "type": "message", "status": "completed", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}]}
+    call = {"id": "fc_a", "type": "function_call", "status": "completed", "call_id": "c1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'}
+    asyncio.run(store.put({"id": "resp_a", "output": [answer, call]}, []))
+    ask, result = {"role": "user", "content": "Weather in Paris?"}, {"type": "function_call_output",
+                                                                    "call_id": "c1", "output": "18 C"}
+    by_ref = ResponsesRequest(model="m", input=[ask, {"type": "item_reference", "id": "msg_a"},
+                                                {"type": "item_reference", "id": "fc_a"}, result])
+    whole = ResponsesRequest(model="m", input=[ask, answer, call, result])
+    assert references(by_ref) == {"input[1].id": "msg_a", "input[2].id": "fc_a"} and references(whole) == {}
+    kept = KeptResponses(SimpleNamespace(items=SimpleNamespace(remote=store.items)), 2)
+    resolved = with_items(by_ref, asyncio.run(kept.items(references(by_ref))))
+    assert conversation(resolved, []) == conversation(whole, [])
+    for evicting in ("resp_b", "resp_c"):
+        asyncio.run(store.put({"id": evicting, "output": [{**answer, "id": f"msg_{evicting}"}]}, []))
+    assert asyncio.run(store.items(["msg_a", "fc_a", "msg_resp_b"])) == {"msg_resp_b": {**answer, "id": "msg_resp_b"}}
+    assert asyncio.run(store.delete("resp_b")) and asyncio.run(store.items(["msg_resp_b"])) == {}
+    with pytest.raises(ApiError) as info:
+        asyncio.run(kept.items({"input[1].id": "msg_a"}))
+    assert (info.value.status, info.value.param, info.value.code) == (400, "input[1].id", "item_not_found")

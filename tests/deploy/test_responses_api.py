@@ -137,7 +137,10 @@ def test_a_forced_function_call_and_its_round_trip(agent_client, stream):
         {"role": "user", "content": ASK_WEATHER}, *[item.model_dump(exclude_none=True) for item in response.output],
         result])
     chained = agent_client.responses.create(**answer, input=[result], previous_response_id=response.id)
-    assert whole.output_text and chained.output_text == whole.output_text
+    # the call named by its id, as the Vercel AI SDK sends a stored one back
+    referenced = agent_client.responses.create(**answer, input=[
+        {"role": "user", "content": ASK_WEATHER}, {"type": "item_reference", "id": call.id}, result])
+    assert whole.output_text and chained.output_text == whole.output_text == referenced.output_text
     assert chained.previous_response_id == response.id
 
 
@@ -153,6 +156,9 @@ def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cac
                                                   follow])
     chained = agent_client.responses.create(**ask, input=[follow], previous_response_id=first.id)
     assert chained.output_text == whole.output_text and chained.usage.input_tokens == whole.usage.input_tokens
+    referenced = agent_client.responses.create(**ask, input=[{"role": "user", "content": question}, *[
+        {"type": "item_reference", "id": item.id} for item in first.output], follow])
+    assert (referenced.output_text, referenced.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
     # the earlier turn's prompt is the prefix cache's (in whole blocks)
     assert whole.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // BLOCK_TOKENS * BLOCK_TOKENS > 0
 
@@ -181,6 +187,11 @@ def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
     agent_client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         agent_client.responses.retrieve(kept.id)
+    for gone in (unkept, kept):  # their items cannot be named either
+        with pytest.raises(openai.BadRequestError) as err:
+            agent_client.responses.create(model=MODEL, max_output_tokens=4, input=[
+                {"role": "user", "content": "Hi"}, {"type": "item_reference", "id": gone.output[0].id}])
+        assert err.value.param == "input[1].id" and err.value.code == "item_not_found"
 
 
 
