@@ -11,7 +11,7 @@ import hmac
 import os
 from typing import Mapping, Optional
 
-from deploy.errors import ApiError
+from deploy.errors import ApiError, app_path
 
 OPEN_PATHS = frozenset({"/healthz", "/health"})
 
@@ -46,11 +46,10 @@ class BearerAuth:
             headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             api_key = headers.get(b"x-api-key", b"").decode("latin-1") or None
-            path, root = scope.get("path", ""), scope.get("root_path", "")  # the app's route prefix
+            path = app_path(scope)
             try:
-                check_key(self.keys, path[len(root):] if root and path.startswith(root) else path, authorization,
-                          api_key)
+                check_key(self.keys, path, authorization, api_key)
             except ApiError as exc:
-                await exc.response()(scope, receive, send)
+                await exc.response(path)(scope, receive, send)  # to /v1/messages in Anthropic's shape
                 return
         await self.app(scope, receive, send)

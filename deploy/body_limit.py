@@ -6,7 +6,7 @@ uploads), so the application never buffers more than the limit, and replays it.
 
 from __future__ import annotations
 
-from deploy.errors import ApiError
+from deploy.errors import ApiError, app_path
 
 
 class BodyLimit:
@@ -21,7 +21,7 @@ class BodyLimit:
         too_large = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await too_large.response()(scope, receive, send)
+            await too_large.response(app_path(scope))(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -31,7 +31,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await too_large.response()(scope, receive, send)
+                await too_large.response(app_path(scope))(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

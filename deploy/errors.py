@@ -19,6 +19,8 @@ _TYPES = {
     405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
     503: "service_unavailable", 504: "timeout",
 }
+# Anthropic's types where they differ (its SDK's ErrorType; Claude Code retries an overloaded_error)
+_ANTHROPIC_TYPES = {500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
 RETRY_AFTER_S = 1.0  # what a 503 asks a client to wait
 
 
@@ -35,8 +37,13 @@ class ApiError(Exception):
     def type(self) -> str:
         return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    @property
+    def anthropic_type(self) -> str:
+        return _ANTHROPIC_TYPES.get(self.status) or ("api_error" if self.status >= 500 else self.type)
+
+    def body(self, anthropic: bool = False) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.anthropic_type if anthropic else self.type,
+                          "param": self.param, "code": self.code}}
 
     def renamed(self, fields: dict[str, str]) -> "ApiError":
         """This error with its field named as another API names it (`fields`: ours -> theirs;
@@ -54,8 +61,14 @@ class ApiError(Exception):
         """The HTTP answer; to Anthropic's API (`path` under /v1/messages) the body says `"type": "error"`
         too, as Anthropic's do (its `error` has their `type` and `message`, and ours besides)."""
         headers = {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s else None
-        body = {"type": "error", **self.body()} if path.startswith("/v1/messages") else self.body()
+        body = {"type": "error", **self.body(anthropic=True)} if path.startswith("/v1/messages") else self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def app_path(scope: dict[str, Any]) -> str:
+    """An ASGI request's path under the app's route prefix (`root_path`)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def replica_lost(exc: BaseException) -> bool:

@@ -202,7 +202,7 @@ class Ingress:
 
             return self._typed_events(
                 request, opened, routing, blocks, [{"type": "message_start", "message": begun}], closing,
-                lambda err: [{"type": "error", "error": {"type": "api_error", "message": err.message}}])
+                lambda err: [{"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}])
         acc = await self._replicas.collect(request, *opened, routing)
         blocks.feed(acc.text, acc.finish_reason)
         return JSONResponse(messages.message_body(request.request_id, model, blocks, acc))

@@ -56,6 +56,8 @@ class ToolUseBlock(RequestModel):
     name: FunctionName
     input: Dict[str, Any]
     cache_control: Optional[CacheControl] = None
+    caller: Optional[Dict[str, Any]] = None  # who made the call (a server tool's code): not read
+    toolset_name: Optional[str] = None  # an MCP toolset's name: not read
 
 
 class ToolReferenceBlock(RequestModel):
@@ -65,9 +67,24 @@ class ToolReferenceBlock(RequestModel):
     type: Literal["tool_reference"]
 
 
+class OmittedBlock(RequestModel):
+    """An image or a document a tool returned (Claude Code's Read of a picture or a PDF): the
+    model reads text only, so it reads a note saying so. (In a user's own message such a block
+    is a 400: there the request asks about it.)"""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image", "document"]
+
+    @property
+    def text(self) -> str:
+        return f"[{self.type} omitted: this model reads text only]"
+
+
 ResultBlock = Annotated[Union[
     Annotated[TextBlock, Tag("type=text")],
     Annotated[ToolReferenceBlock, Tag("type=tool_reference")],
+    Annotated[OmittedBlock, Tag("type=image")],
+    Annotated[OmittedBlock, Tag("type=document")],
 ], Discriminator(type_tag)]
 
 
@@ -79,11 +96,12 @@ class ToolResultBlock(RequestModel):
     content: Union[Text, List[ResultBlock]] = ""
     is_error: bool = False
     cache_control: Optional[CacheControl] = None
+    toolset_name: Optional[str] = None  # an MCP toolset's name: not read
 
     @property
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(
-            b.text for b in self.content if b.type == "text")
+            b.text for b in self.content if b.type != "tool_reference")
         return f"Error: {text}" if self.is_error else text
 
 
@@ -125,9 +143,14 @@ class ToolDefinition(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
     input_schema: JsonSchema
-    strict: Optional[bool] = None  # a forced call always follows the schema; a chosen one is parsed as written
+    strict: Optional[bool] = None  # every call follows its schema (the grammar, forced or under auto)
     cache_control: Optional[CacheControl] = None
     eager_input_streaming: Optional[bool] = None  # a hint (Claude Code's): inputs stream as written anyway
+    # Tool search and programmatic calls: every tool is offered from the start, and any caller's
+    # call reads the same
+    defer_loading: Optional[bool] = None
+    input_examples: Optional[List[Dict[str, Any]]] = None
+    allowed_callers: Optional[List[Any]] = None
 
 
 class ToolChoiceAuto(RequestModel):
@@ -190,6 +213,10 @@ class CountTokensRequest(RequestModel):
     tools: Annotated[List[ToolDefinition], AfterValidator(unique_names)] = []
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
+    output_config: Optional[OutputConfig] = None
+    cache_control: Optional[CacheControl] = None  # a hint, not read
+    speed: Optional[Literal["standard"]] = None
+    context_management: Optional[Dict[str, Any]] = None  # server-side context edits: not made, the context is kept
 
     @field_validator("messages")
     @classmethod
@@ -215,16 +242,12 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, description="capped by the server's limit")
     stop_sequences: Optional[List[Text]] = None
     stream: bool = False
-    output_config: Optional[OutputConfig] = None
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     metadata: Optional[MessagesMetadata] = None
-    cache_control: Optional[CacheControl] = None  # a hint, not read
     service_tier: Optional[Literal["auto", "standard_only"]] = None  # we have one tier
-    speed: Optional[Literal["standard"]] = None
     inference_geo: Optional[str] = None  # a label, not read
-    context_management: Optional[Dict[str, Any]] = None  # server-side context edits: not made, the context is kept
     diagnostics: Optional[Any] = None  # Claude Code's, not read
     user_profile_id: Optional[str] = None  # a label, not read
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
@@ -346,7 +369,7 @@ class ContentBlocks(OutputParts):
                 block["input"] = json.loads(self._arguments[block["id"]] or "{}")
             except ValueError:
                 pass
-        return [{"type": "content_block_stop", "index": self.parts.index(block)}]
+        return [{"type": "content_block_stop", "index": self.index}]  # the block closed is the last begun
 
     def stop_reason(self, acc: Accumulated) -> str:
         if acc.finish_reason == "length":

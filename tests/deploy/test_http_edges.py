@@ -147,10 +147,14 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
 
     assert post("/v1/messages", message(), **{"x-api-key": KEY}).json()["content"] == [{"type": "text", "text": "abcd"}]
     assert post("/v1/chat/completions", chat(), **{"x-api-key": KEY}).status_code == 200
-    assert post("/v1/messages", message(), **{"x-api-key": "sk-wrong"}).status_code == 401
+    unknown = post("/v1/messages", message(), **{"x-api-key": "sk-wrong"})
+    huge = post("/v1/messages", message(messages=[{"role": "user", "content": "x" * 20000}]), **{"x-api-key": KEY})
     refused = post("/v1/messages", message(temperature=3), **{"x-api-key": KEY})
-    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    # the middleware's refusals (key, body size) as the endpoint's own: in Anthropic's shape
+    assert [(r.status_code, r.json()["type"]) for r in (unknown, huge, refused)] == [
+        (401, "error"), (413, "error"), (400, "error")]
     assert refused.json()["error"]["type"] == "invalid_request_error" and refused.json()["error"]["message"]
+    assert "type" not in post("/v1/chat/completions", chat(), **{"x-api-key": "sk-wrong"}).json()
     assert "type" not in post("/v1/chat/completions", chat(temperature=3), **AUTH).json()  # OpenAI's shape
 
 

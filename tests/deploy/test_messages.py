@@ -1,0 +1,87 @@
+"""`deploy/messages.py` without a server: what Anthropic's clients send is taken as its API
+takes it, and the stream's events rebuild the answer in the official SDK's accumulator."""
+
+from __future__ import annotations
+
+import json
+
+import pydantic
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event, build_events
+from anthropic.types import RawMessageStreamEvent
+
+from deploy.errors import ApiError
+from deploy.messages import ContentBlocks, CountTokensRequest, MessagesRequest, chat_request
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
+
+
+def test_each_block_stop_names_the_block_it_closes_as_the_sdk_rebuilds_it():
+    """Two text blocks alike: a stop must carry the closed block's index, not the first equal one's."""
+    text = f"Ok{CALL}Ok{CALL}"
+    streamed = ContentBlocks(tools=True)
+    events = [event for piece in (text[:7], text[7:50], text[50:]) for event in streamed.feed(piece, None)]
+    events += streamed.feed("", "stop")
+    whole = ContentBlocks(tools=True)
+    whole.feed(text, "stop")
+    begun = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 0}}
+    snapshot, bufs, opened, closed = None, {}, [], []
+    for raw in [{"type": "message_start", "message": begun}, *events]:
+        event = EVENT.validate_python(raw)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+        for fired in build_events(event=event, message_snapshot=snapshot):
+            if fired.type == "content_block_stop":  # the SDK hands a client the block at the stop's index
+                closed.append(fired.content_block.model_dump(exclude_none=True))
+        if raw["type"] == "content_block_start":
+            opened.append(raw["index"])
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == opened == [0, 1, 2, 3]
+    parts = [{k: v for k, v in p.items() if k != "id"} for p in whole.parts]
+    rebuilt = [{k: v for k, v in b.model_dump(exclude_none=True).items() if k != "id"} for b in snapshot.content]
+    assert rebuilt == parts == [{k: v for k, v in b.items() if k != "id"} for b in closed]
+    assert [p["type"] for p in parts] == ["text", "tool_use", "text", "tool_use"]
+
+
+TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        # tool search and programmatic calls (Claude Code's): taken, every tool offered
+        "defer_loading": True, "input_examples": [{"city": "Paris"}],
+        "allowed_callers": ["direct"]}
+
+
+def _session(result_content) -> list[dict]:
+    return [{"role": "user", "content": "Look at the chart."},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"},
+                 "caller": {"type": "direct"}, "toolset_name": None}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "toolset_name": None,
+                                          "content": result_content}]}]
+
+
+def test_what_a_claude_code_session_sends_is_taken_and_a_tools_picture_reads_as_a_note():
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    body = MessagesRequest(model="m", max_tokens=8, tools=[TOOL], messages=_session(
+        [{"type": "text", "text": "Here it is: "}, image, pdf]))
+    [*_, tool] = chat_request(body).messages
+    assert (tool.role, tool.tool_call_id) == ("tool", "toolu_1")
+    assert tool.text == ("Here it is: [image omitted: this model reads text only]"
+                         "[document omitted: this model reads text only]")
+    # count_tokens takes what a message takes
+    CountTokensRequest(model="m", messages=_session("18 C"), tools=[TOOL], cache_control={"type": "ephemeral"},
+                       output_config={"effort": "low"}, speed="standard", context_management={"edits": []})
+    with pytest.raises(pydantic.ValidationError, match="messages.0.content"):  # a user's own picture: a 400
+        MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": [image]}])
+
+
+@pytest.mark.parametrize("status, anthropic_type", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
+    (413, "invalid_request_error"), (429, "rate_limit_error"), (500, "api_error"), (503, "overloaded_error"),
+    (504, "timeout_error"),
+])
+def test_errors_to_messages_clients_carry_anthropics_types(status, anthropic_type):
+    from anthropic.types.shared import ErrorResponse
+
+    error = ApiError(status, "no")
+    assert ErrorResponse.model_validate(json.loads(error.response("/v1/messages").body)).error.type == anthropic_type
+    assert json.loads(error.response("/v1/chat/completions").body)["error"]["type"] == error.type  # OpenAI's
