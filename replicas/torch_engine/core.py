@@ -192,12 +192,13 @@ class EngineCore:
         if self.prefix is not None and (not self._scores_prompt(seq) or self.prefix.keeps_hidden):
             seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
             reused = self.cache.lengths[seq.slot]
-            seq.cached_tokens = min(reused, len(seq.prompt_ids))
         # Pages for the context and one block more: room to decode before the next page is due.
         if not self.cache.reserve(seq.slot, reused, min(len(context) + BLOCK_TOKENS, self.cache.max_seq_len)):
             raise KVCacheFull(f"KV cache: no pages for a {len(context)}-token context")
-        if self.prefix is not None:
+        if self.prefix is not None and not seq.admitted:  # a readmission finds its own blocks: not a hit
+            seq.cached_tokens = min(reused, len(seq.prompt_ids))
             self.prefix.count(len(context), reused)
+        seq.admitted = True
         seq.num_cached, seq.prefilling = reused, True
         return reused_hidden
 

@@ -38,7 +38,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose KV is in the cache
     prefilling: bool = False  # admitted, its context not all in the cache yet (no token out)
-    cached_tokens: int = 0  # of the prompt, positions whose KV came from the prefix cache
+    cached_tokens: int = 0  # of the prompt, positions whose KV came from the prefix cache (when first admitted)
+    admitted: bool = False  # its prompt counted: a readmission (preempted) is not counted again
     prefix_blocks: list[Block] = field(default_factory=list)  # prefix-cache blocks held (PrefixCache)
     prefix_hidden: list[Tensor] = field(default_factory=list)  # hidden rows past them, not yet stored
     prefix_offered: int = 0  # whole blocks of the context offered to the cache so far

@@ -214,8 +214,11 @@ def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, l
         for prompt, kw, (tokens, _, logprobs, last) in zip(prompts, settings, loop.run_until_complete(together())):
             assert last.finish_reason == "length"
             assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=100, **kw)[:2]
+            assert last.cached_tokens == 0  # unlike prompts, prefilled cold: a readmission's own blocks are no hit
         # one sent back waits for a request to end: no sending back the same one step after step
         assert 0 < tight.core.preemptions <= len(prompts)
+        stats = tight.core.prefix.stats  # each request's prompt counted once, when first admitted
+        assert (stats.prompt_tokens, stats.hit_tokens) == (sum(map(len, prompts)), 0)
         assert wait_until(lambda: _idle(tight), timeout_s=10)
         assert cache.free_pages == cache.num_pages - tight.core.prefix.cached_blocks  # the rest are the cache's
         # the pool ran near full (requests waited for pages); the prefix cache's blocks count as free
