@@ -178,7 +178,8 @@ def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
     from ray.serve.config import AutoscalingConfig
 
     # num_replicas "auto": Serve lays the mapping over its own defaults (max_replicas 100 ...)
-    base = AutoscalingConfig.default().model_dump(exclude_unset=True) if deployment.get("num_replicas") == "auto" else {}
+    auto = deployment.get("num_replicas") == "auto"
+    base = AutoscalingConfig.default().model_dump(exclude_unset=True) if auto else {}
     try:
         AutoscalingConfig.model_validate({**base, **config})
     except ValidationError as exc:

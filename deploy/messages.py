@@ -20,8 +20,12 @@ import json
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import (
+    AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator,
+)
 
+from deploy.errors import validation_error
 from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
 from deploy.protocol import (
@@ -130,6 +134,8 @@ class Message(RequestModel):
     @classmethod
     def _blocks(cls, content, info: ValidationInfo):
         role = info.data.get("role")
+        if isinstance(content, list) and not content and role != "assistant":  # only an answer may be empty
+            raise ValueError("a list of content blocks must not be empty")
         allowed = {"user": {"text", "tool_result"},
                    "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}.get(role, {"text"})
         misplaced = sorted({block.type for block in content} - allowed) if isinstance(content, list) else []
@@ -224,6 +230,8 @@ class CountTokensRequest(RequestModel):
         begun = _answer_begun(messages)
         if begun and begun != begun.rstrip():
             raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
+        if len(messages) == 1 and begun == "":
+            raise ValueError("nothing to answer: the only message is an empty assistant message")
         return messages
 
     @field_validator("tool_choice")
@@ -321,11 +329,14 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     prefill = bool(_answer_begun(body.messages))
     tools = [Tool(type="function", function=FunctionDefinition(name=t.name, description=t.description,
                                                                parameters=t.input_schema)) for t in body.tools]
-    return ChatCompletionRequest(
-        model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
-        tool_choice=tool_choice if body.tools else None,
-        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
-        add_generation_prompt=not prefill, continue_final_message=prefill)
+    try:
+        return ChatCompletionRequest(
+            model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
+            tool_choice=tool_choice if body.tools else None,
+            parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
+            add_generation_prompt=not prefill, continue_final_message=prefill)
+    except ValidationError as exc:  # what the request's own checks let through: a 400 all the same
+        raise validation_error(RequestValidationError(exc.errors())) from None
 
 
 # the chat pipeline's fields as a Messages request names them (ApiError.renamed)

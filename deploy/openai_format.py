@@ -340,7 +340,7 @@ class StreamPieces:
         if delta.finish_reason:
             events += self._tools.finish(cut=delta.finish_reason == "length")
         text = "".join(e.content for e in events if e.content is not None)
-        fragments = []
+        fragments: list[dict[str, Any]] = []  # one per call in a chunk (OpenAI's): a call's pieces joined
         for e in events:
             if e.content is not None:
                 continue
@@ -348,6 +348,8 @@ class StreamPieces:
                 self._call_ids.append(tool_call_id())
                 fragments.append({"index": e.index, "id": self._call_ids[e.index], "type": "function",
                                   "function": {"name": e.name, "arguments": e.arguments}})
+            elif fragments and fragments[-1]["index"] == e.index:
+                fragments[-1]["function"]["arguments"] += e.arguments
             else:
                 fragments.append({"index": e.index, "function": {"arguments": e.arguments}})
         return text or None, fragments, logprobs

@@ -233,8 +233,9 @@ def references(body: ResponsesRequest) -> dict[str, str]:
 def with_items(body: ResponsesRequest, items: dict[str, dict[str, Any]]) -> ResponsesRequest:
     """`body` with each item_reference replaced by the item it names (`items`: by id, as the
     response that made it was stored)."""
-    return body.model_copy(update={"input": [
-        _INPUT_ITEM.validate_python(items[item.id]) if isinstance(item, ItemReference) else item for item in body.input]})
+    resolved = [_INPUT_ITEM.validate_python(items[item.id]) if isinstance(item, ItemReference) else item
+                for item in body.input]
+    return body.model_copy(update={"input": resolved})
 
 
 def conversation(body: ResponsesRequest, history: List[ChatMessage]) -> List[ChatMessage]:
@@ -398,7 +399,9 @@ def response_body(body: ResponsesRequest, response_id: str, created_at: int, mod
     if acc is not None:
         status = "incomplete" if acc.finish_reason == "length" else "completed"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        usage = {"input_tokens": acc.prompt_tokens, "input_tokens_details": {"cached_tokens": acc.cached_tokens},
+        # nothing is billed for what the prefix cache writes: cache_write_tokens 0, as the SDK's type needs one
+        cached = {"cached_tokens": acc.cached_tokens, "cache_write_tokens": 0}
+        usage = {"input_tokens": acc.prompt_tokens, "input_tokens_details": cached,
                  "output_tokens": acc.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": acc.prompt_tokens + acc.completion_tokens, "speculation": acc.speculation}
     text = body.text.model_dump(by_alias=True, exclude_none=True)

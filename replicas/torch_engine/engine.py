@@ -115,9 +115,9 @@ class TorchEngine:
         device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
         model_dir = resolve_model_dir(cfg.model)
         # the sizes against the model's config, before its weights load (as config_check does)
-        problems = size_problems(cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes, cfg.mtp_weights is not None,
-                                 model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir)),
-                                 cuda=device.type == "cuda")
+        problems = size_problems(
+            cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes, cfg.mtp_weights is not None,
+            model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir)), cuda=device.type == "cuda")
         if problems:
             raise ValueError("; ".join(problems))
         if device.type == "cpu":

@@ -230,6 +230,13 @@ BAD_INPUT = [
     ("messages: five stop sequences", "/v1/messages", message(stop_sequences=list("abcde")), {}, 400,
      "stop_sequences"),
     ("messages: count without messages", "/v1/messages/count_tokens", {"model": "fake"}, {}, 400, "messages"),
+    # a chat of nothing (was a 500: no chat message to render)
+    ("messages: no content blocks", "/v1/messages", message(messages=[{"role": "user", "content": []}]), {}, 400,
+     "messages[0].content"),
+    ("messages: only an empty answer", "/v1/messages", message(messages=[{"role": "assistant", "content": []}]), {},
+     400, "messages"),
+    ("messages: count of only an empty answer", "/v1/messages/count_tokens",
+     {"model": "fake", "messages": [{"role": "assistant", "content": ""}]}, {}, 400, "messages"),
     ("missing key", "/v1/completions", completion(), {"Authorization": ""}, 401, None),
     ("wrong key", "/v1/completions", completion(), {"Authorization": "Bearer sk-wrong"}, 401, None),
     ("not bearer", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, None),

@@ -157,6 +157,8 @@ def _streamed_calls(client, kwargs):
             continue
         if chunk.choices[0].delta.content is not None:
             content = (content or "") + chunk.choices[0].delta.content
+        indices = [fragment.index for fragment in chunk.choices[0].delta.tool_calls or []]
+        assert len(indices) == len(set(indices)), indices  # a call's pieces in one chunk are one fragment
         for fragment in chunk.choices[0].delta.tool_calls or []:
             if fragment.function.name:
                 names[fragment.index] = fragment.function.name

@@ -14,7 +14,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 
 from tests.polling import wait_until
 from tests.serve_support import APP, live_actors
@@ -28,6 +29,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
                                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
                           "required": ["city", "unit"], "additionalProperties": False}}
 ASK_WEATHER = "What is the weather in Paris right now?"
+STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 
 
 class City(BaseModel):
@@ -38,6 +40,8 @@ class City(BaseModel):
 
 def _events(stream) -> list:
     events = list(stream)
+    for event in events:  # each as the SDK's types have it (the client itself builds them leniently)
+        STREAM_EVENT.validate_python(event.model_dump(exclude_unset=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     return events
@@ -48,8 +52,10 @@ def test_an_answer_is_the_chat_completion_it_means_exactly_under_speculation(age
         model=MODEL, messages=[{"role": "system", "content": "Answer in one sentence."},
                                {"role": "user", "content": "Why is the sky blue?"}],
         max_completion_tokens=48, temperature=0, extra_body=OFF)
-    response = agent_client.responses.create(model=MODEL, instructions="Answer in one sentence.",
-                                       input="Why is the sky blue?", max_output_tokens=48, temperature=0)
+    raw = agent_client.responses.with_raw_response.create(model=MODEL, instructions="Answer in one sentence.",
+                                                          input="Why is the sky blue?", max_output_tokens=48,
+                                                          temperature=0)
+    response = Response.model_validate(raw.http_response.json())  # every field the SDK's type requires
     assert response.output_text == chat.choices[0].message.content
     assert [item.type for item in response.output] == ["message"]
     assert response.usage.input_tokens == chat.usage.prompt_tokens
