@@ -60,7 +60,7 @@ ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
 class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[Text, List[ContentPart]]
+    content: Union[Text, Annotated[List[ContentPart], Field(min_length=1)]]  # as a chat message's
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
 

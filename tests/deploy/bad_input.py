@@ -165,6 +165,8 @@ BAD_INPUT = [
      "metadata"),
     ("responses: unknown model", "/v1/responses", respond(model="gpt-9"), {}, 404, "model"),
     ("responses: empty input", "/v1/responses", respond(input=[]), {}, 400, "input"),
+    ("responses: no content parts", "/v1/responses", respond(input=[{"role": "user", "content": []}]), {}, 400,
+     "input[0].content"),
     ("responses: input too long", "/v1/responses", respond(input="x" * 300), {}, 400, "input"),
     ("responses: image input", "/v1/responses",
      respond(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]), {},
