@@ -28,10 +28,13 @@ class ApiError(Exception):
     """An HTTP failure with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, retry_after_s: Optional[float] = None) -> None:
+                 code: Optional[str] = None, retry_after_s: Optional[float] = None,
+                 anthropic_message: Optional[str] = None) -> None:
+        """`anthropic_message`: the words of Anthropic's API for the same failure, for its
+        clients that look for them ("prompt is too long: ...")."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.anthropic_message = retry_after_s, anthropic_message
 
     @property
     def type(self) -> str:
@@ -42,8 +45,10 @@ class ApiError(Exception):
         return _ANTHROPIC_TYPES.get(self.status) or ("api_error" if self.status >= 500 else self.type)
 
     def body(self, anthropic: bool = False) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.anthropic_type if anthropic else self.type,
-                          "param": self.param, "code": self.code}}
+        if anthropic:
+            return {"error": {"message": self.anthropic_message or self.message, "type": self.anthropic_type,
+                              "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def renamed(self, fields: dict[str, str]) -> "ApiError":
         """This error with its field named as another API names it (`fields`: ours -> theirs;
@@ -55,7 +60,7 @@ class ApiError(Exception):
         indices = iter(re.findall(r"\[\d+\]", param))
         field = re.sub(r"\[\]", lambda _: next(indices), field)
         message = field + self.message.removeprefix(self.param) if self.message.startswith(self.param) else self.message
-        return ApiError(self.status, message, field, self.code, self.retry_after_s)
+        return ApiError(self.status, message, field, self.code, self.retry_after_s, self.anthropic_message)
 
     def response(self, path: str = "") -> JSONResponse:
         """The HTTP answer; to Anthropic's API (`path` under /v1/messages) the body says `"type": "error"`
@@ -103,7 +108,7 @@ def param_from_loc(loc: Sequence[Any]) -> Optional[str]:
     """`("body", "messages", 0, "role")` -> `"messages[0].role"`; union branches (type tags,
     model class names) dropped."""
     name = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
+    for part in loc[1:] if loc and loc[0] in ("body", "query") else loc:
         if isinstance(part, int):
             name += f"[{part}]"
         elif (isinstance(part, str) and part.isidentifier() and not part[0].isupper()

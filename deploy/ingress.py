@@ -162,7 +162,7 @@ class Ingress:
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = responses.response_body(body, request.request_id, created, model, items, acc)
             if body.store:  # kept before the client can see it done and ask for it
-                await self.stored.put(done, conversation + items.as_messages())
+                await self.stored.put(done, conversation + items.as_messages(), responses.input_items(body))
             return done
 
         if body.stream:
@@ -202,7 +202,7 @@ class Ingress:
 
             return self._typed_events(
                 request, opened, routing, blocks, [{"type": "message_start", "message": begun}], closing,
-                lambda err: [{"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}])
+                lambda err: [{"type": "error", **err.body(anthropic=True)}])
         acc = await self._replicas.collect(request, *opened, routing)
         blocks.feed(acc.text, acc.finish_reason)
         return JSONResponse(messages.message_body(request.request_id, model, blocks, acc))
@@ -363,6 +363,11 @@ def build_api(ingress: Ingress) -> FastAPI:
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(response_id: str):
         return (await ingress.stored.get(response_id))[0]
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: Optional[str] = None):
+        # `include` asks for what an input item may add (an image's URL, ...): ours have nothing more
+        return responses.input_item_list((await ingress.stored.get(response_id))[2], limit, order, after)
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str):

@@ -153,7 +153,9 @@ def generation_request(
         raise ApiError(400, f"{field}: renders to an empty prompt", field)
     if len(prompt_ids) > config.max_prompt_tokens:
         raise ApiError(400, f"{field}: {len(prompt_ids)} prompt tokens exceed the limit of "
-                            f"{config.max_prompt_tokens}", field, code="context_length_exceeded")
+                            f"{config.max_prompt_tokens}", field, code="context_length_exceeded",
+                       anthropic_message=f"prompt is too long: {len(prompt_ids)} tokens > "
+                                         f"{config.max_prompt_tokens} maximum")
     asked = request.requested_max_tokens if isinstance(request, ChatCompletionRequest) else request.max_tokens
     max_tokens_field = "max_completion_tokens" if isinstance(request, ChatCompletionRequest) and \
         request.max_completion_tokens else "max_tokens"
@@ -162,7 +164,10 @@ def generation_request(
     room = config.max_seq_len - len(prompt_ids)
     if asked is not None and asked > room:
         raise ApiError(400, f"{max_tokens_field}: {asked} + {len(prompt_ids)} prompt tokens exceed the context "
-                            f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded")
+                            f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded",
+                       anthropic_message=f"input length and `max_tokens` exceed context limit: {len(prompt_ids)} + "
+                                         f"{asked} > {config.max_seq_len}, decrease input length or `max_tokens` "
+                                         f"and try again")
     max_tokens = asked if asked is not None else min(config.default_max_tokens, room)
     prompt_logprobs = request.prompt_logprobs  # vLLM's
     if isinstance(request, ChatCompletionRequest):

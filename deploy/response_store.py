@@ -18,7 +18,8 @@ from deploy.errors import ApiError, server_error
 from deploy.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
-Kept = tuple[dict[str, Any], List[ChatMessage]]  # the response body, its conversation as chat messages
+# the response body, its conversation as chat messages, its input items (`responses.input_items`)
+Kept = tuple[dict[str, Any], List[ChatMessage], List[dict[str, Any]]]
 
 
 class ResponseStore:
@@ -31,11 +32,11 @@ class ResponseStore:
         self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
         self._items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of the kept responses
 
-    async def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
+    async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
         if self.capacity <= 0:
             return
         self._forget(body["id"])
-        self._kept[body["id"]] = (body, messages)
+        self._kept[body["id"]] = (body, messages, inputs)
         self._items.update((item["id"], item) for item in body["output"])
         while len(self._kept) > self.capacity:
             self._forget(next(iter(self._kept)))
@@ -81,11 +82,11 @@ class KeptResponses:
                                code="item_not_found")
         return found
 
-    async def put(self, body: dict[str, Any], messages: List[ChatMessage]) -> None:
+    async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
         """Keep a finished response. The answer has been made: a store that cannot take it is
         logged, not the request's failure."""
         try:
-            await self._store.put.remote(body, messages)
+            await self._store.put.remote(body, messages, inputs)
         except Exception as exc:  # noqa: BLE001
             logger.warning("response %s was not stored: %r", body["id"], exc)
 

@@ -9,9 +9,9 @@ as `response_format`), so it is rendered, tokenized, constrained and generated e
 `message` with its `output_text`, and a `function_call` item per call (`OutputItems`, one
 state machine for the streamed events and the final body, so the two agree on every id).
 
-Kept: with `store` (the default, as OpenAI's), a finished response and its conversation are
-kept (`deploy/response_store.py`) for `previous_response_id` and `GET`/`DELETE
-/v1/responses/{id}`. Only function tools and text in and out: another tool type or content part is a 400.
+Kept: with `store` (the default, as OpenAI's), a finished response, its conversation and its
+input items are kept (`deploy/response_store.py`) for `previous_response_id`, `GET`/`DELETE
+/v1/responses/{id}` and `GET /v1/responses/{id}/input_items` (`input_item_list`). Only function tools and text in and out: another tool type or content part is a 400.
 """
 
 from __future__ import annotations
@@ -323,6 +323,41 @@ FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "ma
 # -- output --------------------------------------------------------------------------------------
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """`body`'s input as the items `GET /v1/responses/{id}/input_items` lists (item references
+    resolved, `with_items`): each with an id (its own, else a new one) and status completed."""
+    items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    listed = []
+    for item in items:
+        kept = item.model_dump(exclude_none=True)
+        if isinstance(item, InputMessage):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            kept["content"] = [{"type": part, "text": item.content}] if isinstance(item.content, str) else [
+                p.model_dump(exclude_none=True) for p in item.content]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kept["type"]]
+        listed.append({"id": _id(prefix), **kept, "status": "completed"})
+    return listed
+
+
+def input_item_list(items: list[dict[str, Any]], limit: int = 20, order: str = "desc",
+                    after: Optional[str] = None) -> dict[str, Any]:
+    """One page of a kept response's input items, as OpenAI lists them: `limit` (1-100) in
+    `order` (asc or desc, the default), from the one after `after`."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit: must be in [1, 100], got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(ordered) if item["id"] == after), None)
+        if start is None:
+            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
 
 
 class OutputItems(OutputParts):

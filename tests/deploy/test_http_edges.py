@@ -158,6 +158,20 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
     assert "type" not in post("/v1/chat/completions", chat(temperature=3), **AUTH).json()  # OpenAI's shape
 
 
+def test_a_context_overflow_is_worded_for_messages_clients_as_anthropics_api_words_it(url):
+    """Anthropic's words for it ("prompt is too long: ...") to Messages clients; ours to OpenAI's."""
+    def error(path, body):
+        return httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=30).json()["error"]
+
+    long = [{"role": "user", "content": "x" * 300}]
+    assert error("/v1/messages", message(messages=long))["message"].startswith("prompt is too long: ")
+    # 200 prompt tokens (the limit) and 64 more in a window of 256
+    tight = error("/v1/messages", message(messages=[{"role": "user", "content": "x" * 180}], max_tokens=64))
+    assert tight["message"].startswith("input length and `max_tokens` exceed context limit: 200 + 64 > 256, ")
+    assert tight["param"] == "max_tokens" and tight["code"] == "context_length_exceeded"
+    assert error("/v1/chat/completions", chat(messages=long))["message"].startswith("messages: ")
+
+
 class _EngineThatNeverStarts(FakeEngine):
     async def start(self) -> None:
         raise RuntimeError("this engine never starts")

@@ -13,7 +13,8 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore
 from deploy.responses import (
-    OutputItems, ResponsesRequest, chat_request, conversation, fitted, references, with_items,
+    OutputItems, ResponsesRequest, chat_request, conversation, fitted, input_item_list, input_items, references,
+    with_items,
 )
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -130,7 +131,7 @@ def test_an_unreachable_store_is_a_503_that_names_the_store(call):
     with pytest.raises(ApiError) as info:
         asyncio.run(getattr(KeptResponses(_GoneStore(), 4), call)("resp_1"))
     assert info.value.status == 503 and "response store" in info.value.message
-    asyncio.run(KeptResponses(_GoneStore(), 4).put({"id": "resp_1"}, []))  # the answer is made: logged, not failed
+    asyncio.run(KeptResponses(_GoneStore(), 4).put({"id": "resp_1"}, [], []))  # the answer is made: logged, not failed
 
 
 def test_referenced_items_are_the_stored_ones_and_go_with_their_response():
@@ -141,7 +142,7 @@ def test_referenced_items_are_the_stored_ones_and_go_with_their_response():
               "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}]}
     call = {"id": "fc_a", "type": "function_call", "status": "completed", "call_id": "c1", "name": "get_weather",
             "arguments": '{"city": "Paris"}'}
-    asyncio.run(store.put({"id": "resp_a", "output": [answer, call]}, []))
+    asyncio.run(store.put({"id": "resp_a", "output": [answer, call]}, [], []))
     ask, result = {"role": "user", "content": "Weather in Paris?"}, {"type": "function_call_output",
                                                                     "call_id": "c1", "output": "18 C"}
     by_ref = ResponsesRequest(model="m", input=[ask, {"type": "item_reference", "id": "msg_a"},
@@ -152,9 +153,38 @@ def test_referenced_items_are_the_stored_ones_and_go_with_their_response():
     resolved = with_items(by_ref, asyncio.run(kept.items(references(by_ref))))
     assert conversation(resolved, []) == conversation(whole, [])
     for evicting in ("resp_b", "resp_c"):
-        asyncio.run(store.put({"id": evicting, "output": [{**answer, "id": f"msg_{evicting}"}]}, []))
+        asyncio.run(store.put({"id": evicting, "output": [{**answer, "id": f"msg_{evicting}"}]}, [], []))
     assert asyncio.run(store.items(["msg_a", "fc_a", "msg_resp_b"])) == {"msg_resp_b": {**answer, "id": "msg_resp_b"}}
     assert asyncio.run(store.delete("resp_b")) and asyncio.run(store.items(["msg_resp_b"])) == {}
     with pytest.raises(ApiError) as info:
         asyncio.run(kept.items({"input[1].id": "msg_a"}))
     assert (info.value.status, info.value.param, info.value.code) == (400, "input[1].id", "item_not_found")
+
+
+def test_input_items_are_listed_as_the_sdk_types_them_page_by_page():
+    from openai.types.responses import ResponseItemList
+
+    body = ResponsesRequest(model="m", input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18 C"}])
+    items = input_items(body)
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output"]
+    assert items[1]["id"] == "msg_1" and len({i["id"] for i in items}) == 4  # its own id kept, the others new
+    assert items[0]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
+    newest_first = ResponseItemList.model_validate(input_item_list(items))  # every field the SDK's type requires
+    assert [i.id for i in newest_first.data] == [i["id"] for i in reversed(items)] and not newest_first.has_more
+    pages, after = [], None
+    while True:
+        page = input_item_list(items, limit=3, order="asc", after=after)
+        pages.append([i["id"] for i in page["data"]])
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert pages == [[i["id"] for i in items[:3]], [items[3]["id"]]]
+    assert input_items(ResponsesRequest(model="m", input="Hi"))[0]["content"] == [{"type": "input_text", "text": "Hi"}]
+    for bad, param in ((dict(limit=0), "limit"), (dict(order="up"), "order"), (dict(after="msg_none"), "after")):
+        with pytest.raises(ApiError) as info:
+            input_item_list(items, **bad)
+        assert (info.value.status, info.value.param) == (400, param)

@@ -165,6 +165,14 @@ def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cac
     referenced = agent_client.responses.create(**ask, input=[{"role": "user", "content": question}, *[
         {"type": "item_reference", "id": item.id} for item in first.output], follow])
     assert (referenced.output_text, referenced.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+    # what each was asked with, newest first (OpenAI's order): a reference as the item it named
+    listed = agent_client.responses.input_items.list(referenced.id)
+    assert [(i.type, i.role) for i in listed.data] == [("message", "user"), ("message", "assistant"),
+                                                       ("message", "user")]
+    assert listed.data[1].id == first.output[0].id and listed.data[1].content[0].text == first.output_text
+    assert [i.id for i in agent_client.responses.input_items.list(referenced.id, order="asc")] == [
+        i.id for i in reversed(listed.data)]
+    assert [i.content[0].text for i in agent_client.responses.input_items.list(chained.id).data] == [follow["content"]]
     # the earlier turn's prompt is the prefix cache's (in whole blocks)
     assert whole.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // BLOCK_TOKENS * BLOCK_TOKENS > 0
 
@@ -193,6 +201,8 @@ def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
     agent_client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         agent_client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        agent_client.responses.input_items.list(kept.id)
     for gone in (unkept, kept):  # their items cannot be named either
         with pytest.raises(openai.BadRequestError) as err:
             agent_client.responses.create(model=MODEL, max_output_tokens=4, input=[
