@@ -146,7 +146,9 @@ def test_prompts_that_start_alike_go_to_one_replica_while_it_has_room():
     stats = {rid: {"batch_size": 1, "batch_gate": 4, "acceptance_length": 2.0} for rid in ("a", "b", "c")}
     router, replicas = _router_with_replicas(stats)
     router.initialize_state(prefix_affinity_chars=64)
-    turn1 = "system: you edit code. " * 4 + "user: rename x"
+    # a prefix whose replica is not the first: the gate rule alone (ties in input order) picks "a"
+    turn1 = next(text for text in (f"system {i}: you edit code. " * 4 + "user: rename x" for i in range(50))
+                 if preferred_replica(prefix_key(text, 64), ["a", "b", "c"]) != "a")
     turn2 = turn1 + " assistant: done. user: now rename y"
     home = preferred_replica(prefix_key(turn1, 64), ["a", "b", "c"])
     for prompt in (turn1, turn2):

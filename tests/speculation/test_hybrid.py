@@ -90,7 +90,6 @@ def plan(mode="hybrid", max_draft_len=8, sa_threshold=4, sa_match_len=0, mtp_ava
     ],
 )
 def test_plan_source(kwargs, source):
-    assert plan(**kwargs, num_forced=0) == plan(**kwargs)
     result = plan(**kwargs)
     assert result.source == source
     if source is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,6 +34,17 @@ def code_edit_prompts(engine: TorchEngine, count: int, max_chars: int = 1500) ->
         chat_prompt(engine, f"{instruction}\n\n```python\n{before}```\nOutput the whole updated file.", EDIT_PREFILL)
         for instruction, before in edits[:count]
     ]
+
+
+@contextlib.contextmanager
+def every_draft(engine: TorchEngine):
+    """The server's speculation drafting all its rules allow, the server's own again after: the measured draft rule stands a mode down where its drafts do not pay on the
+    machine it runs on, and a test of verifying drafts that drafted none would test nothing."""
+    engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
+    try:
+        yield
+    finally:
+        engine.configure(engine.config.speculation)
 
 
 def request(prompt, max_tokens=48, mode="auto", rid=None, **sampling) -> GenerationRequest:

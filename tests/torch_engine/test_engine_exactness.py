@@ -15,7 +15,9 @@ import torch
 from replicas.engine import SpeculationConfig
 from replicas.speculation.hybrid import MTP_MAX_BACKOFF
 from replicas.torch_engine.suffix_drafts import suffix_drafts
-from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect, collect_logprobs, request
+from tests.torch_engine.engine_util import (
+    chat_prompt, code_edit_prompts, collect, collect_logprobs, every_draft, request,
+)
 
 pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
 
@@ -39,18 +41,13 @@ def reference(engine, loop, prompts):
 
 @pytest.mark.parametrize("mode", ["sa", "mtp", "auto"])
 def test_greedy_speculation_equals_off(engine, loop, prompts, reference, mode):
-    # Every draft the mode's rules allow: the measured draft rule stands a mode down where its
-    # drafts do not pay on the machine it runs on (on an H100, mode mtp once drafted nothing
-    # over all six prompts), and this test is about verifying drafts, not choosing them.
-    engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
+    # (on an H100 the measured rule once stood mode mtp down over all six prompts)
     drafted = 0
-    try:
+    with every_draft(engine):
         for prompt, expected in zip(prompts, reference):
             tokens, _, last = loop.run_until_complete(collect(engine, request(prompt, mode=mode)))
             assert tokens == expected
             drafted += last.speculation["draft_tokens"]
-    finally:
-        engine.configure(engine.config.speculation)
     assert drafted > 0, f"mode {mode} never speculated"
 
 
@@ -65,20 +62,19 @@ def test_gate_closing_and_reopening_mid_request(engine, loop, prompts, reference
     prompt, expected = prompts[-1], reference[-1]
 
     async def run():
-        tokens, seen = [], 0
-        async for delta in engine.generate(request(prompt, mode="auto")):
-            tokens += delta.token_ids
+        tokens, seen, last = [], 0, None
+        async for last in engine.generate(request(prompt, mode="auto")):
+            tokens += last.token_ids
             seen += 1
             if seen == 2:
-                engine.configure(dataclasses.replace(engine.config.speculation, batch_gate=0))
+                engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False, batch_gate=0))
             if seen == 5:
-                engine.configure(engine.config.speculation)
-        return tokens
+                engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
+        return tokens, last
 
-    try:
-        assert loop.run_until_complete(run()) == expected
-    finally:
-        engine.configure(engine.config.speculation)
+    with every_draft(engine):
+        tokens, last = loop.run_until_complete(run())
+    assert tokens == expected and last.speculation["draft_tokens"] > 0  # drafted while the gate was open
 
 
 def test_concurrent_requests_equal_alone(engine, loop, prompts, reference):
@@ -86,9 +82,11 @@ def test_concurrent_requests_equal_alone(engine, loop, prompts, reference):
         reqs = [request(p, mode="auto") for p in prompts] + [request(p, mode="off") for p in prompts[:2]]
         return await asyncio.gather(*(collect(engine, r) for r in reqs))
 
-    results = loop.run_until_complete(run_all())
+    with every_draft(engine):
+        results = loop.run_until_complete(run_all())
     for prompt, expected, (tokens, _, _) in zip(prompts + prompts[:2], reference + reference[:2], results):
         assert tokens == expected
+    assert sum(last.speculation["draft_tokens"] for _, _, last in results) > 0
 
 
 def test_request_cannot_widen_server_setting(engine, loop, prompts):
@@ -149,15 +147,12 @@ def test_logit_bias_does_what_it_says_and_is_exact_under_speculation(engine, loo
     bias = {expected[0]: -100.0, expected[2]: 2.5}
     off = loop.run_until_complete(collect(engine, request(prompt, mode="off", logit_bias=bias)))[0]
     assert off[0] != expected[0] and expected[0] not in off
-    engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
     drafted = 0
-    try:
+    with every_draft(engine):
         for mode in ("sa", "mtp", "auto"):
             tokens, _, last = loop.run_until_complete(collect(engine, request(prompt, mode=mode, logit_bias=bias)))
             assert tokens == off, mode
             drafted += last.speculation["draft_tokens"]
-    finally:
-        engine.configure(engine.config.speculation)
     assert drafted > 0
 
 
@@ -168,9 +163,8 @@ def no_global_pool(engine):
     the measured draft rule finds it pays on this machine now)."""
     core, cfg = engine.core, engine.config
     pooled, core.suffix = core.suffix, suffix_drafts(torch.device(cfg.device), cfg.max_batch_size, cfg.max_seq_len, 0)
-    engine.configure(dataclasses.replace(cfg.speculation, adaptive_drafts=False))
-    yield
-    engine.configure(cfg.speculation)
+    with every_draft(engine):
+        yield
     core.suffix = pooled
 
 
@@ -201,8 +195,7 @@ def predicted(prompt, prediction, max_tokens=48, **sampling):
 def test_a_stop_string_met_inside_accepted_drafts_ends_the_output_as_off_does(engine, loop, prompts):
     # A stop string the drafts of one step run past: the tokens after the one that completes
     # it go too, so tokens, logprobs and usage are speculation off's (they had counted them).
-    engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
-    try:
+    with every_draft(engine):
         for prompt in (prompts[3], prompts[-1]):
             text = loop.run_until_complete(collect(engine, request(prompt, max_tokens=64, mode="off")))[1]
             for at in (len(text) // 3, 2 * len(text) // 3):
@@ -215,5 +208,3 @@ def test_a_stop_string_met_inside_accepted_drafts_ends_the_output_as_off_does(en
                 assert sa_last.speculation["accepted_tokens"] > 0
                 assert (sa_tokens, sa_cut, sa_logprobs) == (tokens, cut, logprobs)
                 assert sa_last.completion_tokens == last.completion_tokens == len(tokens) == len(logprobs)
-    finally:
-        engine.configure(engine.config.speculation)

@@ -16,7 +16,7 @@ import pytest
 
 from replicas.engine import GrammarSpec, RequestError
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS, PrefixCache
-from tests.torch_engine.engine_util import chat_prompt, collect_logprobs, request
+from tests.torch_engine.engine_util import chat_prompt, collect_logprobs, every_draft, request
 
 pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
 
@@ -171,12 +171,14 @@ def test_a_call_made_under_auto_is_held_to_the_format_identically_in_every_mode(
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "seeded"])
 def test_unconstrained_logprobs_identical_with_and_without_speculation(engine, loop, sampling):
     prompt = "one two three four one two three four one two three four one two"
-    results = [run(engine, loop, request(prompt, max_tokens=40, mode=mode, logprobs=5, **sampling))
-               for mode in MODES]
+    with every_draft(engine):
+        results = [run(engine, loop, request(prompt, max_tokens=40, mode=mode, logprobs=5, **sampling))
+                   for mode in MODES]
     reference_tokens, _, reference_logprobs, _ = results[0]
     for tokens, _, logprobs, _ in results[1:]:
         assert tokens == reference_tokens
         assert logprobs == reference_logprobs
+    assert sum(last.speculation["draft_tokens"] for *_, last in results[1:]) > 0
 
 
 def test_logprobs_shape(engine, loop):
@@ -238,9 +240,14 @@ def test_penalties_identical_with_and_without_speculation(engine, loop, penaltie
     unpenalised = run(engine, loop, request(prompt, max_tokens=40, mode="off",
                                             **{k: v for k, v in penalties.items() if "penalty" not in k}))
     assert plain[0] != unpenalised[0]  # the penalties do something here
-    for mode in MODES[1:]:
-        tokens, _, logprobs, _ = run(engine, loop, request(prompt, max_tokens=40, logprobs=2, mode=mode, **penalties))
-        assert (tokens, logprobs) == (plain[0], plain[2]), mode
+    drafted = 0
+    with every_draft(engine):
+        for mode in MODES[1:]:
+            tokens, _, logprobs, last = run(engine, loop, request(prompt, max_tokens=40, logprobs=2, mode=mode,
+                                                                  **penalties))
+            assert (tokens, logprobs) == (plain[0], plain[2]), mode
+            drafted += last.speculation["draft_tokens"]
+    assert drafted > 0
 
 
 def test_min_p_sampling_identical_with_and_without_speculation(engine, loop):
@@ -250,10 +257,14 @@ def test_min_p_sampling_identical_with_and_without_speculation(engine, loop):
     seeded = {"temperature": 1.5, "seed": 11}
     plain = run(engine, loop, request(prompt, max_tokens=32, logprobs=2, mode="off", min_p=0.3, **seeded))
     assert plain[0] != run(engine, loop, request(prompt, max_tokens=32, mode="off", **seeded))[0]
-    for mode in MODES[1:]:
-        tokens, _, logprobs, _ = run(engine, loop, request(prompt, max_tokens=32, logprobs=2, mode=mode, min_p=0.3,
-                                                           **seeded))
-        assert (tokens, logprobs) == (plain[0], plain[2]), mode
+    drafted = 0
+    with every_draft(engine):
+        for mode in MODES[1:]:
+            tokens, _, logprobs, last = run(engine, loop, request(prompt, max_tokens=32, logprobs=2, mode=mode,
+                                                                  min_p=0.3, **seeded))
+            assert (tokens, logprobs) == (plain[0], plain[2]), mode
+            drafted += last.speculation["draft_tokens"]
+    assert drafted > 0
     greedy = run(engine, loop, request(prompt, max_tokens=32, mode="off"))[0]
     assert run(engine, loop, request(prompt, max_tokens=32, mode="auto", min_p=1.0, **seeded))[0] == greedy
 
