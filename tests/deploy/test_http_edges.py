@@ -358,16 +358,19 @@ def test_the_idle_timeout_does_not_count_the_wait_for_a_slot(url):
     # is not idling (was a 504); once running, its tokens come within the timeout
     async def both():
         async with httpx.AsyncClient(base_url=f"{url}/lossy", headers=AUTH, timeout=60) as client:
-            first = asyncio.create_task(client.post("/v1/completions",
-                                                    json=completion(prompt="SLOW", max_tokens=40)))
-            await asyncio.sleep(0.3)
-            second = await client.post("/v1/completions", json=completion(prompt="SLOW", max_tokens=4))
-            return await first, second
+            body = completion(prompt="SLOW", max_tokens=40, stream=True)
+            async with client.stream("POST", "/v1/completions", json=body) as first:
+                lines = first.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")  # the first holds the slot
+                started = time.perf_counter()
+                second = await client.post("/v1/completions", json=completion(prompt="SLOW", max_tokens=4))
+                waited = time.perf_counter() - started
+                rest = [line async for line in lines]
+            return first.status_code, rest, second, waited
 
-    started = time.perf_counter()
-    first, second = asyncio.run(both())
-    assert first.status_code == second.status_code == 200, (first.text, second.text)
-    assert time.perf_counter() - started > 2  # it did wait for the slot
+    status, rest, second, waited = asyncio.run(both())
+    assert status == second.status_code == 200 and "data: [DONE]" in rest, (rest[-3:], second.text)
+    assert waited > 1  # more than the idle timeout, most of it waiting for the slot
 
 
 def test_replica_failure_without_stream_is_a_500(url):
