@@ -20,7 +20,7 @@ from replicas.torch_engine.kv_cache import KVCache, PagedKVCache
 from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from replicas.torch_engine.loader import model_config
-from tests.polling import wait_until
+from tests.polling import async_wait_until, wait_until
 from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, collect_logprobs, request
 
 MAX_SEQ_LEN = 2048
@@ -228,16 +228,20 @@ def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, l
         loop.run_until_complete(tight.shutdown())
 
 
-def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop):
+def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop, monkeypatch):
     """An abort takes effect between two chunks of a long prompt's prefill (not once the whole
     prompt is in); the whole blocks that went in before it were stored, and they are sound."""
     warm = engines[0]
-    prompt = _ids(300, 1500)  # a prefill of a second or more, in chunks of max_prefill_tokens
+    prompt = _ids(300, 1500)
+    monkeypatch.setattr(warm.core, "max_prefill_tokens", 64)  # 24 chunks, a step each: on any device
+
+    def prefilling():
+        return next((s for s in warm.core.running if s.request_id == "long" and s.num_cached), None)
 
     async def abort_while_prefilling():
         task = asyncio.ensure_future(collect_logprobs(warm, request(prompt, max_tokens=8, rid="long")))
-        while not (seq := next((s for s in warm.core.running if s.request_id == "long"), None)):
-            await asyncio.sleep(0.005)
+        assert await async_wait_until(prefilling, timeout_s=30, interval_s=0.002)
+        seq = prefilling()
         await warm.abort("long")
         return (await task)[3], seq
 
