@@ -35,7 +35,7 @@ from deploy.prompts import engine_requests, generation_request, prompt_token_ids
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel
 from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
-from deploy.response_store import KeptResponses
+from deploy.response_store import KeptResponses, input_item_list
 from deploy.responses import ResponsesRequest
 from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
 from replicas.engine import GenerationDelta, GenerationRequest
@@ -367,7 +367,7 @@ def build_api(ingress: Ingress) -> FastAPI:
     @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: Optional[str] = None):
         # `include` asks for what an input item may add (an image's URL, ...): ours have nothing more
-        return responses.input_item_list((await ingress.stored.get(response_id))[2], limit, order, after)
+        return input_item_list((await ingress.stored.get(response_id))[2], limit, order, after)
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str):

@@ -1,5 +1,6 @@
 """The responses `/v1/responses` keeps (`store: true`, the default, as OpenAI's) for
-`previous_response_id` and `GET`/`DELETE /v1/responses/{id}`.
+`previous_response_id`, `item_reference` input, `GET`/`DELETE /v1/responses/{id}` and `GET
+/v1/responses/{id}/input_items` (`input_item_list`: a page of them).
 
 `ResponseStore` is a Serve deployment of its own: one replica per application, on the head
 node beside Serve's controller (`deploy/app.py`), so a follow-up finds its response whichever
@@ -104,3 +105,22 @@ class KeptResponses:
         raise ApiError(404 if param is None else 400,
                        f"{param + ': ' if param else ''}no stored response {response_id!r} (this server keeps the "
                        f"last {self._capacity} responses made with store=true)", param, code="response_not_found")
+
+
+def input_item_list(items: list[dict[str, Any]], limit: int = 20, order: str = "desc",
+                    after: Optional[str] = None) -> dict[str, Any]:
+    """One page of a kept response's input items, as OpenAI lists them: `limit` (1-100) in
+    `order` (asc or desc, the default), from the one after `after`."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit: must be in [1, 100], got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(ordered) if item["id"] == after), None)
+        if start is None:
+            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}

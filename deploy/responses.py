@@ -11,7 +11,7 @@ state machine for the streamed events and the final body, so the two agree on ev
 
 Kept: with `store` (the default, as OpenAI's), a finished response, its conversation and its
 input items are kept (`deploy/response_store.py`) for `previous_response_id`, `GET`/`DELETE
-/v1/responses/{id}` and `GET /v1/responses/{id}/input_items` (`input_item_list`). Only function tools and text in and out: another tool type or content part is a 400.
+/v1/responses/{id}` and `GET /v1/responses/{id}/input_items` (`input_items`). Only function tools and text in and out: another tool type or content part is a 400.
 """
 
 from __future__ import annotations
@@ -339,25 +339,6 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kept["type"]]
         listed.append({"id": _id(prefix), **kept, "status": "completed"})
     return listed
-
-
-def input_item_list(items: list[dict[str, Any]], limit: int = 20, order: str = "desc",
-                    after: Optional[str] = None) -> dict[str, Any]:
-    """One page of a kept response's input items, as OpenAI lists them: `limit` (1-100) in
-    `order` (asc or desc, the default), from the one after `after`."""
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"limit: must be in [1, 100], got {limit}", "limit")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
-    ordered = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        start = next((i + 1 for i, item in enumerate(ordered) if item["id"] == after), None)
-        if start is None:
-            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
-    page = ordered[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
 
 
 class OutputItems(OutputParts):

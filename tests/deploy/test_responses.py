@@ -11,10 +11,9 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from deploy.errors import ApiError
-from deploy.response_store import KeptResponses, ResponseStore
+from deploy.response_store import KeptResponses, ResponseStore, input_item_list
 from deploy.responses import (
-    OutputItems, ResponsesRequest, chat_request, conversation, fitted, input_item_list, input_items, references,
-    with_items,
+    OutputItems, ResponsesRequest, chat_request, conversation, fitted, input_items, references, with_items,
 )
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
