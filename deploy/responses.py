@@ -10,8 +10,10 @@ as `response_format`), so it is rendered, tokenized, constrained and generated e
 state machine for the streamed events and the final body, so the two agree on every id).
 
 Kept: with `store` (the default, as OpenAI's), a finished response, its conversation and its
-input items are kept (`deploy/response_store.py`) for `previous_response_id`, `GET`/`DELETE
-/v1/responses/{id}` and `GET /v1/responses/{id}/input_items` (`input_items`). Only function tools and text in and out: another tool type or content part is a 400.
+input items are kept (`deploy/response_store.py`) for `previous_response_id`, `item_reference`
+input, `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`
+(`input_items`). Only function tools and text in and out: another tool type or content part
+is a 400.
 """
 
 from __future__ import annotations
