@@ -4,15 +4,19 @@ FakeEngine implements the Engine protocol the way TorchEngine behaves at its edg
 (eager RequestError naming the field, abort on close, stats); FakeTokenizer is byte-level
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
 "FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_AT:<k>:<path>"
-kills its replica's process at token k unless <path> exists (it creates it), "ECHO:<text>"
+kills its replica's process at token k unless <path> exists (it creates it, and <path>.dead as
+it dies), "ECHO:<text>"
 answers the rest of its message (a character a token, then "stop"; up to a stop string or
-through a `stop_after` one, as engines end it) instead of the alphabet.
+through a `stop_after` one, as engines end it) instead of the alphabet, and "SETTINGS" a hex
+digest of what shapes an engine's output (sampling, speculation, grammar): two requests asking
+alike answer alike.
 A `Resume` continues after the tokens it carries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from pathlib import Path
 from typing import AsyncIterator
@@ -51,16 +55,17 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-def _die_at(prompt: str) -> int:
-    """"DIE_AT:<k>:<path>": the token index at which the replica dies, once (-1: never)."""
+def _die_at(prompt: str) -> tuple[int, Path | None]:
+    """"DIE_AT:<k>:<path>": the token index at which the replica dies, once (-1: never), and the
+    file to touch as it does."""
     if "DIE_AT:" not in prompt:
-        return -1
+        return -1, None
     index, path = prompt.split("DIE_AT:", 1)[1].split()[0].split(":", 1)
     marker = Path(path)
     if marker.exists():
-        return -1
+        return -1, None
     marker.touch()
-    return int(index)
+    return int(index), marker.with_suffix(".dead")
 
 
 class FakeEngine:
@@ -90,15 +95,18 @@ class FakeEngine:
         self.live.add(request.request_id)
         spec = {"draft_tokens": 2, "accepted_tokens": 1, "acceptance_length": 2.0, "steps": 1}
         resumed = len(request.resume.token_ids) if request.resume is not None else 0  # continue after them
-        die_at = _die_at(prompt)
+        die_at, dying = _die_at(prompt)
         echo = prompt.split("ECHO:", 1)[1].split("</>")[0] if "ECHO:" in prompt else None
+        if "SETTINGS" in prompt:
+            echo = hashlib.sha256(repr((request.sampling, request.speculation, request.grammar)).encode()).hexdigest()
         stop = find_stop(echo, 0, request.sampling.stop, request.sampling.stop_after) if echo else None
         if stop is not None and stop[0] > 0:
             echo = echo[:stop[0]]
         try:
             for i in range(resumed, min(request.sampling.max_tokens, len(echo) if echo else 1 << 30)):
                 if i == die_at:
-                    await asyncio.sleep(0.2)  # what was yielded reaches the ingress first
+                    await asyncio.sleep(0.5)  # what was yielded reaches the client first (the tests check)
+                    dying.touch()
                     os._exit(1)  # the replica actor's process dies, as on a kill -9
                 await asyncio.sleep(0.05 if "SLOW" in prompt else 0)
                 if i == 2 and "FAIL_RAISE" in prompt:

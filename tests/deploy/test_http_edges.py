@@ -243,6 +243,7 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
     ("/v1/messages", message(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"})),
 ])
 def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, body):
+    body = _asking_settings(body)  # each answer a digest of its engine request's settings
     bare = {k: v for k, v in body.items() if k in ("model", "messages", "input", "max_tokens", "max_output_tokens")}
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
         labelled, plain = client.post(path, json=body), client.post(path, json=bare)
@@ -270,10 +271,19 @@ def test_an_explicit_null_is_the_fields_default(url, path, body, model):
     fields = getattr(importlib.import_module(module), name).model_fields
     nulls = {key: None for key, field in fields.items() if not field.is_required() and field.default is not None}
     assert {"temperature", "stream"} <= set(nulls), nulls
+    body = _asking_settings(body)  # each answer a digest of its engine request's settings
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
         nulled, plain = client.post(path, json={**body, **nulls}), client.post(path, json=body)
     assert nulled.status_code == plain.status_code == 200, nulled.text
     assert _without_ids(nulled.json()) == _without_ids(plain.json())
+
+
+def _asking_settings(body: dict) -> dict:
+    """`body` asking the fake engine for 16 hex digits of what shapes its output (`fakes.py`):
+    a setting that reaches the engine changed changes the answer."""
+    asked = {"prompt": "SETTINGS"} if "prompt" in body else {"input": "SETTINGS"} if "input" in body else {
+        "messages": [{"role": "user", "content": "SETTINGS"}]}
+    return {**body, **asked, ("max_output_tokens" if "input" in body else "max_tokens"): 16}
 
 
 def _without_ids(body):
@@ -328,11 +338,19 @@ def test_a_replica_lost_costs_only_latency(url, tmp_path, stream, die_at):
     marker = tmp_path / "died"
     body = completion(prompt=f"DIE_AT:{die_at}:{marker} ", max_tokens=8, stream=stream, logprobs=1)
     with httpx.Client(base_url=f"{url}/pair", headers=AUTH, timeout=120) as client:
-        response = client.post("/v1/completions", json=body)
+        if stream:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                # the case is the one named: the first token came before the replica died, or after
+                assert marker.with_suffix(".dead").exists() == (die_at == 0), first
+                events = [first.removeprefix("data: ")] + [
+                    line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        else:
+            response = client.post("/v1/completions", json=body)
     assert marker.exists()  # a replica did die with the request
-    assert response.status_code == 200, response.text
+    assert response.status_code == 200
     if stream:
-        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
         choices = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
         text = "".join(c["text"] for c in choices)
