@@ -45,10 +45,10 @@ class ApiError(Exception):
         return _ANTHROPIC_TYPES.get(self.status) or ("api_error" if self.status >= 500 else self.type)
 
     def body(self, anthropic: bool = False) -> dict[str, Any]:
-        if anthropic:
-            return {"error": {"message": self.anthropic_message or self.message, "type": self.anthropic_type,
-                              "param": self.param, "code": self.code}}
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """OpenAI's error body; `anthropic`: with Anthropic's type and words, where they differ."""
+        message = (self.anthropic_message or self.message) if anthropic else self.message
+        return {"error": {"message": message, "type": self.anthropic_type if anthropic else self.type,
+                          "param": self.param, "code": self.code}}
 
     def renamed(self, fields: dict[str, str]) -> "ApiError":
         """This error with its field named as another API names it (`fields`: ours -> theirs;

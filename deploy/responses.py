@@ -218,6 +218,11 @@ class ResponsesRequest(RequestModel):
         return value
 
     @property
+    def items(self) -> list:
+        """The input as items: a string is one user message."""
+        return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+
+    @property
     def logprobs(self) -> bool:
         return "message.output_text.logprobs" in self.include or self.top_logprobs is not None
 
@@ -228,8 +233,7 @@ _INPUT_ITEM = TypeAdapter(InputItem)
 
 def references(body: ResponsesRequest) -> dict[str, str]:
     """The stored items `body`'s input names by reference: `input[i].id` -> the item's id."""
-    items = [] if isinstance(body.input, str) else body.input
-    return {f"input[{i}].id": item.id for i, item in enumerate(items) if isinstance(item, ItemReference)}
+    return {f"input[{i}].id": item.id for i, item in enumerate(body.items) if isinstance(item, ItemReference)}
 
 
 def with_items(body: ResponsesRequest, items: dict[str, dict[str, Any]]) -> ResponsesRequest:
@@ -244,9 +248,8 @@ def conversation(body: ResponsesRequest, history: List[ChatMessage]) -> List[Cha
     """The chat the model continues, instructions left out: `history` (what
     `previous_response_id` names: its input and output) and then `body.input` as messages, each
     run of function calls one assistant message (with the text the answer began with, if any)."""
-    items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     messages = list(history)
-    for item in items:
+    for item in body.items:
         if isinstance(item, InputMessage):
             messages.append(ChatMessage(role=item.role, content=item.text))
         elif isinstance(item, FunctionCallOutputItem):
@@ -330,14 +333,12 @@ def _id(prefix: str) -> str:
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     """`body`'s input as the items `GET /v1/responses/{id}/input_items` lists (item references
     resolved, `with_items`): each with an id (its own, else a new one) and status completed."""
-    items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     listed = []
-    for item in items:
+    for item in body.items:
         kept = item.model_dump(exclude_none=True)
-        if isinstance(item, InputMessage):
-            part = "output_text" if item.role == "assistant" else "input_text"
-            kept["content"] = [{"type": part, "text": item.content}] if isinstance(item.content, str) else [
-                p.model_dump(exclude_none=True) for p in item.content]
+        if isinstance(item, InputMessage) and isinstance(item.content, str):  # as a list of parts
+            kept["content"] = [{"type": "output_text" if item.role == "assistant" else "input_text",
+                                "text": item.content}]
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kept["type"]]
         listed.append({"id": _id(prefix), **kept, "status": "completed"})
     return listed
