@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from functools import partial
 from pathlib import Path
 from typing import AsyncIterator
 
+from deploy.config import AppArgs
 from replicas.engine import (GenerationDelta, GenerationRequest, RequestError, SpeculationConfig, TokenLogprob,
                              find_stop)
 from replicas.stats import EngineStats
@@ -151,3 +153,16 @@ class FakeEngine:
 
 def fake_engine_factory(speculation: SpeculationConfig) -> FakeEngine:
     return FakeEngine(speculation)
+
+
+ENGINE_WINDOW = 100  # the fake engine's own window, smaller than the ingress's, to test its ValueErrors
+small_window_engine = partial(FakeEngine, max_seq_len=ENGINE_WINDOW)
+
+
+def fake_args(limits: dict | None = None, **replica) -> AppArgs:
+    """An app of fakes with small limits, whose API keys are in $SPECSERVE_TEST_KEYS."""
+    return AppArgs(
+        engine={"max_seq_len": 256}, served_model_name="fake", api_keys_env="SPECSERVE_TEST_KEYS",
+        limits={"max_body_bytes": 8192, "max_prompt_tokens": 200, "max_tokens": 64, **(limits or {})},
+        replica={"num_cpus": 0, **replica},
+    )

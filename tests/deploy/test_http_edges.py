@@ -1,11 +1,11 @@
 """The HTTP edge against a fake engine on a real Serve cluster: bad input, API keys,
-mid-stream failures, backpressure and a schemathesis run over the served OpenAPI schema."""
+backpressure, the gate hold and a schemathesis run over the served OpenAPI schema (a
+replica's failures and losses: test_replica_loss.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import time
 from functools import partial
 
@@ -19,24 +19,12 @@ from deploy.app import compose_app
 from deploy.config import AppArgs
 from replicas.engine import SpeculationConfig
 from tests.deploy.bad_input import AUTH, BAD_INPUT, KEY, chat, completion, message, respond
-from tests.deploy.fakes import FakeEngine
+from tests.deploy.fakes import FakeEngine, fake_args, small_window_engine
 from tests.polling import async_wait_until, wait_until
 
 pytestmark = pytest.mark.ray  # conftest's `serve_url`: a local Ray cluster with Serve
 
 SERVE_ENV = {"SPECSERVE_TEST_KEYS": f"{KEY}, sk-second"}
-ENGINE_WINDOW = 100  # the fake engine's own window, smaller than the ingress's, to test its ValueErrors
-
-
-small_window_engine = partial(FakeEngine, max_seq_len=ENGINE_WINDOW)
-
-
-def fake_args(limits: dict | None = None, **replica) -> AppArgs:
-    return AppArgs(
-        engine={"max_seq_len": 256}, served_model_name="fake", api_keys_env="SPECSERVE_TEST_KEYS",
-        limits={"max_body_bytes": 8192, "max_prompt_tokens": 200, "max_tokens": 64, **(limits or {})},
-        replica={"num_cpus": 0, **replica},
-    )
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +35,6 @@ def url(serve_url):
     # a second app, tiny admission limits, for the backpressure test
     serve.run(compose_app(fake_args(max_ongoing_requests=1, max_queued_requests=1), small_window_engine),
               name="tight", route_prefix="/tight")
-    # two replicas, for a replica lost before the first token
-    serve.run(compose_app(fake_args(num_replicas=2), small_window_engine), name="pair", route_prefix="/pair")
-    # one replica serving one request at a time, a 1 s idle timeout, nothing sent again when it dies
-    serve.run(compose_app(fake_args({"replica_loss_retry_s": 0, "stream_idle_timeout_s": 1}, max_ongoing_requests=1),
-                          small_window_engine), name="lossy", route_prefix="/lossy")
     return serve_url
 
 
@@ -214,23 +197,6 @@ def test_openai_client_with_key(url):
     assert err.value.body["param"] == "model"
 
 
-@pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
-def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
-    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
-        response = client.post("/v1/completions", json=completion(prompt=prompt, max_tokens=10, stream=True))
-    assert response.status_code == 200
-    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]  # OpenAI's error object: a string or null code
-    assert error["type"] == "server_error" and "code" in error and not isinstance(error["code"], int), error
-    assert len(events) == 4  # two tokens, the error, [DONE]
-
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    with pytest.raises(openai.APIError):
-        for _ in client.completions.create(model="fake", prompt=prompt, max_tokens=10, stream=True):
-            pass
-
-
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto",
                                   safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None,
@@ -291,110 +257,6 @@ def _without_ids(body):
     if isinstance(body, dict):
         return {k: _without_ids(v) for k, v in body.items() if k not in ("id", "created", "created_at", "completed_at")}
     return [_without_ids(v) for v in body] if isinstance(body, list) else body
-
-
-@pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
-def test_a_response_stream_that_fails_ends_with_error_and_failed_events(url, prompt):
-    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
-        response = client.post("/v1/responses", json=respond(input=prompt, max_output_tokens=10, stream=True))
-    assert response.status_code == 200
-    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
-              if line.startswith("data: ")]
-    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
-    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["message"]
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-
-
-@pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
-def test_a_message_stream_that_fails_ends_with_an_error_event(url, prompt):
-    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
-        response = client.post("/v1/messages", json=message(messages=[{"role": "user", "content": prompt}],
-                                                             max_tokens=10, stream=True))
-    assert response.status_code == 200
-    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
-              if line.startswith("data: ")]
-    assert events[0]["type"] == "message_start" and events[-1]["type"] == "error"
-    assert events[-1]["error"]["message"] and not any(e["type"] == "message_stop" for e in events)
-
-
-def test_a_response_streamed_through_a_replica_death_loses_nothing(url, tmp_path_factory):
-    marker = tmp_path_factory.mktemp("r") / "died"  # a short path: the prompt fits the fake's window
-    body = respond(input=f"DIE_AT:3:{marker} ", max_output_tokens=8, stream=True)
-    with httpx.Client(base_url=f"{url}/pair", headers=AUTH, timeout=120) as client:
-        response = client.post("/v1/responses", json=body)
-    assert marker.exists() and response.status_code == 200
-    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
-              if line.startswith("data: ")]
-    assert events[-1]["type"] == "response.incomplete"  # max_output_tokens reached
-    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    assert text == "abcdefgh" == events[-1]["response"]["output"][0]["content"][0]["text"]
-
-
-@pytest.mark.parametrize("die_at", [0, 3], ids=["before the first token", "mid-stream"])
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_replica_lost_costs_only_latency(url, tmp_path, stream, die_at):
-    """Before the first token the request is sent again; after it, resumed after what the
-    client already has: no error, no token lost or repeated."""
-    marker = tmp_path / "died"
-    body = completion(prompt=f"DIE_AT:{die_at}:{marker} ", max_tokens=8, stream=stream, logprobs=1)
-    with httpx.Client(base_url=f"{url}/pair", headers=AUTH, timeout=120) as client:
-        if stream:
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                lines = response.iter_lines()
-                first = next(line for line in lines if line.startswith("data: "))
-                # the case is the one named: the first token came before the replica died, or after
-                assert marker.with_suffix(".dead").exists() == (die_at == 0), first
-                events = [first.removeprefix("data: ")] + [
-                    line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-        else:
-            response = client.post("/v1/completions", json=body)
-    assert marker.exists()  # a replica did die with the request
-    assert response.status_code == 200
-    if stream:
-        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
-        choices = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
-        text = "".join(c["text"] for c in choices)
-        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
-    else:
-        choice = response.json()["choices"][0]
-        text, tokens = choice["text"], choice["logprobs"]["tokens"]
-    assert text == "abcdefgh" and "".join(tokens) == text
-
-
-def test_a_replica_lost_with_no_retry_left_is_a_503_with_retry_after(url, tmp_path):
-    # replica_loss_retry_s 0: the request is not sent again; the server's state, not a fault of
-    # the request or a bug, so the client is told when to retry (was a 500 naming Ray's error)
-    marker = tmp_path / "died"
-    response = httpx.post(f"{url}/lossy/v1/completions", headers=AUTH, timeout=60,
-                          json=completion(prompt=f"DIE_AT:0:{marker} "))
-    assert marker.exists() and response.status_code == 503, response.text
-    assert int(response.headers["Retry-After"]) >= 1 and "was lost" in response.json()["error"]["message"]
-
-
-def test_the_idle_timeout_does_not_count_the_wait_for_a_slot(url):
-    # the second request waits ~2 s for the replica's one slot, twice the idle timeout: waiting
-    # is not idling (was a 504); once running, its tokens come within the timeout
-    async def both():
-        async with httpx.AsyncClient(base_url=f"{url}/lossy", headers=AUTH, timeout=60) as client:
-            body = completion(prompt="SLOW", max_tokens=40, stream=True)
-            async with client.stream("POST", "/v1/completions", json=body) as first:
-                lines = first.aiter_lines()
-                assert (await anext(lines)).startswith("data: ")  # the first holds the slot
-                started = time.perf_counter()
-                second = await client.post("/v1/completions", json=completion(prompt="SLOW", max_tokens=4))
-                waited = time.perf_counter() - started
-                rest = [line async for line in lines]
-            return first.status_code, rest, second, waited
-
-    status, rest, second, waited = asyncio.run(both())
-    assert status == second.status_code == 200 and "data: [DONE]" in rest, (rest[-3:], second.text)
-    assert waited > 1  # more than the idle timeout, most of it waiting for the slot
-
-
-def test_replica_failure_without_stream_is_a_500(url):
-    response = httpx.post(f"{url}/v1/completions", headers=AUTH, json=completion(prompt="FAIL_RAISE"), timeout=30)
-    assert response.status_code == 500
-    assert response.json()["error"]["type"] == "server_error"
 
 
 def test_backpressure_answers_503_with_retry_after(url):
