@@ -1,10 +1,11 @@
 // pybind11 module `_cpu_forward`: the quantized CPU forward's edge. Arrays must already have
 // the exact dtype, shape and C layout (no silent copies); a wrong one is a ValueError naming
-// the argument. Steps run with the GIL released.
+// the argument. Steps run with the GIL released, one at a time per model.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,6 +41,8 @@ T* checked(py::array& a, const char* name, char dtype, std::vector<py::ssize_t> 
            std::to_string(a.shape(i)));
     }
   }
+  const char order = a.dtype().byteorder(), native = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
+  if (order != '=' && order != '|' && order != native) fail("must be in this machine's byte order");
   if ((a.flags() & py::array::c_style) == 0) fail("must be C-contiguous");
   if (writable && !a.writeable()) fail("must be writable");
   return static_cast<T*>(writable ? a.mutable_data() : const_cast<void*>(a.data()));
@@ -102,6 +105,7 @@ class PyForward {
     const int n = static_cast<int>(tokens.shape(0));
     const Step step = checked_step(n, spans, k_cache, v_cache, block_table, hidden);
     py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> one_step(step_mutex_);
     impl_.forward(tok, n, step.spans, step.num_spans, step.cache, step.out);
   }
 
@@ -113,6 +117,7 @@ class PyForward {
     auto* e = checked<float>(embeds, "embeds", 'f', {n, d});
     const Step step = checked_step(n, spans, k_cache, v_cache, block_table, hidden);
     py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> one_step(step_mutex_);
     impl_.forward_fused(h, e, n, step.spans, step.num_spans, step.cache, step.out);
   }
 
@@ -122,6 +127,7 @@ class PyForward {
     const int rows = static_cast<int>(hidden.shape(0));
     auto* o = checked<float>(out, "out", 'f', {rows, d.vocab_size}, true);
     py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> one_step(step_mutex_);
     impl_.logits(h, rows, o);
   }
 
@@ -140,6 +146,10 @@ class PyForward {
   cpu::LlamaForward impl_;
 
  private:
+  // The thread pool runs one caller's step at a time: two Python threads stepping one model
+  // at once (the GIL released) overwrote each other's pool state and hung.
+  std::mutex step_mutex_;
+
   struct Step {
     const cpu::Span* spans;
     int num_spans;
@@ -223,7 +233,8 @@ py::array_t<float> attend(py::array q, py::array k, py::array v, int first_n_pos
   require(hd > 0 && hd % cpu::kLanes == 0, "q: head_dim must be a multiple of 8");
   auto* kp = checked<uint16_t>(k, "k", 'e', {-1, hd});
   const int n_pos = static_cast<int>(k.shape(0));
-  require(first_n_pos >= 1 && first_n_pos + rows - 1 <= n_pos, "first_n_pos: rows must attend within the given positions");
+  require(first_n_pos >= 1 && int64_t{first_n_pos} + rows - 1 <= n_pos,
+          "first_n_pos: rows must attend within the given positions");
   auto* vp = checked<uint16_t>(v, "v", 'e', {n_pos, hd});
   const cpu::Kernels* kernels = runnable_kernels(isa);
   const int blocks = (n_pos + cpu::kBlock - 1) / cpu::kBlock;

@@ -170,7 +170,7 @@ void LlamaForward::forward_fused(const float* hidden_in, const float* embeds, in
 
 void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const KvCache& cache, float* hidden,
                                const std::function<void(float*)>& input) {
-  require(!layers_.empty() && !layers_.back().qkv.empty(), "model: layers were not set");
+  check_ready();
   const ModelDims& dm = dims_;
   const int d = dm.hidden_size, hd = dm.head_dim, heads = dm.num_heads, kvh = dm.num_kv_heads;
   const int group = heads / kvh, q_size = heads * hd, kv_size = kvh * hd, qkv_n = q_size + 2 * kv_size;
@@ -185,9 +185,9 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
     const Span& s = spans[i];
     require(0 <= s.slot && s.slot < cache.num_slots, "spans: slot " + std::to_string(s.slot) + " out of range");
     require(s.length > 0 && s.start >= 0, "spans: length must be > 0 and start >= 0");
-    require(s.start + s.length <= max_seq_len && s.start + s.length <= dm.max_positions,
-            "spans: positions past the cache or the model's max positions");
-    require(row + s.length <= n, "spans: cover more tokens than given");
+    const int64_t end = int64_t{s.start} + s.length;  // int64: an int sum could wrap past both checks
+    require(end <= max_seq_len && end <= dm.max_positions, "spans: positions past the cache or the model's max positions");
+    require(s.length <= n - row, "spans: cover more tokens than given");
     const int32_t* table = cache.block_table + static_cast<size_t>(s.slot) * cache.blocks_per_slot;
     for (int b = 0; b <= (s.start + s.length - 1) / kBlock; ++b) {
       if (table[b] < 0 || table[b] >= cache.num_pages)  // the message only when it fails: up to 128 blocks a span

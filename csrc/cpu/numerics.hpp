@@ -162,7 +162,13 @@ inline float rms_inverse(float sum_squares, int n, float eps) {
 }
 
 // Per-row quantisation of one block of 32: scale amax / 127, q = round-half-even(x * 127 / amax).
-inline float quant_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+// A block too small for 127 / amax to be finite (amax under about 3.7e-37) quantises to zeros,
+// as an all-zero block does: an infinite inverse made the SIMD paths' q -128 and the scalar's
+// conversion undefined.
+inline float quant_inverse(float amax) {
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  return std::isfinite(inverse) ? inverse : 0.0f;
+}
 
 }  // namespace
 }  // namespace cpu

@@ -184,7 +184,8 @@ class PagedKVCache(SlotTable):
         slot's next block, or one it has whose page is then let go."""
         self._check_allocated(slot)
         pages = self._pages[slot]
-        if not 0 <= block <= len(pages) or not 0 <= page < self.num_pages or not self.refs[page]:
+        if not 0 <= block <= min(len(pages), self.blocks_per_slot - 1) or not 0 <= page < self.num_pages \
+                or not self.refs[page]:
             raise ValueError(f"share: block {block} of slot {slot} ({len(pages)} blocks) to page {page}")
         self.refs[page] += 1
         if block == len(pages):

@@ -112,6 +112,9 @@ def validate_step(cfg: ModelConfig, input_ids: Tensor, spans: Sequence[SeqSpan],
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D [N] (packed), got shape {tuple(input_ids.shape)}")
     validate_spans(spans, input_ids.shape[0], cache)
+    low, high = torch.aminmax(input_ids)  # all before any KV is written (a step may go in several calls)
+    if low < 0 or high >= cfg.vocab_size:
+        raise ValueError(f"input_ids: ids must be in [0, {cfg.vocab_size}), got {int(low)}..{int(high)}")
     if cache.num_layers != cfg.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model {cfg.num_layers}")
     max_end = max(s.start + s.length for s in spans)

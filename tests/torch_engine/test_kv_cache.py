@@ -98,6 +98,13 @@ def test_bad_arguments_are_value_errors():
         cache.reserve(1, 0, 1)
     with pytest.raises(ValueError, match="share: block 1 of slot 0"):
         cache.share(a, 1, 0)  # not its next block
+    full = small()
+    b = full.allocate()
+    full.reserve(b, 0, 128)
+    pages = full.pages_of(b)
+    with pytest.raises(ValueError, match="share: block 4 of slot 0"):
+        full.share(b, 4, pages[0])  # past the slot's last block: nothing changes
+    assert full.pages_of(b) == pages and full.refs[pages[0]] == 1
     with pytest.raises(ValueError, match="hold: page 4 is free"):
         cache.hold(4)
 

@@ -50,6 +50,18 @@ def test_quantize_rows_rounds_to_nearest_within_half_a_step(isa):
     assert np.all(q[0, :32] == 0) and d[0, 0] == 0
 
 
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+def test_a_block_too_small_to_scale_quantizes_to_zeros(isa):
+    """127 / amax overflows under amax ~3.7e-37: the block's codes are 0, as an all-zero
+    block's (they were -128 on the SIMD paths, the scalar path's conversion undefined)."""
+    x = np.zeros((1, 64), np.float32)
+    x[0, :3] = 1e-37, -5e-38, 3e-38
+    x[0, 32] = 1.0
+    q, _, s, total = native.quantize_rows(x, isa)
+    assert not q[0, :32].any() and total[0, 0] == 0 and s[0, 0] == 0
+    assert q[0, 32] == 127
+
+
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 @pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
 def test_linear_against_float64(isa, kind):
@@ -176,11 +188,43 @@ def test_bad_arguments_raise_value_error():
         native.linear(rows, 2, np.zeros((1, 64), np.float32), "scalar")
     with pytest.raises(ValueError, match="unknown or not supported"):
         native.linear(rows, Q8_0, np.zeros((1, 64), np.float32), "neon")
-    with pytest.raises(ValueError, match="first_n_pos"):
-        native.attend(np.zeros((2, 1, 8), np.float32), np.zeros((1, 8), np.float16), np.zeros((1, 8), np.float16), 1,
-                      "scalar")
+    for first_n_pos in (1, 2**31 - 1):  # the second wrapped an int past the check
+        with pytest.raises(ValueError, match="first_n_pos"):
+            native.attend(np.zeros((2, 1, 8), np.float32), np.zeros((1, 8), np.float16),
+                          np.zeros((1, 8), np.float16), first_n_pos, "scalar")
+    with pytest.raises(ValueError, match="x: must be in this machine's byte order"):
+        native.quantize_rows(np.ones((1, 32), ">f4"), "scalar")
     with pytest.raises(ValueError, match="num_threads"):
         native.linear(rows, Q8_0, np.zeros((1, 64), np.float32), "scalar", 0)
+
+
+def test_a_model_not_wholly_set_is_a_value_error():
+    """A step needs every layer and the globals (rope, final norm): a model missing one read
+    empty tables and crashed."""
+    rng = np.random.default_rng(7)
+    d, inter, hd = 64, 96, 32
+    dims = native.ModelDims(vocab_size=64, hidden_size=d, intermediate_size=inter, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=hd, max_positions=64, rms_norm_eps=1e-5)
+    ones, angles = np.ones(d, np.float32), np.zeros((64, hd // 2), np.float32)
+    layer = [ones, ones]
+    for n, k in ((4 * hd, d), (d, 2 * hd), (2 * inter, d), (d, inter)):
+        layer += [quantized(rng, n, k, Q8_0)[0], Q8_0]
+    cache = np.zeros((2, 1, 2, 32, hd), np.float16)
+    step = (np.array([[0, 0, 1]], np.int32), cache, cache.copy(), np.array([[0, 1]], np.int32),
+            np.empty((1, d), np.float32))
+
+    last_layer_only = native.LlamaForward(dims, 1, "scalar")
+    last_layer_only.set_layer(1, *layer)
+    last_layer_only.set_globals(quantized(rng, 64, d, Q8_0)[0], Q8_0, None, Q8_0, ones, np.cos(angles), angles)
+    with pytest.raises(ValueError, match="layer 0 was not set"):
+        last_layer_only.forward(np.zeros(1, np.int32), *step)
+
+    no_globals = native.LlamaForward(dims, 1, "scalar")
+    for i in range(2):
+        no_globals.set_layer(i, *layer)
+    no_globals.set_fusion(ones, ones, quantized(rng, d, 2 * d, Q8_0)[0], Q8_0)
+    with pytest.raises(ValueError, match="set_globals was not called"):
+        no_globals.forward_fused(np.zeros((1, d), np.float32), np.zeros((1, d), np.float32), *step)
 
 
 def test_environment_variable_forces_a_path(monkeypatch):

@@ -7,6 +7,8 @@ requests, a prefill chunk) and however many threads run it. Compared with `torch
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -243,6 +245,34 @@ def test_bad_page_tables_are_value_errors(model):
                                np.array([[2, 0], [2, 1]], np.int32), hidden[:2])
 
 
+def test_spans_past_an_int_are_value_errors(model):
+    """A span's end computed in int wrapped negative, passed every check and crashed."""
+    cfg = model.cfg
+    k = np.zeros((cfg.num_layers, cfg.num_kv_heads, 4, 32, cfg.head_dim), np.float16)
+    table, hidden = np.array([[0, 1, 2, 3]], np.int32), np.empty((1, cfg.hidden_size), np.float32)
+    for spans in ([[0, 2**31 - 1, 1]], [[0, 2**31 - 32, 64]], [[0, 0, 1], [0, 1, 2**31 - 1]]):
+        with pytest.raises(ValueError, match="positions past the cache"):
+            model._forward.forward(np.zeros(1, np.int32), np.array(spans, np.int32), k, k.copy(), table, hidden)
+
+
+def test_two_threads_stepping_one_model_take_turns(model):
+    """Steps release the GIL; the model runs one at a time (two at once hung its pool)."""
+    hidden = torch.from_numpy(np.random.default_rng(8).standard_normal((3, model.cfg.hidden_size), np.float32))
+    want = model.logits(hidden)
+    same = []
+
+    def steps() -> None:
+        same.extend(torch.equal(model.logits(hidden), want) for _ in range(100))
+
+    threads = [threading.Thread(target=steps, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "stepping from two threads hung"
+    assert len(same) == 200 and all(same)
+
+
 def test_a_pool_too_small_for_a_step_is_kv_cache_full(model):
     cache = model.make_cache(2, 128, num_pages=3)
     a, b = cache.allocate(), cache.allocate()
@@ -267,3 +297,11 @@ def test_bad_steps_are_value_errors(model):
         model(random_ids(52, 3), [SeqSpan(slot, 0, 2)], cache)
     with pytest.raises(ValueError, match="tokens: id"):
         model._forward.embed(np.array([49152], dtype=np.int32), np.zeros((1, 576), np.float32))
+    # an id out of range anywhere in a step that goes in several native calls: none is made
+    ids = random_ids(53, native_model.MAX_CHUNK_TOKENS + 8)
+    ids[-1] = model.cfg.vocab_size
+    long_cache = model.make_cache(1, 2 * native_model.MAX_CHUNK_TOKENS)
+    long_slot, k_before = long_cache.allocate(), long_cache.k.view(torch.int16).clone()  # bits: may hold NaNs
+    with pytest.raises(ValueError, match="input_ids: ids must be in"):
+        model(ids, [SeqSpan(long_slot, 0, len(ids))], long_cache)
+    assert long_cache.pages_of(long_slot) == [] and torch.equal(long_cache.k.view(torch.int16), k_before)
