@@ -280,13 +280,14 @@ class StepCosts:
         """The seconds a row adds at the nearest other batch size measured, over this one's
         plain step (its steps' line at that slope; that batch size's own fraction before this
         one has stepped), else DEFAULT_ROW_COST."""
-        others = [b for b in self._row_seconds if b != batch]
+        # list(): stats() reads costs from the event loop's thread while steps add batch sizes
+        others = [b for b in list(self._row_seconds) if b != batch]
         if not others:
             return DEFAULT_ROW_COST
         near = min(others, key=lambda b: (abs(b - batch), b))
         seconds, line = self._row_seconds[near], self._lines.get(batch)
         plain = 0.0 if line is None else (line.time - seconds * line.rows) / line.weight
-        return seconds / plain if plain > 0.0 else self._per_row[near]
+        return seconds / plain if plain > 0.0 else self._per_row.get(near, DEFAULT_ROW_COST)
 
     def ask(self, batch: int) -> float:
         """An ask for one request of a step of `batch`, its catching up aside."""

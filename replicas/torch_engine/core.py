@@ -108,12 +108,12 @@ class EngineCore:
         """One forward for every running request; the deltas it produced."""
         started = time.perf_counter()
         self._step_tokens = 0
+        self._to_feed = []  # not what a step that raised left: its requests were failed and removed
         prefilled = self._admit()
         decoding = [s for s in self.running if s not in prefilled and not s.prefilling and s.finish_reason is None]
         if decoding:
             self._decode(decoding)
         self.suffix.feed(self._to_feed, self.speculation.max_draft_len)
-        self._to_feed = []
         deltas = self._collect()
         self.steps += 1
         elapsed_s = time.perf_counter() - started

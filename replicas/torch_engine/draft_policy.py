@@ -91,8 +91,9 @@ class DraftPolicy:
 
     def mtp_accepted_per_ask(self) -> float:
         """Draft tokens accepted per ask of the head, over every mode's asks (decayed)."""
-        asks = sum(y.asks for y in self.mtp_yield.values())
-        return sum(y.accepted for y in self.mtp_yield.values()) / asks if asks else 0.0
+        yields = list(self.mtp_yield.values())  # stats() asks from the event loop's thread, as steps add modes
+        asks = sum(y.asks for y in yields)
+        return sum(y.accepted for y in yields) / asks if asks else 0.0
 
     def _sa_rate(self, seq: Sequence) -> float:
         return seq.sa_acceptance.rate(seq.sa_match_len, self.sa_acceptance)

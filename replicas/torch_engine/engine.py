@@ -231,6 +231,7 @@ class TorchEngine:
             constraint=constraint,
             sa_prefix=prediction_prefix(prompt_ids, prediction, window - len(prompt_ids) - sampling.max_tokens),
             output_ids=resumed,
+            resumed_tokens=len(resumed),
             num_sent_tokens=len(resumed),
             num_sent_chars=request.resume.text_chars if request.resume is not None else 0,
         )
@@ -249,6 +250,9 @@ class TorchEngine:
             return None
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:
+        if seq.request_id in self._queues:  # generate() checked, but its twin may have started since
+            yield GenerationDelta(seq.request_id, (), "", "error", f"request_id {seq.request_id!r} is already running")
+            return
         queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
         self._queues[seq.request_id] = queue
         self._pending_add.append(seq)

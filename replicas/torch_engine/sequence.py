@@ -57,6 +57,7 @@ class Sequence:
     stop_string: str | None = None  # the stop string that ended it, if one did
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for; none for a final stop id
+    resumed_tokens: int = 0  # output tokens a Resume brought (sent before, by another replica: no logprobs here)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for, until sent
     # text streaming state
     text: str = ""  # decoded output, stop strings cut once finished
@@ -137,7 +138,7 @@ def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int]
         found = find_stop(text, seq.num_sent_chars, seq.sampling.stop, kept)
         if found is not None:
             del seq.output_ids[n:]
-            del seq.logprobs[n:]
+            del seq.logprobs[n - seq.resumed_tokens:]  # n > num_sent_tokens >= resumed_tokens
             return text[: found[0]], found
     raise AssertionError("a stop string found in the text is in none of its prefixes")
 

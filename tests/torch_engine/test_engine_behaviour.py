@@ -16,6 +16,7 @@ from replicas.torch_engine.draft_policy import MTP_OWN_ASKS
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.native_model import DEFAULT_THREADS
 from replicas.torch_engine.request_step import verify_rows
+from replicas.torch_engine.step_drafts import step_drafts
 from tests.polling import async_wait_until
 from tests.torch_engine.engine_util import chat_prompt, collect, request
 
@@ -211,6 +212,34 @@ def test_failure_in_one_request_leaves_others_running(engine, loop, monkeypatch)
     assert idle(engine)
 
 
+def test_a_failed_step_fails_its_requests_and_the_next_ones_run(engine, loop, monkeypatch):
+    """An exception out of a whole step finishes every live request with an error, and the
+    next request runs: the failed step's tokens still queued for the suffix automata go with
+    it (they named automata the failure had removed, and every later step failed feeding them)."""
+    core, failed = engine.core, []
+
+    def flaky(seqs, *args, **kwargs):
+        if core._to_feed and not failed:  # a request prefilled this step, beside one decoding
+            failed.append(True)
+            raise RuntimeError("injected")
+        return step_drafts(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(engine_core, "step_drafts", flaky)
+    prompt = chat_prompt(engine, POEM)
+
+    async def run():
+        decoding = engine.generate(request(prompt, max_tokens=200)).__aiter__()
+        await decoding.__anext__()  # it decodes when the second one joins
+        joined = await collect(engine, request(prompt, max_tokens=8))
+        first = [delta async for delta in decoding][-1]
+        return first, joined[-1], await collect(engine, request(prompt, max_tokens=8))
+
+    first, joined, (tokens, _, after) = loop.run_until_complete(run())
+    assert failed and first.finish_reason == joined.finish_reason == "error" and "injected" in joined.error
+    assert after.finish_reason == "length" and len(tokens) == 8
+    assert idle(engine)
+
+
 @pytest.mark.parametrize("make, field", [
     (lambda: GenerationRequest("x", "hi " * 3000), "prompt"),
     (lambda: GenerationRequest("x", "", SamplingParams()), "prompt"),
@@ -244,6 +273,24 @@ def test_torch_runs_single_threaded_beside_the_native_forward(engine, loop):
         assert later.core.model.num_threads == engine.core.model.num_threads == DEFAULT_THREADS
     finally:
         loop.run_until_complete(later.shutdown())
+
+
+def test_a_request_id_taken_between_generate_and_the_first_delta_is_refused(engine, loop):
+    """generate() refuses a live id at once; a twin made before either stream started is
+    refused when it starts (it took over the first one's queue, which then hung)."""
+    prompt = chat_prompt(engine, POEM)
+    first = engine.generate(request(prompt, max_tokens=4, rid="twin"))
+    second = engine.generate(request(prompt, max_tokens=4, rid="twin"))
+
+    async def run():
+        ones = [await first.__anext__()]  # the first is running when the second starts
+        twos = [d async for d in second]
+        return ones + [d async for d in first], twos
+
+    ones, twos = loop.run_until_complete(asyncio.wait_for(run(), 60))
+    assert ones[-1].finish_reason == "length" and sum(len(d.token_ids) for d in ones) == 4
+    assert [d.finish_reason for d in twos] == ["error"] and "already running" in twos[0].error
+    assert idle(engine)
 
 
 def test_abort_unknown_id_is_a_noop(engine, loop):

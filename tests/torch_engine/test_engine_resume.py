@@ -13,7 +13,7 @@ import json
 import pytest
 
 from replicas.engine import GrammarSpec, RequestError, Resume
-from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, request
+from tests.torch_engine.engine_util import chat_prompt, code_edit_prompts, every_draft, request
 
 pytestmark = pytest.mark.slow  # every test drives the real engine (conftest's `engine`)
 
@@ -72,3 +72,26 @@ def test_a_bad_resume_is_a_request_error(engine, loop, cases):
     with pytest.raises(RequestError, match="grammar"):
         engine.generate(dataclasses.replace(constrained, resume=Resume(tuple(engine.tokenizer.encode("hello")))))
     assert engine.num_live_requests == 0
+
+
+def test_a_resumed_request_stopped_among_accepted_drafts_sends_their_logprobs_as_tokens(engine, loop):
+    """A stop string in a step's accepted drafts cuts the logprobs where it cuts the tokens:
+    counted from the output's start, the resumed tokens among them (which have no logprobs
+    here), the cut fell past the end and the logprobs of the dropped drafts went out."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
+    req = request(chat_prompt(engine, f"Repeat exactly: {words}"), max_tokens=48, mode="sa", logprobs=0)
+    with every_draft(engine):
+        full = deltas(engine, loop, req)
+        for i in range(1, len(full)):
+            stop = engine.tokenizer.decode(full[i].token_ids[1:2]).strip()
+            if len(full[i].token_ids) >= 3 and len(stop) >= 3 and stop not in delivered(full[:i])[1] + full[i].text[:1]:
+                break
+        else:
+            pytest.fail(f"no delta of 3 or more tokens to stop within: {[len(d.token_ids) for d in full]}")
+        stopped = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, stop=(stop,)))
+        whole = delivered(deltas(engine, loop, stopped))
+        before = delivered(full[:i])
+        after = delivered(deltas(engine, loop, dataclasses.replace(
+            stopped, resume=Resume(tuple(before[0]), len(before[1])))))
+    assert len(after[2]) == len(after[0]), (len(after[2]), len(after[0]))
+    assert (before[0] + after[0], before[1] + after[1], before[2] + after[2]) == whole
