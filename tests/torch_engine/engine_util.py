@@ -38,8 +38,9 @@ def code_edit_prompts(engine: TorchEngine, count: int, max_chars: int = 1500) ->
 
 @contextlib.contextmanager
 def every_draft(engine: TorchEngine):
-    """The server's speculation drafting all its rules allow, the server's own again after: the measured draft rule stands a mode down where its drafts do not pay on the
-    machine it runs on, and a test of verifying drafts that drafted none would test nothing."""
+    """The server's speculation drafting all its rules allow, the server's own again after: the
+    measured draft rule stands a mode down where its drafts do not pay on the machine it runs
+    on, and a test of verifying drafts that drafted none would test nothing."""
     engine.configure(dataclasses.replace(engine.config.speculation, adaptive_drafts=False))
     try:
         yield
