@@ -49,17 +49,21 @@ def cases(engine):
 
 
 def test_resuming_after_any_delta_continues_exactly(engine, loop, cases):
-    for name, req in cases:
-        full = deltas(engine, loop, req)
-        tokens, text, logprobs = delivered(full)
-        assert len(full) > 2, name
-        for cut in sorted({1, 2, len(full) // 2, len(full) - 1}):
-            before = delivered(full[:cut])
-            resume = Resume(tuple(before[0]), len(before[1]))
-            after = delivered(deltas(engine, loop, dataclasses.replace(req, resume=resume)))
-            assert before[0] + after[0] == tokens, (name, cut)
-            assert before[1] + after[1] == text, (name, cut)
-            assert before[2] + after[2] == logprobs, (name, cut)
+    drafted = []
+    with every_draft(engine):
+        for name, req in cases:
+            full = deltas(engine, loop, req)
+            tokens, text, logprobs = delivered(full)
+            assert len(full) > 2, name
+            drafted.append(full[-1].speculation["draft_tokens"])
+            for cut in sorted({1, 2, len(full) // 2, len(full) - 1}):
+                before = delivered(full[:cut])
+                resume = Resume(tuple(before[0]), len(before[1]))
+                after = delivered(deltas(engine, loop, dataclasses.replace(req, resume=resume)))
+                assert before[0] + after[0] == tokens, (name, cut)
+                assert before[1] + after[1] == text, (name, cut)
+                assert before[2] + after[2] == logprobs, (name, cut)
+    assert all(drafted), drafted  # each resumed a request that verified drafts
 
 
 def test_a_bad_resume_is_a_request_error(engine, loop, cases):
