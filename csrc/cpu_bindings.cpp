@@ -5,14 +5,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu/kernels.hpp"
 #include "cpu/llama_forward.hpp"
 #include "cpu/numerics.hpp"
+#include "cpu/thread_pool.hpp"
 
 namespace py = pybind11;
 
@@ -275,6 +279,35 @@ py::array_t<uint16_t> to_half(py::array x, const std::string& isa) {
   return out;
 }
 
+// For the pool's test: a loop of n items, one chunk each, on a pool of num_threads, whose
+// first items wait until every thread holds one, and out of which every item that thread
+// `throwing` runs throws. -> (what parallel_for rethrew, "" for nothing; the sum of 0..n-1
+// from a clean loop on the same pool after it).
+py::tuple pool_check(int num_threads, int n, int throwing) {
+  require(n >= num_threads, "n: at least one item per thread");
+  cpu::ThreadPool pool(num_threads);
+  std::string error;
+  std::atomic<int64_t> sum{0};
+  {
+    py::gil_scoped_release release;
+    std::atomic<int> holding{0};
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    try {
+      pool.parallel_for(n, [&](int begin, int, int thread) {
+        if (begin < num_threads && ++holding < num_threads)
+          while (holding < num_threads && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+        if (thread == throwing) throw std::runtime_error("item " + std::to_string(begin) + " failed");
+      }, n);
+    } catch (const std::runtime_error& e) {
+      error = e.what();
+    }
+    pool.parallel_for(n, [&](int begin, int end, int) {
+      for (int i = begin; i < end; ++i) sum += i;
+    });
+  }
+  return py::make_tuple(error, sum.load());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_forward, m) {
@@ -319,5 +352,6 @@ PYBIND11_MODULE(_cpu_forward, m) {
   m.def("linear", &linear, py::arg("weights"), py::arg("type"), py::arg("x"), py::arg("isa"), py::arg("num_threads") = 1);
   m.def("attend", &attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("first_n_pos"), py::arg("isa"));
   m.def("silu_mul", &silu_mul, py::arg("g"), py::arg("u"), py::arg("isa"));
+  m.def("pool_check", &pool_check, py::arg("num_threads"), py::arg("n"), py::arg("throwing"));
   m.def("to_half", &to_half, py::arg("x"), py::arg("isa"), "fp16 bits of x, as the KV cache stores them");
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace cpu {
 namespace {
@@ -59,8 +60,12 @@ void ThreadPool::run_chunks(uint32_t generation, int thread) {
     if (!state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel)) continue;
     const int begin = static_cast<int>(static_cast<int64_t>(n) * chunk / chunks);
     const int end = static_cast<int>(static_cast<int64_t>(n) * (chunk + 1) / chunks);
-    (*fn)(begin, end, thread);
-    done_.fetch_add(1, std::memory_order_acq_rel);
+    try {
+      (*fn)(begin, end, thread);
+    } catch (...) {  // the loop's other chunks still run: the caller's fn outlives none of them
+      if (!failed_.exchange(true)) error_ = std::current_exception();
+    }
+    done_.fetch_add(1, std::memory_order_acq_rel);  // publishes error_ to the caller
   }
 }
 
@@ -88,6 +93,10 @@ void ThreadPool::parallel_for(int n, const Fn& fn, int chunks) {
     } else {
       std::this_thread::yield();
     }
+  }
+  if (failed_.load(std::memory_order_relaxed)) {
+    failed_.store(false, std::memory_order_relaxed);
+    std::rethrow_exception(std::exchange(error_, nullptr));
   }
 }
 

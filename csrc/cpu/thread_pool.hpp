@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -32,7 +33,9 @@ class ThreadPool {
   // fn(begin, end, thread) over chunks of [0, n); returns when all are done. `thread` is the
   // participant's index in [0, size()) (for per-thread scratch). `chunks` (0: one per thread)
   // is how many pieces [0, n) is cut into: n, for a few large items, keeps any two threads'
-  // shares within one item of each other. Not reentrant.
+  // shares within one item of each other. An exception out of fn ends its chunk; the others
+  // run, then the first one thrown is rethrown here (in a worker it had ended the process).
+  // Not reentrant.
   void parallel_for(int n, const Fn& fn, int chunks = 0);
 
   // No loop is coming soon (a step ended): workers sleep now instead of spinning, leaving
@@ -56,6 +59,8 @@ class ThreadPool {
   alignas(64) std::atomic<int> done_{0};
   alignas(64) std::atomic<bool> stop_{false}, park_{false};
   std::atomic<int> sleepers_{0};  // workers waiting on wake_: a loop takes the lock only for them
+  std::atomic<bool> failed_{false};  // a chunk of this loop threw: error_ holds the first exception
+  std::exception_ptr error_;
   alignas(64) std::mutex mutex_;
   std::condition_variable wake_;
 };

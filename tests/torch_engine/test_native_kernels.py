@@ -227,6 +227,15 @@ def test_a_model_not_wholly_set_is_a_value_error():
         no_globals.forward_fused(np.zeros((1, d), np.float32), np.zeros((1, d), np.float32), *step)
 
 
+@pytest.mark.parametrize("throwing", [0, 1], ids=["the caller's chunk", "a worker's chunk"])
+def test_an_exception_in_a_parallel_loop_is_raised_by_the_loop(throwing):
+    """A chunk that throws ends only itself: the others run, the loop raises the first
+    exception (a worker's ended the process; the caller's left the workers running its freed
+    function), and the pool serves the next loop."""
+    assert native.pool_check(2, 16, throwing) == (f"item {throwing} failed", sum(range(16)))
+    assert native.pool_check(2, 16, throwing=5) == ("", sum(range(16)))  # no thread 5: nothing thrown
+
+
 def test_environment_variable_forces_a_path(monkeypatch):
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "scalar")
     assert native.best_isa() == "scalar"
