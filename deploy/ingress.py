@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import FastAPI
@@ -61,6 +63,12 @@ class Ingress:
         self._tokenizer = None
         self._created = int(time.time())
         self.stored = KeptResponses(store, config.stored_responses)
+        # Prompts are rendered and tokenized here, off the event loop: a 1 MB chat takes the
+        # better part of a second, which on the loop held every other client's stream.
+        self._prompts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompts")
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, functools.partial(fn, *args))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -100,7 +108,7 @@ class Ingress:
         self._served(body.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
-        requests = engine_requests(request_id, tokenizer, body, self.config)
+        requests = await self._off_loop(engine_requests, request_id, tokenizer, body, self.config)
         chat = isinstance(body, ChatCompletionRequest)
         num_top = requests[0].sampling.logprobs
         output = fmt.Output(kind, num_top is not None, chat and bool(body.functions),
@@ -211,7 +219,8 @@ class Ingress:
         """vLLM's `POST /tokenize`: a prompt or a chat as its completion would tokenize it."""
         if body.model is not None:
             self._served(body.model)
-        return tokenizing.tokenize(await self.tokenizer(), body, self.config.model_name, self.config.max_seq_len)
+        return await self._off_loop(tokenizing.tokenize, await self.tokenizer(), body, self.config.model_name,
+                                    self.config.max_seq_len)
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         if body.model is not None:
@@ -222,7 +231,8 @@ class Ingress:
         """`POST /v1/messages/count_tokens`: the prompt's tokens, as `message` would render them."""
         self._served(body.model)
         try:
-            return {"input_tokens": len(prompt_token_ids(await self.tokenizer(), messages.chat_request(body)))}
+            ids = await self._off_loop(prompt_token_ids, await self.tokenizer(), messages.chat_request(body))
+            return {"input_tokens": len(ids)}
         except ApiError as exc:
             raise exc.renamed(messages.FIELDS) from None
 
@@ -239,7 +249,7 @@ class Ingress:
             def build(c: ChatCompletionRequest) -> GenerationRequest:
                 return generation_request(request_id, tokenizer, c, self.config)
 
-            request = build(chat) if fit is None else fit(build)
+            request = await (self._off_loop(build, chat) if fit is None else self._off_loop(fit, build))
             return request, await self._replicas.open(request, routing), routing
         except ApiError as exc:
             raise exc.renamed(fields) from None
@@ -297,13 +307,16 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs
                 events.put_nowait(exc)
 
+        def sse(chunk: dict) -> str:  # with include_usage, every chunk but the last has usage null (OpenAI's)
+            return fmt.sse({**chunk, "usage": None} if include_usage else chunk)
+
         tasks = [asyncio.ensure_future(choice(i)) for i in range(len(requests))]
         try:
             try:
                 if kind == "chat":  # content null where the answer may be calls alone, as OpenAI's
                     opening = None if output.tools else ""
                     for i in range(len(requests)):
-                        yield fmt.sse(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i))
+                        yield sse(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i))
                 finished = 0
                 while finished < len(requests):
                     event = await events.get()
@@ -311,8 +324,8 @@ class Ingress:
                         raise event
                     if event is None:
                         finished += 1
-                    else:  # with include_usage, every chunk but the last has usage null (OpenAI's)
-                        yield fmt.sse({**event, "usage": None} if include_usage else event)
+                    else:
+                        yield sse(event)
                 if include_usage:
                     yield fmt.sse(fmt.usage_chunk(kind, response_id, created, model, accs, n))
             except ApiError as exc:  # the body a non-stream failure has (its code a string or null)

@@ -190,7 +190,8 @@ def generation_request(
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-            top_k=max(request.top_k, 0), seed=request.seed, stop=request.stop_strings, stop_after=stop_after,
+            top_k=max(request.top_k, 0), seed=None if request.seed is None else request.seed % 2**63,
+            stop=request.stop_strings, stop_after=stop_after,
             stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos, logprobs=logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias, repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens,

@@ -162,7 +162,7 @@ class _Sampling(RequestModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    seed: Optional[int] = Field(None, ge=-2**63, le=2**63 - 1)  # OpenAI's int64; the engine's seed is it mod 2^63
     stop: Optional[Union[Text, List[Text]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -206,7 +206,8 @@ class _Sampling(RequestModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, bias):
-        if bias and not all(key.isascii() and key.isdigit() for key in bias):
+        # a token id's few digits: int() refuses over 4,300 (a 500, named nowhere)
+        if bias and not all(key.isascii() and key.isdigit() and len(key) <= 18 for key in bias):
             raise ValueError("keys must be token ids (decimal digits)")
         return bias
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from typing import Annotated, Any, Callable, List, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Union
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
@@ -65,6 +65,7 @@ class InputMessage(RequestModel):
     content: Union[Text, Annotated[List[ContentPart], Field(min_length=1)]]  # as a chat message's
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
+    phase: Optional[Literal["commentary", "final_answer"]] = None  # an earlier answer's, as dumped back (unread)
 
     @property
     def text(self) -> str:
@@ -80,6 +81,10 @@ class FunctionCallItem(RequestModel):
     arguments: Text
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
+    # what the SDK's ResponseFunctionToolCall carries back (unread: the tools here are flat)
+    async_: Optional[bool] = Field(None, alias="async")
+    caller: Optional[Dict[str, Any]] = None
+    namespace: Optional[str] = None
 
 
 class FunctionCallOutputItem(RequestModel):
@@ -90,6 +95,9 @@ class FunctionCallOutputItem(RequestModel):
     output: Union[Text, List[InputText]]
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
+    caller: Optional[Dict[str, Any]] = None  # as the SDK's input type has them (unread)
+    name: Optional[str] = None
+    namespace: Optional[str] = None
 
     @property
     def text(self) -> str:
@@ -290,9 +298,12 @@ def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[C
     With `truncation: "auto"`, a chat whose prompt is too long for the context window
     (`context_length_exceeded`) loses its oldest turns instead, whole (a turn starts at a user
     message, so no call is parted from its result), the system and developer messages among
-    them kept: the longest such chat that fits, found by bisection, and its messages (what a
-    stored response keeps, so a long chain stays one context window per response). One that
-    cannot fit however short is the latest turn's error."""
+    them kept: the longest such chat that fits, and its messages (what a stored response keeps,
+    so a long chain stays one context window per response). One that cannot fit however short
+    is the latest turn's error. The search gallops back from the latest turn, each try keeping
+    twice the turns, to the first too long, then bisects: no chat it renders has more than
+    twice the turns of one that fits but the whole (bisecting from the whole chat rendered half
+    of it first, a 750 KB one of 20,000 messages in about 10 s)."""
     try:
         return build(chat), messages
     except ApiError as exc:
@@ -300,20 +311,25 @@ def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[C
             raise
         too_long = exc
     starts = [i for i, m in enumerate(messages) if m.role == "user" and i > 0]
+    low, high, best = 0, len(starts) - 1, None  # the earliest turn that fits is in [low, high + 1]
 
-    def from_turn(k: int) -> tuple[GenerationRequest, List[ChatMessage]]:  # the chat from starts[k] on
+    def fits(k: int) -> bool:  # the chat from starts[k] on; where it fits, `best` and high below k
+        nonlocal low, high, best, too_long
         kept = [m for m in messages[:starts[k]] if m.role in ("system", "developer")] + messages[starts[k]:]
-        return build(chat_request(body, kept)), kept
-
-    low, high, best = 0, len(starts) - 1, None  # bisect for the earliest turn that fits
-    while low <= high:
-        mid = (low + high) // 2
         try:
-            best, high = from_turn(mid), mid - 1
+            best, high = (build(chat_request(body, kept)), kept), k - 1
+            return True
         except ApiError as exc:
             if exc.code != "context_length_exceeded":
                 raise
-            too_long, low = exc, mid + 1
+            too_long, low = exc, k + 1
+            return False
+
+    span = 1
+    while low <= high and fits(max(high + 1 - span, low)):
+        span *= 2
+    while low <= high:
+        fits((low + high) // 2)
     if best is None:
         raise too_long
     return best

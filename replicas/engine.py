@@ -108,6 +108,11 @@ class RequestSpeculation:
     max_draft_len: Optional[Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN, strict=True)]] = None  # "3" is no count
 
 
+# Under this a temperature samples as greedy (vLLM's threshold): the scaled logits of a tiny
+# one overflow float32 (garbage tokens at 1e-38), and the limit is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -155,6 +160,8 @@ class SamplingParams:
                  "token ids must be >= 0 and biases in [-100, 100]")
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:  # logits / 1e-38 overflow float32: as vLLM, greedy
+            object.__setattr__(self, "temperature", 0.0)
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         _require(all(s for s in self.stop), "stop", "stop strings must be non-empty")

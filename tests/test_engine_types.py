@@ -77,6 +77,12 @@ def test_edge_values_are_accepted(cls, kwargs):
         assert getattr(value, name) == given
 
 
+def test_a_temperature_too_small_to_scale_logits_samples_as_greedy():
+    """Logits over 1e-38 overflow float32 (garbage tokens); under 1e-5 a request is greedy."""
+    assert SamplingParams(temperature=1e-38).temperature == SamplingParams(temperature=9e-6).temperature == 0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
 @pytest.mark.parametrize("cls", [SamplingParams, SpeculationConfig, RequestSpeculation])
 def test_configs_are_frozen(cls):
     value = cls()

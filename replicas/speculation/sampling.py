@@ -24,6 +24,7 @@ from replicas.engine import TokenLogprob
 # some row's nucleus is larger: a partial top-k over a 49k vocabulary is ~10x cheaper than
 # a full sort, and nuclei are usually small.
 _NUCLEUS_CANDIDATES = (256, 4096)
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def greedy_tokens(logits: Tensor) -> list[int]:
@@ -86,7 +87,9 @@ def _top_k_top_p(scaled: Tensor, top_p: float, top_k: int) -> Tensor:
     if top_p < 1:
         # A token stays while the mass strictly before it is short of top_p: that is the
         # smallest prefix reaching top_p, and the first token (mass before it 0) always stays.
-        kept_probs = kept_probs.masked_fill(cum_probs - kept_probs >= top_p, 0.0)
+        dropped = cum_probs - kept_probs >= top_p
+        dropped[:, 0] = False  # also where top_p is under float32's least (it compared as 0)
+        kept_probs = kept_probs.masked_fill(dropped, 0.0)
         kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(scaled).scatter_(-1, kept_ids, kept_probs)
 
@@ -122,7 +125,8 @@ def repetition_penalize_(logits: Tensor, seen: Sequence[int], draft: Sequence[in
     for row in range(len(draft) + 1):
         ids = torch.tensor(sorted(token_ids), dtype=torch.long, device=logits.device)
         values = logits[row, ids]
-        logits[row, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        # finite: a penalty under float32's least divided by 0 (inf logits, NaN probabilities)
+        logits[row, ids] = torch.where(values > 0, values / penalty, values * penalty).clamp(-_F32_MAX, _F32_MAX)
         if row < len(draft):
             token_ids.add(int(draft[row]))
     return logits

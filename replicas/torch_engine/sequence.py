@@ -135,12 +135,20 @@ def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int]
     on speculation. -> (the text cut at the stop, find_stop's hit)."""
     for n in range(seq.num_sent_tokens + 1, len(ids) + 1):
         text = seq.settled_text + detokenizer.decode(ids[seq.settled_tokens:n])
-        found = find_stop(text, seq.num_sent_chars, seq.sampling.stop, kept)
+        found = find_stop(_whole_characters(text, n == len(ids) and seq.finish_reason is not None),
+                          seq.num_sent_chars, seq.sampling.stop, kept)
         if found is not None:
             del seq.output_ids[n:]
             del seq.logprobs[n - seq.resumed_tokens:]  # n > num_sent_tokens >= resumed_tokens
             return text[: found[0]], found
     raise AssertionError("a stop string found in the text is in none of its prefixes")
+
+
+def _whole_characters(text: str, final: bool) -> str:
+    """What a stop string may match in an output's text: until the output ends, a trailing
+    U+FFFD is (taken for) the bytes of a character still incomplete ("\ufffd" as a stop string
+    fired on an emoji's first byte)."""
+    return text if final else text.rstrip("\ufffd")
 
 
 def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | None:
@@ -156,7 +164,7 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     text = seq.settled_text + tail
     stops = seq.sampling.stop
     kept = seq.sampling.stop_after if seq.constraint is None else ()  # a grammar ends the text itself
-    found = find_stop(text, seq.num_sent_chars, stops, kept)
+    found = find_stop(_whole_characters(text, seq.finish_reason is not None), seq.num_sent_chars, stops, kept)
     if found is not None:
         text, found = _stop_at_first_token(seq, detokenizer, ids, kept)
         seq.finish_reason, seq.stop_string = "stop", found[1]

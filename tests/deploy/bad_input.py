@@ -109,6 +109,8 @@ BAD_INPUT = [
     ("logit_bias key not a token id", "/v1/completions", completion(logit_bias={"x": 1}), {}, 400, "logit_bias"),
     ("logit_bias over 100", "/v1/chat/completions", chat(logit_bias={"5": 101}), {}, 400, "logit_bias"),
     ("logit_bias past the vocabulary", "/v1/completions", completion(logit_bias={"999": 1}), {}, 400, "logit_bias"),
+    ("logit_bias key of 5,000 digits", "/v1/chat/completions", chat(logit_bias={"9" * 5000: 1}), {}, 400,
+     "logit_bias"),  # int() refuses it: was a 500
     ("tokenize: neither prompt nor messages", "/tokenize", {"text": "hi"}, {}, 400, "prompt"),
     ("tokenize: empty messages", "/tokenize", {"messages": []}, {}, 400, "messages"),
     ("tokenize: unknown model", "/tokenize", {"model": "gpt-9", "prompt": "hi"}, {}, 404, "model"),

@@ -102,11 +102,15 @@ def test_completion_streamed_equals_plain_equals_engine(client, reference):
 def test_chat_streamed_equals_plain_equals_engine(client, reference):
     plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
     streamed, chunks = stream_text(client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True), chat=True)
+        model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}),
+        chat=True)
     rendered = reference.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert plain.choices[0].message.content == streamed == reference(rendered, 24)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (plain.usage.prompt_tokens, plain.usage.completion_tokens)
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # the role's chunk too
 
 
 def test_chat_continues_a_prefilled_answer(client, reference):

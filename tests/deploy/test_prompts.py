@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pydantic
 import pytest
 
 from deploy.config import AppArgs, IngressConfig
@@ -141,6 +142,17 @@ def test_an_answer_of_one_call_at_most_ends_at_its_close_tag(chatml, choice, par
     sampling = generation_request("r", chatml, request_, IngressConfig.from_args(AppArgs())).sampling
     assert sampling.stop_after == (("</tool_call>",) if ends else ())
     assert sampling.stop == ()
+
+
+def test_a_seed_is_openais_int64_taken_mod_2_to_the_63(chatml):
+    """OpenAI's seed is any int64 (a negative one was a 400); the engine's is it mod 2^63, so
+    choice 0 of n samples as the request alone does."""
+    config = IngressConfig.from_args(AppArgs())
+    seeds = {seed: generation_request("r", chatml, chat(seed=seed), config).sampling.seed
+             for seed in (-1, -2**63, 0, 2**63 - 1)}
+    assert seeds == {-1: 2**63 - 1, -2**63: 0, 0: 0, 2**63 - 1: 2**63 - 1}
+    with pytest.raises(pydantic.ValidationError, match="seed"):
+        chat(seed=-2**63 - 1)
 
 
 def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(chatml):

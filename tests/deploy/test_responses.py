@@ -116,6 +116,22 @@ def test_a_chat_too_long_without_auto_truncation_or_even_its_last_turn_is_the_er
         fitted(auto, chat_request(auto, messages), messages, _window(5))
 
 
+def test_auto_truncation_of_a_long_chat_renders_little_more_than_what_fits():
+    """Past the whole chat, no chat tried is over twice the turns of the one kept (bisecting from
+    the whole chat rendered half of it first: 10 s of the Ingress for 20,000 messages)."""
+    body = ResponsesRequest(model="m", truncation="auto", input=_turns(*(f"{i:03d}" for i in range(300))))
+    messages, tried = conversation(body, []), []
+    window = _window(60)
+
+    def build(chat):
+        tried.append(len(chat.messages))
+        return window(chat)
+
+    _, kept = fitted(body, chat_request(body, messages), messages, build)
+    assert len(kept) == 12 and tried[0] == len(messages) == 600  # 6 turns of "294?|294", joined by "|"
+    assert max(tried[1:]) <= 2 * len(kept) and len(tried) < 12
+
+
 class _GoneStore:
     """A fake handle to the ResponseStore deployment whose replica cannot be reached."""
 

@@ -140,7 +140,7 @@ def test_a_forced_function_call_and_its_round_trip(agent_client, stream):
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 18}'}
     answer = dict(model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=40)
     whole = agent_client.responses.create(**answer, input=[
-        {"role": "user", "content": ASK_WEATHER}, *[item.model_dump(exclude_none=True) for item in response.output],
+        {"role": "user", "content": ASK_WEATHER}, *[item.model_dump() for item in response.output],  # nulls too
         result])
     chained = agent_client.responses.create(**answer, input=[result], previous_response_id=response.id)
     # the call named by its id, as the Vercel AI SDK sends a stored one back
@@ -158,7 +158,7 @@ def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cac
     first = agent_client.responses.create(**ask, input=question)
     follow = {"role": "user", "content": "Now explain it to a five-year-old."}
     whole = agent_client.responses.create(**ask, input=[{"role": "user", "content": question},
-                                                  *[item.model_dump(exclude_none=True) for item in first.output],
+                                                  *[item.model_dump() for item in first.output],
                                                   follow])
     chained = agent_client.responses.create(**ask, input=[follow], previous_response_id=first.id)
     assert chained.output_text == whole.output_text and chained.usage.input_tokens == whole.usage.input_tokens

@@ -52,6 +52,7 @@ def logits_from_probs(probs) -> torch.Tensor:
         ([0.1, 0.4, 0.2, 0.3], 0, 0.95, {0, 1, 2, 3}),
         ([0.1, 0.4, 0.2, 0.3], 0, 1e-6, {1}),  # the top token is always kept
         ([0.9, 0.05, 0.05], 0, 1e-6, {0}),
+        ([0.1, 0.4, 0.2, 0.3], 0, 1e-46, {1}),  # under float32's least: it compared as 0 and dropped all
         # top-p runs on the top-k distribution: 0.4/0.7 = 0.57 >= 0.5 keeps one token here,
         # while on the full distribution 0.4 < 0.5 would keep two.
         ([0.1, 0.4, 0.2, 0.3], 2, 0.5, {1}),
@@ -130,6 +131,16 @@ def test_repetition_penalty_row_i_sees_the_draft_before_it():
         assert torch.equal(out[row], expected), row
         plain = repetition_penalize_(logits[row:row + 1].clone(), seen + draft[:row], [], 1.5)
         assert torch.equal(out[row], plain[0]), row
+
+
+def test_a_penalty_under_float32s_least_leaves_finite_logits():
+    """repetition_penalty is in (0, 2]: 1e-300 is 0 in float32, and a positive logit over it
+    was inf (NaN probabilities, garbage tokens); it is float32's largest instead."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = repetition_penalize_(logits.clone(), [0, 1, 3], [], 1e-300)
+    assert torch.isfinite(out).all() and out[0, 1] == 0 and out[0, 0] == out[0, 3] == torch.finfo(torch.float32).max
+    probs = sampling_probs(out, 1.0, 0.9, 0)
+    assert torch.isfinite(probs).all() and set(torch.nonzero(probs[0]).flatten().tolist()) <= {0, 3}
 
 
 def test_hold_stops_masks_only_the_positions_below_min_tokens():

@@ -69,3 +69,27 @@ def test_space_clean_up_decodes_the_whole_output(tokenizer):
     cleaning = copy.deepcopy(tokenizer)
     cleaning.clean_up_tokenization_spaces = True  # " ." -> "." joins across any split
     assert not Detokenizer.for_tokenizer(cleaning).joins
+
+
+def test_a_stop_string_matches_whole_characters_not_an_incomplete_ones_bytes(tokenizer):
+    """Until its last byte comes, a character decodes to U+FFFD: a stop string "\ufffd" fired
+    on an emoji's first byte. A U+FFFD the output holds still stops it."""
+    detokenizer = Detokenizer.for_tokenizer(tokenizer)
+
+    def one_token_a_step(text: str) -> Sequence:
+        ids = tokenizer.encode(text)
+        seq = Sequence("r", 0, [1], SamplingParams(max_tokens=len(ids), stop=("\ufffd",)), RequestSpeculation(),
+                       None, frozenset())
+        for token in ids:
+            seq.append([token])
+            release_text(seq, detokenizer)
+            if seq.finish_reason is not None:
+                return seq
+        raise AssertionError("the output did not end")
+
+    emoji = one_token_a_step("🐶🐱🐭")
+    assert len(tokenizer.encode("🐶🐱🐭")) > 3  # characters split across tokens
+    assert (emoji.finish_reason, emoji.stop_string, emoji.text) == ("length", None, "🐶🐱🐭")
+    real = one_token_a_step("a\ufffdbc")
+    assert (real.finish_reason, real.stop_string, real.text) == ("stop", "\ufffd", "a")
+
