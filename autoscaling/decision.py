@@ -212,7 +212,9 @@ def decide(signals: Signals, current_replicas: int, config: PolicyConfig) -> int
         wanted = math.ceil(equivalent / per_replica)
         if wanted < current_replicas:
             keep = math.ceil(equivalent / (per_replica * (1.0 - config.downscale_tolerance)))
-            bounded = math.ceil(current_replicas * (1.0 - config.max_scale_in))
+            # at least one less: under max_scale_in 0.5 the ceil kept a small fleet whole, never
+            # scaling in even with no load (0.1 held 6 replicas at 6)
+            bounded = min(current_replicas - 1, math.ceil(current_replicas * (1.0 - config.max_scale_in)))
             wanted = min(current_replicas, max(wanted, keep, bounded))
         # ... but never fewer than hold today's requests at the gate: a fleet tipped over it
         # decodes several times slower, so without room its backlog never drains

@@ -118,10 +118,13 @@ class AcceptanceAwarePolicy:
         if config.target_ongoing_requests is None:
             serve_target = ctx.config.get_target_ongoing_requests() if ctx.config is not None else None
             config = dataclasses.replace(config, target_ongoing_requests=float(serve_target or 2.0))
-        reported = [g for g in ((ctx.aggregated_metrics or {}).get(BATCH_GATE) or {}).values()
-                    if g is not None and gates_by_batch(round(g))]
+        # each a mean over Serve's look-back window: rounded before it is judged, or a gate
+        # turned on from 0 (off) read 0.6, passed as 1 and failed PolicyConfig as 0
+        reported = [round(g) for g in ((ctx.aggregated_metrics or {}).get(BATCH_GATE) or {}).values()
+                    if g is not None]
+        reported = [g for g in reported if gates_by_batch(g)]
         if reported and self.gate_from_replicas:
-            config = dataclasses.replace(config, batch_gate=int(min(reported)))
+            config = dataclasses.replace(config, batch_gate=min(reported))
         return config
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict[str, Any]]:

@@ -117,8 +117,18 @@ class ReplicaStreams:
             logger.warning("request %s lost its replica after %d tokens (%s); resuming it",
                            request.request_id, len(acc.token_ids), type(exc).__name__)
             self._count_retry("resume")
-            return await self.open(dataclasses.replace(request, resume=Resume(tuple(acc.token_ids), len(acc.text))),
-                                    routing)
+            # an id of its own: a replica that only seemed lost may still run the first attempt
+            resumed = dataclasses.replace(request, request_id=f"{request.request_id}-at{len(acc.token_ids)}",
+                                          resume=Resume(tuple(acc.token_ids), len(acc.text)))
+            try:
+                return await self.open(resumed, routing)
+            except ApiError as refused:
+                if refused.status != 400:
+                    raise
+                # the engine cannot continue it (TensorRT-LLM's cannot yet): the replica was lost,
+                # as without a retry, not a fault of the client's request (was a 400 naming resume)
+                logger.warning("request %s could not be resumed: %s", request.request_id, refused.message)
+                raise server_error(exc) from exc
 
     async def deltas(self, request: GenerationRequest, stream, delta: GenerationDelta, acc: fmt.Accumulated,
                       routing: asyncio.Lock) -> AsyncIterator[GenerationDelta]:

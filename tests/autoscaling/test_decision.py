@@ -53,6 +53,9 @@ CASES = [
     # a shrink removes at most max_scale_in of the running replicas: a dip is not a level
     ("a dip halves at most", sig(2, fleet(3.0,) * 10), 10, HALVING, 5),
     ("halving rounds up", sig(0, fleet(3.0,) * 5), 5, HALVING, 3),
+    # a share that rounds to no replica still removes one: the ceil kept a small fleet whole
+    ("a tenth of 6 is still one", sig(0, fleet(3.0,) * 6), 6, dataclasses.replace(CFG, max_scale_in=0.1), 5),
+    ("a third of 2 is still one", sig(0, fleet(3.0,) * 2), 2, dataclasses.replace(CFG, max_scale_in=0.3), 1),
     ("a small shrink is not held back", sig(26, fleet(3.0,) * 10), 10, HALVING, 9),  # ceil(26/3.2)=9
     ("packing is not bounded (Serve's rule)", sig(2, fleet(1.5,) * 10), 10, HALVING, 1),
     # bounds

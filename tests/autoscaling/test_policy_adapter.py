@@ -140,6 +140,19 @@ def test_gate_comes_from_the_replicas_unless_pinned():
     assert replicas == 5
 
 
+def test_a_gate_just_turned_on_reads_as_its_rounded_window_mean():
+    """A replica's gate is a mean over Serve's look-back window: turned on from 0 (off), it reads
+    0.6 for a while, which passed as a gate and failed the policy (Serve then skipped the
+    application's update, every tick of it)."""
+    config = AutoscalingConfig(
+        min_replicas=1, max_replicas=20, target_ongoing_requests=8, upscale_delay_s=0, downscale_delay_s=0,
+        policy=AutoscalingPolicy(policy_function="autoscaling.policy:AcceptanceAwarePolicy",
+                                 policy_kwargs={"gate_fill": 1.0}))
+    for mean, replicas in ((0.4, 3), (0.6, 18), (0.9, 18), (1.4, 18), (2.6, 6)):
+        per_replica = [stats(3.0) | {"batch_gate": mean}] * 3
+        assert serve_policy(config)(context(config, 18, per_replica))[0] == replicas, mean
+
+
 def test_replicas_that_do_not_gate_neither_set_the_gate_nor_make_it_spread():
     config = AutoscalingConfig(
         min_replicas=1, max_replicas=20, target_ongoing_requests=8, upscale_delay_s=0, downscale_delay_s=0,

@@ -5,7 +5,7 @@ FakeEngine implements the Engine protocol the way TorchEngine behaves at its edg
 with a ChatML-like template. Prompts steer it: "FAIL_RAISE" raises mid-stream,
 "FAIL_DELTA" ends with an error delta, "SLOW" emits a token every 50 ms, "DIE_AT:<k>:<path>"
 kills its replica's process at token k unless <path> exists (it creates it, and <path>.dead as
-it dies), "ECHO:<text>"
+it dies), "NO_RESUME" refuses a `Resume` as TensorRT-LLM's engine does, "ECHO:<text>"
 answers the rest of its message (a character a token, then "stop"; up to a stop string or
 through a `stop_after` one, as engines end it) instead of the alphabet, and "SETTINGS" a hex
 digest of what shapes an engine's output (sampling, speculation, grammar): two requests asking
@@ -91,6 +91,8 @@ class FakeEngine:
             raise RequestError(request.grammar.param, "the fake engine does not constrain output")
         if request.sampling.prompt_logprobs is not None:  # as TensorRT-LLM's does
             raise RequestError("prompt_logprobs", "the fake engine does not score prompts")
+        if request.resume is not None and "NO_RESUME" in self.tokenizer.decode(ids):  # as TensorRT-LLM's does
+            raise RequestError("resume", "the fake engine cannot continue an interrupted request")
         return self._stream(request, self.tokenizer.decode(ids), len(ids))
 
     async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):

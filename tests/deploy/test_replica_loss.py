@@ -158,6 +158,26 @@ def test_a_replica_lost_costs_only_latency(url, tmp_path, stream, die_at):
     assert_counted_once(before, "retry" if die_at == 0 else "resume")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_lost_mid_stream_by_an_engine_that_cannot_resume_is_the_loss_not_a_400(url, tmp_path, stream):
+    """TensorRT-LLM's engine refuses a `Resume`: the client is told the replica was lost (a 503,
+    or its error event once tokens went out), not that its request was bad (a 400 naming resume)."""
+    marker = tmp_path / "died"
+    before = settled_pair_retries()
+    body = completion(prompt=f"DIE_AT:3:{marker} NO_RESUME", max_tokens=8, stream=stream)
+    response = httpx.post(f"{url}/pair/v1/completions", headers=AUTH, json=body, timeout=120)
+    assert marker.exists()
+    if stream:
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        error = json.loads(events[-2])["error"]
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        assert error["type"] == "service_unavailable" and "was lost" in error["message"], error
+    else:
+        assert response.status_code == 503 and "was lost" in response.json()["error"]["message"], response.text
+        assert int(response.headers["Retry-After"]) >= 1
+    assert_counted_once(before, "resume")  # it was tried
+
+
 def test_a_replica_lost_with_no_retry_left_is_a_503_with_retry_after(url, tmp_path):
     # replica_loss_retry_s 0: the request is not sent again; the server's state, not a fault of
     # the request or a bug, so the client is told when to retry (was a 500 naming Ray's error)
