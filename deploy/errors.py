@@ -143,8 +143,9 @@ def validation_error(exc: RequestValidationError, content_type: str = "applicati
 
 
 def http_error(exc: StarletteHTTPException) -> ApiError:
-    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for bad UTF-8
-        return ApiError(400, "malformed JSON body: not valid UTF-8 JSON")
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, past json's errors
+        return ApiError(400, "malformed JSON body: not readable as JSON (not UTF-8, nested too deep, an integer "
+                             "of over 4,300 digits, or compressed: no Content-Encoding is decoded)")
     return ApiError(exc.status_code, str(exc.detail))
 
 

@@ -186,6 +186,7 @@ class ResponsesRequest(RequestModel):
     tools: Annotated[List[FunctionTool], AfterValidator(unique_names)] = []
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] = "auto"
     parallel_tool_calls: bool = True
+    max_tool_calls: Optional[int] = Field(None, ge=0)  # of built-in tools, of which none is served: unread
     text: TextConfig = TextConfig()
     metadata: Metadata = None
     include: List[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",

@@ -55,7 +55,8 @@ def test_bad_input(url, name, path, body, headers, status, param):
 
 @pytest.mark.parametrize("body,content_type,says", [
     (b'{"model": "fake", "prompt": "hi"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
-    (b'{"model": "fake", "prompt": "\xff\xfe"}', "application/json", "not valid UTF-8"),
+    (b'{"model": "fake", "prompt": "\xff\xfe"}', "application/json", "not readable as JSON (not UTF-8"),
+    (b'{"model": "fake", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "over 4,300 digits"),
     (b'{"model": "fake", "prompt": "hi", "temperature": NaN}', "application/json", "temperature: Input should be a "
                                                                                    "finite number"),
 ])
@@ -204,7 +205,7 @@ def test_openai_client_with_key(url):
     ("/v1/responses", respond(user="u1", metadata={"team": "a"}, service_tier="default", safety_identifier="h1",
                               prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"],
                               reasoning={"effort": "none", "summary": "auto"}, text={"verbosity": "medium"},
-                              prompt_cache_retention="in_memory")),
+                              prompt_cache_retention="in_memory", max_tool_calls=3)),
     ("/v1/messages", message(thinking={"type": "adaptive", "budget_tokens": 0}, metadata={"user_id": "u1"})),
     ("/v1/messages", message(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"})),
 ])
