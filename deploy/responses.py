@@ -12,8 +12,7 @@ state machine for the streamed events and the final body, so the two agree on ev
 Kept: with `store` (the default, as OpenAI's), a finished response, its conversation and its
 input items are kept (`deploy/response_store.py`) for `previous_response_id`, `item_reference`
 input, `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`
-(`input_items`). Only function tools and text in and out: another tool type or content part
-is a 400.
+(`input_items`). Only function tools and text in and out: another tool type or part is a 400.
 """
 
 from __future__ import annotations
@@ -73,7 +72,8 @@ class InputMessage(RequestModel):
 
 
 class FunctionCallItem(RequestModel):
-    """A call the model made earlier, as the client got it back."""
+    """A call the model made earlier, as the client got it back (`async`, `caller`, `namespace`
+    as the SDK dumps them, unread: the tools here are flat)."""
 
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
@@ -81,7 +81,6 @@ class FunctionCallItem(RequestModel):
     arguments: Text
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
-    # what the SDK's ResponseFunctionToolCall carries back (unread: the tools here are flat)
     async_: Optional[bool] = Field(None, alias="async")
     caller: Optional[Dict[str, Any]] = None
     namespace: Optional[str] = None
@@ -95,9 +94,6 @@ class FunctionCallOutputItem(RequestModel):
     output: Union[Text, List[InputText]]
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
-    caller: Optional[Dict[str, Any]] = None  # as the SDK's input type has them (unread)
-    name: Optional[str] = None
-    namespace: Optional[str] = None
 
     @property
     def text(self) -> str:
@@ -301,10 +297,8 @@ def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[C
     message, so no call is parted from its result), the system and developer messages among
     them kept: the longest such chat that fits, and its messages (what a stored response keeps,
     so a long chain stays one context window per response). One that cannot fit however short
-    is the latest turn's error. The search gallops back from the latest turn, each try keeping
-    twice the turns, to the first too long, then bisects: no chat it renders has more than
-    twice the turns of one that fits but the whole (bisecting from the whole chat rendered half
-    of it first, a 750 KB one of 20,000 messages in about 10 s)."""
+    is the latest turn's error. Found galloping back from the latest turn, then bisecting: from
+    the whole chat, bisection rendered half of it first (20,000 messages: 10 s of the Ingress)."""
     try:
         return build(chat), messages
     except ApiError as exc:
