@@ -91,6 +91,7 @@ test-emulated: install qemu
 # The model is converted once before Serve starts, so the replica loads it in about a second.
 serve: install
 	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	PYTHONPATH=$(CURDIR) $(PY) -m deploy.config_check deploy.yaml  # Serve drops a misspelt key silently
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(VENV)/bin/serve run deploy.yaml
 
 # Apply an edited deploy.yaml to the server `make serve` runs (another shell): the speculation

@@ -72,10 +72,16 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
 
     from deploy.app import build_app
 
-    problems = [f"unknown key: {p}" for p in unknown_keys(document, ServeDeploySchema, "")]
-    for i, app in enumerate(document.get("applications") or []):
-        if isinstance(app, dict) and "runtime_env" in app:
-            problems += _runtime_env_problems(app["runtime_env"], f"applications[{i}].runtime_env")
+    if not isinstance(document, dict):
+        return [f"the file must be a mapping (Serve's config: applications, http_options, ...), "
+                f"got {type(document).__name__}"]
+    try:
+        problems = [f"unknown key: {p}" for p in unknown_keys(document, ServeDeploySchema, "")]
+        for i, app in enumerate(document.get("applications") or []):
+            if isinstance(app, dict) and "runtime_env" in app:
+                problems += _runtime_env_problems(app["runtime_env"], f"applications[{i}].runtime_env")
+    except (AttributeError, TypeError):  # a value of another shape than the schema's: its check says where
+        problems = []
     if problems:
         return problems
     try:
@@ -201,8 +207,11 @@ def main(paths: Iterable[str]) -> int:
 
     failed = 0
     for path in paths:
-        with open(path) as f:
-            problems = check_serve_config(yaml.safe_load(f))
+        try:
+            with open(path) as f:
+                problems = check_serve_config(yaml.safe_load(f))
+        except (OSError, yaml.YAMLError) as exc:  # each file is reported, the others still checked
+            problems = [f"cannot read it: {exc}"]
         for problem in problems:
             print(f"{path}: {problem}")
         if not problems:

@@ -60,6 +60,9 @@ class Ingress:
         self._replicas = ReplicaStreams(replica, config)
         self.config = config
         self.keys = load_keys(config.api_keys_env)
+        if not self.keys:  # read in this worker: a shell's variable does not reach a running cluster's
+            logger.warning("no API keys in $%s here: every route is open (set it in the application's "
+                           "runtime_env.env_vars)", config.api_keys_env)
         self._tokenizer = None
         self._created = int(time.time())
         self.stored = KeptResponses(store, config.stored_responses)

@@ -178,3 +178,21 @@ def test_sizes_are_checked_as_the_device_named_holds_them(document):
     assert problems(device="cuda", **small_kv) == []
     assert [p.split(": ")[0] for p in problems(device="cpu", **small_kv)] == [
         "applications[0].args.engine.kv_cache_bytes"]
+
+
+def test_a_file_that_is_no_serve_config_is_reported_and_the_next_is_still_checked(tmp_path, capsys):
+    """Empty, a list, a wrong shape, broken YAML, missing: each a line naming the file (they
+    were tracebacks, which stopped the check of the files after them)."""
+    from deploy.config_check import main
+
+    files = {"empty.yaml": "", "list.yaml": "- a\n", "int.yaml": "applications: 5\n", "broken.yaml": "a: [b\nc: 1\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    paths = [str(tmp_path / name) for name in (*files, "missing.yaml")]
+    paths.append(str(Path(__file__).parents[2] / "deploy.yaml"))
+    assert main(paths) == 1
+    out = capsys.readouterr().out
+    assert "empty.yaml: the file must be a mapping" in out and "list.yaml: the file must be a mapping" in out
+    assert "int.yaml: serve schema:" in out and "applications" in out
+    assert "broken.yaml: cannot read it:" in out and "missing.yaml: cannot read it:" in out
+    assert out.rstrip().endswith("deploy.yaml: OK")

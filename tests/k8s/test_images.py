@@ -98,6 +98,18 @@ def test_images_fail_their_build_if_the_dashboard_could_not_import(manifest):
     assert any(s.startswith("RUN apt-get") and " wget " in s for s in steps)
 
 
+def test_the_cpu_images_build_checks_pass_here():
+    """The Python its build runs to fail early (the dashboard's imports, the model, an engine
+    start), run for real: one named a class long gone, and the image could not build."""
+    checks = [m.group(1) for step in _instructions(DOCKERFILES["rayservice-cpu"]) if step.startswith("RUN python")
+              for m in re.finditer(r'python -c "([^"]*)"', step)]
+    assert len(checks) == 3, checks
+    for check in checks:
+        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, (check, done.stderr[-2000:])
+
+
 def test_dashboard_imports_the_configured_router_and_policy_without_torch(manifests):
     """What KubeRay's dashboard does on a CPU-only head: import both classes, nothing heavy."""
     from deploy.app import ROUTER_CLASS
