@@ -296,7 +296,7 @@ py::tuple pool_check(int num_threads, int n, int throwing) {
       pool.parallel_for(n, [&](int begin, int, int thread) {
         if (begin < num_threads && ++holding < num_threads)
           while (holding < num_threads && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
-        if (thread == throwing) throw std::runtime_error("item " + std::to_string(begin) + " failed");
+        if (thread == throwing) throw std::runtime_error("thread " + std::to_string(thread) + " failed");
       }, n);
     } catch (const std::runtime_error& e) {
       error = e.what();

@@ -232,7 +232,7 @@ def test_an_exception_in_a_parallel_loop_is_raised_by_the_loop(throwing):
     """A chunk that throws ends only itself: the others run, the loop raises the first
     exception (a worker's ended the process; the caller's left the workers running its freed
     function), and the pool serves the next loop."""
-    assert native.pool_check(2, 16, throwing) == (f"item {throwing} failed", sum(range(16)))
+    assert native.pool_check(2, 16, throwing) == (f"thread {throwing} failed", sum(range(16)))
     assert native.pool_check(2, 16, throwing=5) == ("", sum(range(16)))  # no thread 5: nothing thrown
 
 
