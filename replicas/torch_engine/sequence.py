@@ -170,10 +170,8 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
         seq.finish_reason, seq.stop_string = "stop", found[1]
     elif detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
         seq.settled_text, seq.settled_tokens = text, len(ids)
-    releasable = len(text)
+    releasable = len(_whole_characters(text, seq.finish_reason is not None))  # not an incomplete character
     if seq.finish_reason is None:
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character
-            releasable = len(text.rstrip("\ufffd"))
         for s in stops:  # hold back a tail that may be the start of a stop string
             for n in range(min(len(s) - 1, releasable), 0, -1):
                 if text[releasable - n : releasable] == s[:n]:
