@@ -154,14 +154,15 @@ def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str)
 
 
 def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
-    """The embedded engine's sizes against its model's config, as the engine checks them when it
-    starts: for `device: cuda` as on a GPU, else as on CPU (`auto` on a GPU host is checked as
-    on CPU). A checkpoint directory, or the default model's package, not on this machine is not
-    checked."""
+    """The embedded engine's sizes and MTP head against its model's config, as the engine checks
+    them when it starts: for `device: cuda` as on a GPU, else as on CPU (`auto` on a GPU host is
+    checked as on CPU). A checkpoint directory, or the default model's package, not on this
+    machine is not checked; where the model is, the MTP head's directory must be too."""
     engine = args.engine
     if engine.kind != "torch" or (engine.model != DEFAULT_MODEL and not Path(engine.model).expanduser().is_dir()):
         return []
     from replicas.torch_engine.loader import model_config
+    from replicas.torch_engine.mtp import setting_problems
     from replicas.torch_engine.sizes import size_problems
 
     try:
@@ -170,9 +171,9 @@ def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
         if engine.model == DEFAULT_MODEL and isinstance(exc, FileNotFoundError):
             return []  # its package is not installed here
         return [f"{where}.engine.model: {exc}"]
-    return [f"{where}.engine.{problem}" for problem in size_problems(
-        engine.max_seq_len, engine.kv_cache_bytes, engine.prefix_cache_bytes, engine.mtp_weights is not None, model,
-        cuda=engine.device == "cuda")]
+    problems = size_problems(engine.max_seq_len, engine.kv_cache_bytes, engine.prefix_cache_bytes,
+                             engine.mtp_weights is not None, model, cuda=engine.device == "cuda")
+    return [f"{where}.engine.{problem}" for problem in problems + setting_problems(engine.mtp_weights, model)]
 
 
 def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:

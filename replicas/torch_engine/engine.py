@@ -23,6 +23,7 @@ from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, R
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
 from replicas.torch_engine.loader import load_tokenizer, model_config, packaged_gguf_path, resolve_model_dir
+from replicas.torch_engine.mtp import DEFAULT_MTP_WEIGHTS, MTPDrafter, setting_problems, weights_dir
 from replicas.torch_engine.sequence import Detokenizer, Sequence
 from replicas.torch_engine.sizes import kv_pages, size_problems
 from replicas.torch_engine.suffix_drafts import prediction_prefix, suffix_drafts
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MTP_WEIGHTS = "default"
 
 
 @dataclass(frozen=True)
@@ -112,12 +112,17 @@ class TorchEngine:
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: cuda, but torch {torch.__version__} finds no CUDA device on this host "
+                             f"(auto uses one where there is one)")
         device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
         model_dir = resolve_model_dir(cfg.model)
-        # the sizes against the model's config, before its weights load (as config_check does)
-        problems = size_problems(
-            cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes, cfg.mtp_weights is not None,
-            model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir)), cuda=device.type == "cuda")
+        # the sizes and the MTP head against the model's config, before its weights load (as
+        # config_check does)
+        target_cfg = model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir))
+        problems = size_problems(cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes,
+                                 cfg.mtp_weights is not None, target_cfg, cuda=device.type == "cuda")
+        problems += setting_problems(cfg.mtp_weights, target_cfg)
         if problems:
             raise ValueError("; ".join(problems))
         if device.type == "cpu":
@@ -155,10 +160,7 @@ class TorchEngine:
         suffix = suffix_drafts(device, cfg.max_batch_size, cfg.max_seq_len, cfg.sa_global_pool_tokens)
         mtp = None
         if cfg.mtp_weights is not None:
-            from replicas.torch_engine.mtp import MTPDrafter
-
-            path = None if cfg.mtp_weights == DEFAULT_MTP_WEIGHTS else cfg.mtp_weights
-            mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, path)
+            mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, weights_dir(cfg.mtp_weights))
         return EngineCore(model, cache, suffix, mtp, Detokenizer.for_tokenizer(self.tokenizer), cfg.speculation,
                           cfg.mtp_min_confidence, prefix, cfg.max_prefill_tokens)
 

@@ -35,6 +35,41 @@ from replicas.torch_engine.model_config import ModelConfig
 DEFAULT_WEIGHTS_DIR = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
 WEIGHTS_FILE = "mtp.safetensors"
 META_FILE = "mtp.json"
+DEFAULT_MTP_WEIGHTS = "default"  # the `mtp_weights` setting that names DEFAULT_WEIGHTS_DIR
+
+
+def weights_dir(setting: str) -> Path:
+    """The directory an `mtp_weights` setting names ("default": the head shipped for the default model)."""
+    return DEFAULT_WEIGHTS_DIR if setting == DEFAULT_MTP_WEIGHTS else Path(setting).expanduser()
+
+
+def setting_problems(setting: str | None, target_cfg: ModelConfig) -> list[str]:
+    """What is wrong with an engine's `mtp_weights` setting for a target of `target_cfg`, as
+    the engine checks it when it starts and `deploy.config_check` before a deploy."""
+    if setting is None:
+        return []
+    problem = weights_problem(weights_dir(setting), target_cfg)
+    return [f"mtp_weights: {problem}"] if problem else []
+
+
+def weights_problem(path: str | Path, target_cfg: ModelConfig) -> str | None:
+    """Why the MTP head in `path` cannot draft for a target of `target_cfg` (None: it can),
+    read from its files' presence and `mtp.json` alone."""
+    path = Path(path).expanduser()
+    missing = [name for name in (META_FILE, WEIGHTS_FILE) if not (path / name).is_file()]
+    if missing:
+        return (f"{str(path)!r} holds no {' or '.join(missing)} (an MTP head's directory, as "
+                f"training/mtp_train.py writes it; null turns MTP drafting off)")
+    try:
+        trained_for = ModelConfig(**json.loads((path / META_FILE).read_text())["target_config"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{str(path / META_FILE)!r} is not an MTP head's metadata ({type(exc).__name__}: {exc})"
+    shape_fields = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+    diffs = [f for f in shape_fields if getattr(trained_for, f) != getattr(target_cfg, f)]
+    if diffs:
+        return (f"the MTP head in {str(path)!r} was trained for another target ({', '.join(diffs)} differ); "
+                f"train one for this model with training/mtp_train.py, or set null to draft without it")
+    return None
 
 
 class MTPModule(nn.Module):
@@ -103,14 +138,10 @@ class MTPModule(nn.Module):
         """Load `path/mtp.safetensors` + `mtp.json`; ValueError if made for another target shape."""
         from safetensors.torch import load_file
 
-        path = Path(path)
-        meta = json.loads((path / META_FILE).read_text())
-        trained_for = ModelConfig(**meta["target_config"])
-        shape_fields = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
-        diffs = [f for f in shape_fields if getattr(trained_for, f) != getattr(target_cfg, f)]
-        if diffs:
-            raise ValueError(f"{path}: MTP head was trained for another target ({', '.join(diffs)} differ)")
-        state = load_file(path / WEIGHTS_FILE)
+        problem = weights_problem(path, target_cfg)
+        if problem:
+            raise ValueError(problem)
+        state = load_file(Path(path).expanduser() / WEIGHTS_FILE)
         module = cls(target_cfg, state["draft_vocab"])
         module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
         return module.to(device).eval()
@@ -178,9 +209,9 @@ class MTPDrafter:
         self._tail: dict[int, tuple[Tensor, int, float]] = {}  # h'_last [d], first draft id, its prob
 
     @classmethod
-    def load(cls, target: Target, max_slots: int, max_seq_len: int, path: str | Path | None = None) -> "MTPDrafter":
+    def load(cls, target: Target, max_slots: int, max_seq_len: int, path: str | Path = DEFAULT_WEIGHTS_DIR) -> "MTPDrafter":
         """A drafter with the committed weights for the default model (or those at `path`)."""
-        module = MTPModule.load(path or DEFAULT_WEIGHTS_DIR, target.cfg, dtype=target.dtype, device=target.device)
+        module = MTPModule.load(path, target.cfg, dtype=target.dtype, device=target.device)
         return cls(module, target, max_slots, max_seq_len)
 
     @property

@@ -98,6 +98,7 @@ BAD_VALUES = [
     ("engine.max_seq_len", 16384),
     ("engine.kv_cache_bytes", 1 << 20),
     ("engine.prefix_cache_bytes", 1 << 20),
+    ("engine.mtp_weights", "/nonexistent/mtp-head"),  # the model is on this machine: its head must be too
     ("replica.num_replicas", "two"),
     ("replica.gate_hold_s", -1),
     ("replica.gate_hold_min_acceptance", 0.5),
@@ -178,6 +179,22 @@ def test_sizes_are_checked_as_the_device_named_holds_them(document):
     assert problems(device="cuda", **small_kv) == []
     assert [p.split(": ")[0] for p in problems(device="cpu", **small_kv)] == [
         "applications[0].args.engine.kv_cache_bytes"]
+
+
+def test_a_checkpoint_of_another_shape_needs_its_own_mtp_head(document, tmp_path):
+    """The shipped head drafts for the default model only: another checkpoint with
+    `mtp_weights: default` is named (the replica failed at start), and null passes."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(tmp_path)
+    doc = copy.deepcopy(document)
+    engine = doc["applications"][0]["args"]["engine"]
+    engine.update(model=str(tmp_path), mtp_weights="default", prefix_cache_bytes=0)
+    (problem,) = check_serve_config(doc)
+    assert problem.startswith("applications[0].args.engine.mtp_weights: the MTP head in") and "another target" in problem
+    engine["mtp_weights"] = None
+    assert check_serve_config(doc) == []
 
 
 def test_a_file_that_is_no_serve_config_is_reported_and_the_next_is_still_checked(tmp_path, capsys):
