@@ -90,7 +90,10 @@ class EngineCore:
         """Free every per-request resource: KV slot, SA slot, MTP slot, prefix blocks held."""
         if self.prefix is not None:
             if seq.finish_reason in ("stop", "length") and seq.slot >= 0:
-                self._store_prefix(seq, finished=True)  # its last, partial block: the next turn starts there
+                try:  # its last, partial block, where the next turn starts: worth keeping, not failing for
+                    self._store_prefix(seq, finished=True)
+                except Exception:  # noqa: BLE001 - the answer is whole; the next turn prefills that block
+                    logger.exception("keeping request %s's last block failed", seq.request_id)
             self.prefix.release(seq.prefix_blocks)
             seq.prefix_hidden = []
         if seq.slot >= 0:
@@ -197,7 +200,7 @@ class EngineCore:
             raise KVCacheFull(f"KV cache: no pages for a {len(context)}-token context")
         if self.prefix is not None and not seq.admitted:  # a readmission finds its own blocks: not a hit
             seq.cached_tokens = min(reused, len(seq.prompt_ids))
-            self.prefix.count(len(context), reused)
+            self.prefix.count(len(seq.prompt_ids), seq.cached_tokens)
         seq.admitted = True
         seq.num_cached, seq.prefilling = reused, True
         return reused_hidden

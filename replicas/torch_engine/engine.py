@@ -266,10 +266,16 @@ class TorchEngine:
                 if delta.finish_reason is not None:
                     return
         finally:
-            if self._queues.pop(seq.request_id, None) is not None and seq.finish_reason is None:
-                # the consumer went away (client disconnect): free the request's resources
+            if self._queues.get(seq.request_id) is not queue:
+                pass  # finished: its last delta took the queue out
+            elif seq.finish_reason is None:
+                # The consumer went away (client disconnect): free the request's resources. Its
+                # id stays taken until then: a twin let in before would take the abort meant for
+                # this one, and this one's deltas.
                 self._pending_abort.append(seq.request_id)
                 self._wake.set()
+            else:
+                del self._queues[seq.request_id]
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._queues:

@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParams, SpeculationConfig
+from replicas.engine import GenerationRequest, RequestError, RequestSpeculation, SamplingParams, SpeculationConfig
 from replicas.speculation.draft_length import MtpYield, StepCosts
 from replicas.speculation.hybrid import MTP_MAX_BACKOFF
 from replicas.torch_engine import core as engine_core
@@ -290,6 +290,28 @@ def test_a_request_id_taken_between_generate_and_the_first_delta_is_refused(engi
     ones, twos = loop.run_until_complete(asyncio.wait_for(run(), 60))
     assert ones[-1].finish_reason == "length" and sum(len(d.token_ids) for d in ones) == 4
     assert [d.finish_reason for d in twos] == ["error"] and "already running" in twos[0].error
+    assert idle(engine)
+
+
+def test_a_gone_consumers_id_stays_taken_until_its_request_is_freed(engine, loop):
+    """A client goes away and its id is sent again before the next step: the twin was let in,
+    took the abort meant for the first (found first, waiting) and the first's deltas, while
+    the first ran on, read by nobody, to max_tokens. Now the id is refused until it is free."""
+    def twin():
+        return request(chat_prompt(engine, "Hi."), max_tokens=5, rid="twice", ignore_eos=True)
+
+    async def run():
+        stream = engine.generate(request(chat_prompt(engine, POEM), max_tokens=200, rid="twice", ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()  # its abort is pending until the loop applies it
+        with pytest.raises(RequestError, match="'twice' is already running"):
+            engine.generate(twin())
+        assert await async_wait_until(lambda: idle(engine), timeout_s=10)
+        return [d async for d in engine.generate(twin())]
+
+    again = loop.run_until_complete(asyncio.wait_for(run(), 60))
+    assert again[-1].finish_reason == "length" and sum(len(d.token_ids) for d in again) == 5
     assert idle(engine)
 
 

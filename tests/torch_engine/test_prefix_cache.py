@@ -297,3 +297,65 @@ def test_a_pool_full_of_held_blocks_is_offered_each_block_once(engines, loop):
         assert len(offers) <= 2 * (250 // BLOCK_TOKENS + 1)  # each whole block once, then the tail
     finally:
         loop.run_until_complete(small.shutdown())
+
+
+def test_a_torch_cache_of_an_unaligned_window_is_whole_blocks_for_the_copied_store():
+    """CUDA's cache (LlamaModel.make_cache) of a max_seq_len that is no multiple of 32 is
+    rounded up as the native one is: a request ending in the window's last block keeps that
+    block, and a later prompt reuses it (its 4 positions in a block of 32 raised, and the
+    failure lost the request). A cache of part blocks is refused naming the key."""
+    from dataclasses import replace
+
+    from replicas.torch_engine.model import LlamaModel
+
+    cfg = replace(model_config(DEFAULT_MODEL), vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+    cache = LlamaModel(cfg).make_cache(2, 100)
+    assert cache.max_seq_len == 128
+    prefix = PrefixCache(cache, 0, 1 << 20)
+    tokens, slot, chain = _ids(950, 99), cache.allocate(), []
+    cache.lengths[slot] = 98
+    prefix.extend(chain, tokens, 98, slot, None, tail=True)
+    assert len(chain) == 3 and cache.lengths[slot] == 98
+    later = cache.allocate()
+    held, _ = prefix.admit(tokens, later)
+    assert len(held) == 3 and cache.lengths[later] == 98  # 3 whole blocks held, then the tail's 2 positions
+    with pytest.raises(ValueError, match="max_seq_len: the cache's 100 positions are not whole blocks of 32"):
+        PrefixCache(KVCache(1, 1, 100, 1, 8), 0, 1 << 20)
+
+
+def test_a_failed_last_block_store_still_finishes_and_frees_the_request(engines, loop, monkeypatch):
+    """Keeping a finished request's last block is worth having, not failing for: when it
+    raised, the request had left the running list, so its client never got a final delta and
+    its slot and blocks leaked."""
+    warm, _ = engines
+    extend = warm.core.prefix.extend
+
+    def failing_tail(*args, tail=False, **kwargs):
+        if tail:
+            raise RuntimeError("injected: the last block's store failed")
+        return extend(*args, tail=tail, **kwargs)
+
+    monkeypatch.setattr(warm.core.prefix, "extend", failing_tail)
+    tokens, _, _, last = loop.run_until_complete(asyncio.wait_for(
+        collect_logprobs(warm, request(_ids(951, 70), max_tokens=4, ignore_eos=True)), timeout=60))
+    assert len(tokens) == 4 and last.finish_reason == "length"
+    assert wait_until(lambda: _idle(warm), timeout_s=10)
+
+
+def test_a_resumed_request_counts_its_prompt_not_its_output_in_the_hit_rate(engines, loop):
+    """The prefix stats are of prompt tokens: a resumed request's context holds the output it
+    delivered before, which counted as prompt (and its hits) there."""
+    import dataclasses
+
+    from replicas.engine import Resume
+
+    warm, _ = engines
+    prompt = _ids(952, 40)
+    first, _, _ = _run(loop, warm, prompt, max_tokens=30, ignore_eos=True)
+    before = warm.stats()
+    resumed = dataclasses.replace(request(prompt, max_tokens=30, ignore_eos=True), resume=Resume(tuple(first[:25])))
+    last = loop.run_until_complete(collect_logprobs(warm, resumed))[-1]
+    after = warm.stats()
+    assert after.prefix_prompt_tokens - before.prefix_prompt_tokens == len(prompt)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == last.cached_tokens == len(prompt)  # +63 before
