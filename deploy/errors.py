@@ -7,6 +7,7 @@ The body is `{"error": {"message", "type", "param", "code"}}`, the shape the off
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from typing import Any, Optional, Sequence
 
@@ -20,7 +21,7 @@ _TYPES = {
     503: "service_unavailable", 504: "timeout",
 }
 # Anthropic's types where they differ (its SDK's ErrorType; Claude Code retries an overloaded_error)
-_ANTHROPIC_TYPES = {500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+_ANTHROPIC_TYPES = {413: "request_too_large", 500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
 RETRY_AFTER_S = 1.0  # what a 503 asks a client to wait
 
 
@@ -134,6 +135,8 @@ def validation_error(exc: RequestValidationError, content_type: str = "applicati
         ctx = first.get("ctx", {})
         expected = ctx.get("expected_tags", "").replace("'type=", "'")
         message = f"type {ctx.get('tag', '').removeprefix('type=')!r} is not one of {expected}"
+    elif first.get("type") == "union_tag_not_found":  # no tag to read: not an object, or no "type" in it
+        message = f"must be an object with a \"type\", got {json.dumps(first.get('input'), default=str)[:80]}"
     if param is None:  # the body itself: missing, not JSON, or not an object
         if "json" not in content_type:
             return ApiError(400, f"request body must be JSON sent as Content-Type: application/json, "

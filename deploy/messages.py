@@ -35,6 +35,9 @@ from deploy.protocol import (
 )
 from replicas.engine import GenerationDelta, RequestSpeculation
 
+# Anthropic documents no limit on `stop_sequences` (OpenAI's `stop` takes 4): a bound on the
+# stop search each step makes, which a client of ours sending a long list stays well within.
+MAX_STOP_SEQUENCES = 256
 
 # -- request -----------------------------------------------------------------------------------
 class CacheControl(RequestModel):
@@ -226,7 +229,20 @@ class CountTokensRequest(RequestModel):
 
     @field_validator("messages")
     @classmethod
-    def _prefill(cls, messages: List[Message]) -> List[Message]:
+    def _contents(cls, messages: List[Message]) -> List[Message]:
+        """Anthropic's rules: text that says something (the final assistant message, a prefill,
+        may be empty), and a prefill that ends in no whitespace."""
+        for i, message in enumerate(messages):
+            blocks = [message.content] if isinstance(message.content, str) else message.content
+            texts = [block if isinstance(block, str) else block.text for block in blocks
+                     if isinstance(block, str) or block.type == "text"]
+            if i == len(messages) - 1 and message.role == "assistant" and texts in ([], [""]):
+                continue
+            if texts == [""]:
+                raise ValueError(f"messages[{i}]: all messages must have non-empty content except for the "
+                                 f"optional final assistant message")
+            if any(not text.strip() for text in texts):
+                raise ValueError(f"messages[{i}]: text content blocks must contain non-whitespace text")
         begun = _answer_begun(messages)
         if begun and begun != begun.rstrip():
             raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
@@ -263,7 +279,7 @@ class MessagesRequest(CountTokensRequest):
     @field_validator("stop_sequences")
     @classmethod
     def _stop_sequences(cls, stops):
-        return check_stops(stops)
+        return check_stops(stops, MAX_STOP_SEQUENCES)
 
 
 # -- the chat request it means -----------------------------------------------------------------
@@ -330,11 +346,12 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     tools = [Tool(type="function", function=FunctionDefinition(name=t.name, description=t.description,
                                                                parameters=t.input_schema)) for t in body.tools]
     try:
-        return ChatCompletionRequest(
+        return ChatCompletionRequest.model_validate(dict(
             model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
             tool_choice=tool_choice if body.tools else None,
             parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
-            add_generation_prompt=not prefill, continue_final_message=prefill)
+            add_generation_prompt=not prefill, continue_final_message=prefill),
+            context={"max_stops": MAX_STOP_SEQUENCES})
     except ValidationError as exc:  # what the request's own checks let through: a 400 all the same
         raise validation_error(RequestValidationError(exc.errors())) from None
 

@@ -134,12 +134,15 @@ def unique_names(tools: list) -> list:
     return tools
 
 
-def check_stops(stop: Union[str, List[str], None]) -> Union[str, List[str], None]:
+MAX_STOPS = 4  # OpenAI's; a validation context's "max_stops" overrides it (the Messages API's)
+
+
+def check_stops(stop: Union[str, List[str], None], limit: int = MAX_STOPS) -> Union[str, List[str], None]:
     stops = [stop] if isinstance(stop, str) else stop or []
     if any(not s for s in stops):
         raise ValueError("stop strings must not be empty")
-    if len(stops) > 4:
-        raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+    if len(stops) > limit:
+        raise ValueError(f"at most {limit} stop strings, got {len(stops)}")
     return stop
 
 
@@ -186,8 +189,8 @@ class _Sampling(RequestModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, stop):
-        return check_stops(stop)
+    def _stop(cls, stop, info: ValidationInfo):
+        return check_stops(stop, (info.context or {}).get("max_stops", MAX_STOPS))
 
     @field_validator("stream_options")
     @classmethod

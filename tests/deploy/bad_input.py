@@ -231,8 +231,17 @@ BAD_INPUT = [
     ("messages: huge max_tokens", "/v1/messages", message(max_tokens=10**6), {}, 400, "max_tokens"),
     ("messages: over the engine window", "/v1/messages", message(messages=[{"role": "user", "content": "x" * 60}],
                                                                  max_tokens=50), {}, 400, "max_tokens"),
-    ("messages: five stop sequences", "/v1/messages", message(stop_sequences=list("abcde")), {}, 400,
-     "stop_sequences"),
+    ("messages: too many stop sequences", "/v1/messages", message(stop_sequences=[f"s{i}" for i in range(257)]), {},
+     400, "stop_sequences"),
+    # Anthropic's rules: text that says something, but for a last assistant message (a prefill)
+    ("messages: empty text", "/v1/messages", message(messages=[{"role": "user", "content": ""}]), {}, 400,
+     "messages"),
+    ("messages: an empty text block", "/v1/messages", message(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": ""}]}]), {}, 400,
+     "messages"),
+    ("messages: blank text", "/v1/messages", message(messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": " "}, {"role": "user", "content": "y"}]),
+     {}, 400, "messages"),
     ("messages: count without messages", "/v1/messages/count_tokens", {"model": "fake"}, {}, 400, "messages"),
     # a chat of nothing (was a 500: no chat message to render)
     ("messages: no content blocks", "/v1/messages", message(messages=[{"role": "user", "content": []}]), {}, 400,

@@ -59,6 +59,9 @@ def test_bad_input(url, name, path, body, headers, status, param):
     (b'{"model": "fake", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "over 4,300 digits"),
     (b'{"model": "fake", "prompt": "hi", "temperature": NaN}', "application/json", "temperature: Input should be a "
                                                                                    "finite number"),
+    # a tagged union's value with no tag (was pydantic's "Unable to extract tag using discriminator")
+    (b'{"model": "fake", "prompt": "hi", "response_format": "json"}', "application/json",
+     'response_format: must be an object with a "type", got "json"'),
 ])
 def test_a_body_that_is_not_json_says_why(url, body, content_type, says):
     response = httpx.post(f"{url}/v1/completions", content=body, headers={**AUTH, "Content-Type": content_type})
