@@ -8,21 +8,11 @@ import json
 import re
 from dataclasses import dataclass
 
-from deploy.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, find_close
+from deploy.tool_calls import CALL_HEADER, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, find_close, header_atoms
 
-
-def _header_atoms(name: str) -> list[str]:
-    # `{"name": "...", "arguments": ` as one regex atom per character (or whitespace run), so
-    # the same list gives the full match and, nested, a matcher for every prefix of it.
-    ws = r"\s*"
-    return [ws, r"\{", ws, *map(re.escape, '"name"'), ws, ":", ws, '"', name, '"', ws, ",", ws,
-            *map(re.escape, '"arguments"'), ws, ":", ws]
-
-
-_HEADER = re.compile("".join(_header_atoms(r'((?:[^"\\]|\\.)*)')))
 _NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a cut call's `{"name": "..."`
 _HEADER_PREFIX = re.compile(functools.reduce(
-    lambda inner, atom: f"{atom}(?:{inner})?", reversed(_header_atoms(r'(?:[^"\\]|\\.)*\\?')), ""))
+    lambda inner, atom: f"{atom}(?:{inner})?", reversed(header_atoms(r'(?:[^"\\]|\\.)*\\?')), ""))
 
 
 @dataclass(frozen=True)
@@ -60,11 +50,9 @@ class ToolCallStream:
     and what follows it (it may close the outer object) until the close tag shows it.
 
     Exactly: a call's fragments concatenate to its raw arguments text (from after
-    `"arguments": ` to before the outer `}`, right-stripped). `parse_tool_calls` returns
-    that text re-serialised; the two are equal when the model wrote it in that form
-    (", " and ": " separators, no escapes or number spellings json.dumps would change), as
-    grammar-constrained output is up to string escapes. Arguments written as a JSON string,
-    or keys not in `name, arguments` order, are sent whole, re-serialised, at the close tag.
+    `"arguments": ` to before the outer `}`, right-stripped), the text `parse_tool_calls`
+    returns. Arguments written as a JSON string, or keys not in `name, arguments` order, are
+    sent whole, re-serialised, at the close tag, as `parse_tool_calls` gives them.
     Content equals `parse_tool_calls`' for well-formed output. A block found malformed
     before any of it was sent passes through as content; otherwise `ok` turns False. With
     `one_call`, as `parse_tool_calls`', the output ends at its first call's close tag.
@@ -184,7 +172,7 @@ class ToolCallStream:
             return self._close(*found)
         self._scan_from = max(0, len(block) - len(TOOL_CALL_CLOSE) + 1)
         if self._name is None:
-            m = _HEADER.match(block)
+            m = CALL_HEADER.match(block)
             name = _json_string(m.group(1)) if m and m.end() < len(block) else None
             if name is not None:  # a char follows the header, so its whitespace is all in
                 self._name = name

@@ -15,12 +15,24 @@ the grammar forces and what clients receive are the same text.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from replicas.engine import JSON_LAYOUT
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def header_atoms(name: str) -> list[str]:
+    """`{"name": "...", "arguments": ` as one regex atom per character (or whitespace run), so
+    the same list gives the full match and, nested, a matcher for every prefix of it."""
+    ws = r"\s*"
+    return [ws, r"\{", ws, *map(re.escape, '"name"'), ws, ":", ws, '"', name, '"', ws, ",", ws,
+            *map(re.escape, '"arguments"'), ws, ":", ws]
+
+
+CALL_HEADER = re.compile("".join(header_atoms(r'((?:[^"\\]|\\.)*)')))  # group 1: the name as written
 
 
 def _dumps(value: object) -> str:
@@ -40,12 +52,24 @@ def tools_system_prompt(functions: list[dict]) -> str:
             "The result comes back to you in a tool message.")
 
 
+_PLACEHOLDERS = {"integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
+
+
 def _example_arguments(parameters: dict) -> dict:
-    # A concrete example beats a described one for a 135M model; placeholders by JSON type.
-    props = parameters.get("properties") or {}
-    names = parameters.get("required") or list(props)
-    placeholder = {"integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
-    return {n: placeholder.get((props.get(n) or {}).get("type"), "value") for n in names}
+    """A concrete example beats a described one for a 135M model: placeholders by JSON type,
+    from whatever the schema says (a nullable `["string", "null"]` type, or a shape no schema
+    has: a property of any type is a string's)."""
+    props = parameters.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = parameters.get("required")
+    names = [n for n in required if isinstance(n, str)] if isinstance(required, list) and required else list(props)
+
+    def placeholder(schema: object) -> object:
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        kinds = kind if isinstance(kind, list) else [kind]
+        return next((_PLACEHOLDERS[k] for k in kinds if isinstance(k, str) and k in _PLACEHOLDERS), "value")
+
+    return {n: placeholder(props.get(n)) for n in names}
 
 
 def format_tool_calls(calls: list[tuple[str, str]]) -> str:
@@ -131,10 +155,14 @@ def _rebase_refs(schema: object, base: str) -> object:
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text of an object, standard separators
+    arguments: str  # JSON text of an object: as written, or re-serialised (see _as_call)
 
 
-def _as_call(obj: object) -> ToolCall | None:
+def _as_call(obj: object, body: str) -> ToolCall | None:
+    """The call a block's parsed JSON `obj` (its text `body`) holds. Its arguments are the
+    text the model wrote, where it wrote `{"name": ..., "arguments": {...}}` in that order:
+    what a stream sends as it goes (ToolCallStream), numbers spelt as written (json.dumps
+    would make `1e999` Infinity, which is no JSON, and `1.50` 1.5). Else re-serialised."""
     if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["name"], str):
         return None
     arguments = obj["arguments"]
@@ -143,7 +171,17 @@ def _as_call(obj: object) -> ToolCall | None:
             arguments = json.loads(arguments)
         except ValueError:
             return None
-    return ToolCall(obj["name"], _dumps(arguments)) if isinstance(arguments, dict) else None
+    if not isinstance(arguments, dict):
+        return None
+    header = CALL_HEADER.match(body)
+    if header and body[header.end():header.end() + 1] == "{":  # the outer "}" is the body's last character
+        written = body[header.end():].rstrip()[:-1].rstrip()
+        try:
+            if json.loads(f'"{header.group(1)}"') == obj["name"] and json.loads(written) == arguments:
+                return ToolCall(obj["name"], written)
+        except ValueError:
+            pass
+    return ToolCall(obj["name"], _dumps(arguments))
 
 
 def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None:
@@ -153,7 +191,7 @@ def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None
     j = block.find(TOOL_CALL_CLOSE, start)
     while j >= 0:
         try:
-            return j, _as_call(json.loads(block[:j]))
+            return j, _as_call(json.loads(block[:j]), block[:j])
         except ValueError:
             j = block.find(TOOL_CALL_CLOSE, j + 1)
     return None

@@ -53,6 +53,10 @@ class GrammarCompiler:
         matcher = LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)  # a rejected draft is no warning
         if matcher.is_error():
             raise RequestError(spec.param, f"the grammar is invalid: {matcher.get_error()}")
+        matcher.compute_bitmask()  # a grammar that admits no output (a schema that is only a
+        if matcher.is_error():     # reference to itself) fails here, not at its build: "" came out
+            reason = (matcher.get_error().splitlines() or [""])[0]  # then the parser's whole state
+            raise RequestError(spec.param, f"the grammar admits no output at all ({reason})")
         return Constraint(matcher, self.vocab_size)
 
 

@@ -50,6 +50,11 @@ WELL_FORMED = [
     (_block('{"name": "get_weather", "arguments": {"city": "Zürich 東京"}}'), None,
      [("get_weather", '{"city": "Zürich 東京"}')]),
     (_block('{"name": "say \\"hi\\"", "arguments": {"q": "a\\"b"}}'), None, [('say "hi"', '{"q": "a\\"b"}')]),
+    # Arguments as written, as the stream sends them: numbers as spelt (json.dumps made 1e999
+    # Infinity, no JSON, and 1.50 1.5), separators as written
+    (_block('{"name": "f", "arguments": {"x": 1.50, "y": -0, "z": 1E2, "w": 1e999}}'), None,
+     [("f", '{"x": 1.50, "y": -0, "z": 1E2, "w": 1e999}')]),
+    (_block('{"name": "f", "arguments": {"a":1,"b" :[2]} }'), None, [("f", '{"a":1,"b" :[2]}')]),
     # Other spellings the parser accepts; the stream sends them normalised at the close tag.
     (_block('{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}'), None, [("add", '{"a": 1, "b": 2}')]),
     (_block('{"arguments": {"a": 1}, "name": "add"}'), None, [("add", '{"a": 1}')]),
@@ -116,6 +121,20 @@ def test_system_prompt_lists_functions_and_shows_the_format():
     assert parse_tool_calls(example)[1] == [ToolCall("get_weather", '{"city": "value"}')]
 
 
+@pytest.mark.parametrize("parameters, example", [
+    ({"type": "object", "properties": {"n": {"type": ["integer", "null"]}, "s": {"type": ["null", "string"]},
+                                       "odd": "not a schema"}, "required": ["n", "s", "odd"]},
+     {"n": 1, "s": "value", "odd": "value"}),
+    ({"type": "object", "properties": ["a"], "required": [["a"]]}, {}),  # shapes no schema has: no 500
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": "a"}, {"a": True}),
+])
+def test_the_example_call_takes_whatever_the_parameters_say(parameters, example):
+    """The system prompt's example call, from the first function's parameters (a nullable
+    type, a list where a mapping goes, raised a TypeError there: a 500 for any tool_choice)."""
+    text = tools_system_prompt([{"name": "f", "parameters": parameters}])
+    assert _block(json.dumps({"name": "f", "arguments": example}, separators=(", ", ": "))) in text
+
+
 # ---- streaming ---------------------------------------------------------------------------
 
 def _stream(pieces, one_call=False, cut=False):
@@ -170,19 +189,11 @@ def test_stream_passes_an_unsent_malformed_block_through_as_content(output):
         assert (content, calls) == (output, []), pieces
 
 
-def _normalised(arguments):
-    try:
-        return json.dumps(json.loads(arguments), separators=(", ", ": "), ensure_ascii=False)
-    except ValueError:
-        return arguments
-
-
 @pytest.mark.parametrize("one_call", [False, True])
 def test_stream_never_disagrees_with_parse_on_mutated_outputs(one_call):
     """Property over seeded random edits of the tables: the stream never raises; it is ok
-    with calls exactly when parse finds calls, and then agrees with it (arguments compared
-    normalised: the stream sends the separators the model wrote); with `one_call`, both
-    stop at the first call."""
+    with calls exactly when parse finds calls, and then agrees with it, arguments spelt as
+    the model wrote them; with `one_call`, both stop at the first call."""
     rng = random.Random(0)
     pieces_of_format = list('<>/{}":, \n\\x') + [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
     outputs = [o for o, _, _ in WELL_FORMED] + MALFORMED
@@ -201,8 +212,7 @@ def test_stream_never_disagrees_with_parse_on_mutated_outputs(one_call):
         assert len(parsed_calls) <= 1 or not one_call
         assert (stream.ok and stream.num_calls > 0) == bool(parsed_calls), text
         if parsed_calls:
-            assert (content or None, [ToolCall(c.name, _normalised(c.arguments)) for c in calls]) == \
-                (parsed_content, parsed_calls), text
+            assert (content or None, calls) == (parsed_content, parsed_calls), text
         elif TOOL_CALL_OPEN not in text:
             assert (content or None) == parsed_content, text
 

@@ -320,6 +320,14 @@ def test_abort_unknown_id_is_a_noop(engine, loop):
     assert idle(engine)
 
 
+def parked(engine) -> None:
+    """Wait out the engine's step thread: the run of steps that finished the last test's
+    request may not have seen its queue empty yet, and would step requests a test adds to the
+    core along with the test (each step prefilling them twice). The event loop is not running,
+    so no run starts after it."""
+    engine._executor.submit(lambda: None).result(timeout=60)
+
+
 def stepped(core, monkeypatch, seqs, budget: int, every_step=None) -> list[int]:
     """Add `seqs` and step the core (the engine is idle: the test steps it) at `budget` until
     they finish; the positions each step prefilled. `every_step` runs after each step."""
@@ -348,6 +356,7 @@ def test_a_step_prefills_within_its_token_budget(engine, monkeypatch):
     waiting requests while the budget lasts, a longer prompt going on in the next steps; the
     output is the same however the prompts were cut."""
     core = engine.core
+    parked(engine)
     questions = ("Name three moons of Jupiter.", "Why do cats purr?", "What is 7 times 8?")
 
     def run(budget: int) -> tuple[list[int], list[list[int]]]:
@@ -375,6 +384,7 @@ def test_a_long_prompt_goes_in_over_steps_while_the_running_request_decodes(engi
     prompt prefilled in one step (drafting, the MTP head's queue is fed chunk by chunk; with the
     prefix cache, the chunks' blocks are offered as they go in and the one-step run reuses them)."""
     core = engine.core
+    parked(engine)
     if not prefix_cache:
         monkeypatch.setattr(core, "prefix", None)
     log = "\n".join(f"line {i}: worker {i % 7} {mode} {prefix_cache} finished job {i * 13 % 97} in {i % 11 + 1} ms"

@@ -290,6 +290,10 @@ def test_min_tokens_holds_the_end_back_in_every_mode(engine, loop):
     (GrammarSpec("json_schema", "{not json"), "not valid JSON"),
     (GrammarSpec("json_schema", json.dumps({"type": "nonsense"})), "invalid"),
     (GrammarSpec("lark", "start: undefined_rule", param="tool_choice"), "invalid"),
+    # only a reference to itself: compiled, and the answer was "" with finish_reason "stop"
+    (GrammarSpec("json_schema", json.dumps({"$ref": "#"})), "admits no output at all"),
+    (GrammarSpec("json_schema", json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})),
+     "admits no output at all"),
 ])
 def test_bad_grammar_is_a_request_error_naming_the_field(engine, spec, message):
     with pytest.raises(RequestError, match=message) as info:
