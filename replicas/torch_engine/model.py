@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.model_config import ModelConfig
-from replicas.torch_engine.sizes import PAGE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -310,11 +309,10 @@ class LlamaModel(nn.Module):
         return self.lm_head.weight.detach()[ids]
 
     def make_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
-        """A KVCache shaped for this model (same dtype and device), its length rounded up to a
-        multiple of 32 as the native cache's is (the prefix cache copies whole blocks of 32)."""
+        """A KVCache shaped for this model (same dtype and device)."""
         w = self.embed_tokens.weight
-        return KVCache(self.cfg.num_layers, max_slots, -(-max_seq_len // PAGE_TOKENS) * PAGE_TOKENS,
-                       self.cfg.num_kv_heads, self.cfg.head_dim, dtype=w.dtype, device=w.device)
+        return KVCache(self.cfg.num_layers, max_slots, max_seq_len, self.cfg.num_kv_heads,
+                       self.cfg.head_dim, dtype=w.dtype, device=w.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> Tensor:

@@ -299,19 +299,12 @@ def test_a_pool_full_of_held_blocks_is_offered_each_block_once(engines, loop):
         loop.run_until_complete(small.shutdown())
 
 
-def test_a_torch_cache_of_an_unaligned_window_is_whole_blocks_for_the_copied_store():
-    """CUDA's cache (LlamaModel.make_cache) of a max_seq_len that is no multiple of 32 is
-    rounded up as the native one is: a request ending in the window's last block keeps that
-    block, and a later prompt reuses it (its 4 positions in a block of 32 raised, and the
-    failure lost the request). A cache of part blocks is refused naming the key."""
-    from dataclasses import replace
-
-    from replicas.torch_engine.model import LlamaModel
-
-    cfg = replace(model_config(DEFAULT_MODEL), vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-    cache = LlamaModel(cfg).make_cache(2, 100)
-    assert cache.max_seq_len == 128
+def test_the_copied_store_takes_a_window_of_whole_blocks_only():
+    """CUDA's cache of a max_seq_len that is no multiple of 32 (100) had a last block of 4
+    positions, which the copied store could not keep or lend: a request ending there raised,
+    and the failure lost it. The engine now rounds its window up, as the native cache does, and
+    a window of part blocks is refused naming the key; a last block is kept and lent."""
+    cache = KVCache(1, 2, 128, 2, 8)
     prefix = PrefixCache(cache, 0, 1 << 20)
     tokens, slot, chain = _ids(950, 99), cache.allocate(), []
     cache.lengths[slot] = 98
