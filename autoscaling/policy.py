@@ -109,28 +109,28 @@ class AcceptanceAwarePolicy:
         self.gate_from_replicas = BATCH_GATE not in policy_kwargs
         self.config = PolicyConfig.from_kwargs(policy_kwargs)
 
-    def resolved_config(self, ctx: "AutoscalingContext") -> PolicyConfig:
+    def resolved_config(self, ctx: "AutoscalingContext", signals: Signals) -> PolicyConfig:
         """Fill what `policy_kwargs` left to Serve and the replicas: the pack target from the
         deployment's autoscaling_config, the gate from the replicas' own reports (the
         smallest of those that gate by batch size, so a hot `user_config` change is followed
-        without redeploying the policy; a NOT_GATED replica has no gate to offer)."""
+        without redeploying the policy; a NOT_GATED replica has no gate to offer, and a
+        replica silent past `metrics_stale_s` none either: Serve keeps its last report)."""
         config = self.config
         if config.target_ongoing_requests is None:
             serve_target = ctx.config.get_target_ongoing_requests() if ctx.config is not None else None
             config = dataclasses.replace(config, target_ongoing_requests=float(serve_target or 2.0))
         # each a mean over Serve's look-back window: rounded before it is judged, or a gate
         # turned on from 0 (off) read 0.6, passed as 1 and failed PolicyConfig as 0
-        reported = [round(g) for g in ((ctx.aggregated_metrics or {}).get(BATCH_GATE) or {}).values()
-                    if g is not None]
+        reported = [round(r.batch_gate) for r in signals.replicas if r.batch_gate is not None]
         reported = [g for g in reported if gates_by_batch(g)]
         if reported and self.gate_from_replicas:
             config = dataclasses.replace(config, batch_gate=min(reported))
         return config
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict[str, Any]]:
-        config = self.resolved_config(ctx)
         state = dict(ctx.policy_state or {})
-        signals = signals_from_context(ctx, bool(state.get(STATE_SPREADING, False)), config.metrics_stale_s)
+        signals = signals_from_context(ctx, bool(state.get(STATE_SPREADING, False)), self.config.metrics_stale_s)
+        config = self.resolved_config(ctx, signals)
         replicas = decide(signals, ctx.current_num_replicas, config)
         spread = spread_pays(signals, config)
         state[STATE_SPREADING] = bool(spread)

@@ -121,8 +121,10 @@ class _Metrics:
         self.batch.set(stats.batch_size)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        # the engine's own gate: one it cannot apply (NOT_GATED) never reads as closed or open by batch
-        self.gate_open.set(1.0 if gate_open(stats.batch_size, stats.batch_gate, stats.speculating) else 0.0)
+        # the engine's own gate, for a request joining behind those waiting: one it cannot apply
+        # (NOT_GATED) never reads as closed or open by batch
+        self.gate_open.set(1.0 if gate_open(stats.batch_size + stats.waiting, stats.batch_gate, stats.speculating)
+                           else 0.0)
 
     def finished(self, usage: dict[str, float], ttft_s: float | None, tpot_s: float | None) -> None:
         # One observation per verify step at the request's mean, so the histogram's

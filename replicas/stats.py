@@ -118,7 +118,7 @@ class EngineStats:
 
     batch_size: int = 0
     waiting: int = 0
-    speculating: int = 0  # 1 if the last step speculated
+    speculating: int = 0  # 1 if the last step ran with the gate open (drafted or not)
     # The batch size above which the engine's steps really stop speculating, as built and
     # running (a setting staged for a restart is not in force); NOT_GATED where no batch
     # size does. The router and the autoscaler read this, never the configured setting.

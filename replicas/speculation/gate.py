@@ -23,7 +23,8 @@ def gates_by_batch(reported_gate: int) -> bool:
 
 
 def gate_open(batch_size: int, reported_gate: int, speculating: int) -> bool:
-    """Would a request added now run in a speculating step (the `spec_gate_open` gauge)?"""
+    """Would a request added now run in a speculating step (the `spec_gate_open` gauge)?
+    `batch_size`: the requests ahead of it, running and waiting."""
     if not gates_by_batch(reported_gate):
         return bool(speculating)
     return speculate_this_step(batch_size + 1, reported_gate)

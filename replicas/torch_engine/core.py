@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from replicas.engine import GenerationDelta, SpeculationConfig
+from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import NO_DRAFT, drafts_with_mtp
 from replicas.speculation.sampling import token_logprobs
 from replicas.speculation.verify import Verdict
@@ -257,12 +258,16 @@ class EngineCore:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         self.suffix.settle()  # the last step's drafts
+        # the gate's verdict, what the policy and the router read: not whether a request drafted
+        # (a request of mode off, or one with nothing to copy, leaves a gate open; a grammar's
+        # forced tokens, drafted at any batch size, leave it closed)
+        gate_open = self.speculation.mode != "off" and speculate_this_step(len(seqs), self.speculation.batch_gate)
         plans = step_drafts(seqs, self.speculation, self.drafts, self.mtp, self.mtp_min_confidence,
                             self.cache.max_seq_len)
         seqs, plans = self._make_room(seqs, plans)
         if not seqs:
             return
-        self.last_speculated = any(draft for _, draft in plans)
+        self.last_speculated = gate_open
 
         input_ids, spans = [], []
         for seq, (_, draft) in zip(seqs, plans):
@@ -288,7 +293,8 @@ class EngineCore:
                                                 verdict.num_accepted)
                     seq.counters.record(plan.source, len(draft), verdict.num_accepted)
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
-                    self.acceptance_ewma.update(kept)
+                    if plan.source != "grammar":  # what speculation earns, which forced tokens are not
+                        self.acceptance_ewma.update(kept)
                 verdicts.append((seq, rows, verdict))
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)

@@ -140,6 +140,21 @@ def test_gate_comes_from_the_replicas_unless_pinned():
     assert replicas == 5
 
 
+def test_a_silent_replicas_last_gate_is_not_the_fleets():
+    """Serve keeps a silent replica's last report while it runs: its signals counted as
+    missing, but its gate (2, from before a hot change to 8) still set the fleet's, and
+    the decision sized for batches of 2 (12 replicas, not 3)."""
+    config = serve_config()
+    config.policy.policy_kwargs.pop("batch_gate")  # read from the replicas
+    fresh = stats(3.0, batch=6.0) | {"batch_gate": 8.0}
+    ctx = context(config, 24, [fresh, fresh, stats(3.0, batch=6.0) | {"batch_gate": 2.0}])
+    silent = ctx.running_replicas[2]
+    for series in ctx.raw_metrics.values():
+        if silent in series:
+            series[silent] = [TimeStampedValue(NOW - 121.0, 0.0), TimeStampedValue(NOW - 120.0, 0.0)]
+    assert serve_policy(config)(ctx)[0] == 3 == serve_policy(config)(context(config, 24, [fresh, fresh, None]))[0]
+
+
 def test_a_gate_just_turned_on_reads_as_its_rounded_window_mean():
     """A replica's gate is a mean over Serve's look-back window: turned on from 0 (off), it reads
     0.6 for a while, which passed as a gate and failed the policy (Serve then skipped the

@@ -8,6 +8,7 @@ and logprobs compare with ==, never a tolerance.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -111,6 +112,29 @@ def test_grammar_drafts_are_counted_and_accepted(engine, loop, prompts, grammar_
     grammar_drafts(True)
     _, _, _, last = run(engine, loop, constrained(prompts[0], max_tokens=120, mode="off"))
     assert last.speculation["draft_tokens"] == 0
+
+
+def test_the_gate_reported_is_its_verdict_not_whether_a_request_drafted(engine, loop, prompts, grammar_drafts):
+    """`speculating`, which the autoscaling policy reads as the gate being open: a request of
+    mode off under the gate leaves it open (it read 0: nothing drafted); grammar-forced tokens
+    over the gate, drafted at any batch size, leave it closed (it read 1) and move no
+    acceptance figure, as they are not what speculation earns."""
+    grammar_drafts(True)
+    run(engine, loop, request(prompts[0], max_tokens=8, mode="off"))
+    assert engine.stats().speculating == 1
+    engine.configure(dataclasses.replace(engine.config.speculation, batch_gate=2))
+    before = engine.stats()
+
+    async def three():
+        return await asyncio.gather(*(collect_logprobs(engine, constrained(prompts[0], max_tokens=60, mode="auto"))
+                                      for _ in range(3)))
+
+    outputs = loop.run_until_complete(three())
+    assert all(out[0] == outputs[0][0] for out in outputs)  # one answer: its last step held all three
+    after = engine.stats()
+    assert after.speculating == 0 and after.batch_gate == 2
+    assert after.draft_tokens["grammar"] > before.draft_tokens["grammar"]
+    assert after.acceptance_length == before.acceptance_length
 
 
 def test_stop_after_is_matched_only_where_the_output_runs_unconstrained(engine, loop):
