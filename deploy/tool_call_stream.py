@@ -4,11 +4,12 @@ fragments go out while the model writes them (deploy/tool_calls.py has the forma
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass
 
-from deploy.tool_calls import CALL_HEADER, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, find_close, header_atoms
+from deploy.tool_calls import (
+    CALL_HEADER, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, find_close, header_atoms, json_string,
+)
 
 _NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a cut call's `{"name": "..."`
 _HEADER_PREFIX = re.compile(functools.reduce(
@@ -32,13 +33,6 @@ def _partial_tag_len(text: str, tag: str = TOOL_CALL_OPEN) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
-
-
-def _json_string(body: str) -> str | None:
-    try:
-        return json.loads(f'"{body}"')
-    except ValueError:
-        return None
 
 
 class ToolCallStream:
@@ -131,7 +125,7 @@ class ToolCallStream:
         self._block, events = None, []
         if self._name is None:
             named = _NAMED.match(block)
-            self._name = _json_string(named.group(1)) if named else None
+            self._name = json_string(named.group(1)) if named else None
             if self._name is None:
                 return []
             events.append(StreamEvent(index=self._num_calls, name=self._name))
@@ -173,7 +167,7 @@ class ToolCallStream:
         self._scan_from = max(0, len(block) - len(TOOL_CALL_CLOSE) + 1)
         if self._name is None:
             m = CALL_HEADER.match(block)
-            name = _json_string(m.group(1)) if m and m.end() < len(block) else None
+            name = json_string(m.group(1)) if m and m.end() < len(block) else None
             if name is not None:  # a char follows the header, so its whitespace is all in
                 self._name = name
                 self._args_start = m.end() if block[m.end()] == "{" else None

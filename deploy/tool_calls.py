@@ -35,6 +35,14 @@ def header_atoms(name: str) -> list[str]:
 CALL_HEADER = re.compile("".join(header_atoms(r'((?:[^"\\]|\\.)*)')))  # group 1: the name as written
 
 
+def json_string(body: str) -> str | None:
+    """The string a JSON string literal's body (between its quotes) spells, or None."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
+
+
 def _dumps(value: object) -> str:
     return json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
 
@@ -177,7 +185,7 @@ def _as_call(obj: object, body: str) -> ToolCall | None:
     if header and body[header.end():header.end() + 1] == "{":  # the outer "}" is the body's last character
         written = body[header.end():].rstrip()[:-1].rstrip()
         try:
-            if json.loads(f'"{header.group(1)}"') == obj["name"] and json.loads(written) == arguments:
+            if json_string(header.group(1)) == obj["name"] and json.loads(written) == arguments:
                 return ToolCall(obj["name"], written)
         except ValueError:
             pass

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class TorchEngineConfig:
     model: str = DEFAULT_MODEL  # the embedded default or an HF Llama checkpoint directory

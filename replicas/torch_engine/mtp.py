@@ -209,7 +209,8 @@ class MTPDrafter:
         self._tail: dict[int, tuple[Tensor, int, float]] = {}  # h'_last [d], first draft id, its prob
 
     @classmethod
-    def load(cls, target: Target, max_slots: int, max_seq_len: int, path: str | Path = DEFAULT_WEIGHTS_DIR) -> "MTPDrafter":
+    def load(cls, target: Target, max_slots: int, max_seq_len: int,
+             path: str | Path = DEFAULT_WEIGHTS_DIR) -> "MTPDrafter":
         """A drafter with the committed weights for the default model (or those at `path`)."""
         module = MTPModule.load(path, target.cfg, dtype=target.dtype, device=target.device)
         return cls(module, target, max_slots, max_seq_len)

@@ -110,7 +110,7 @@ class CopiedBlocks:
     def __init__(self, cache: KVCache, num_blocks: int) -> None:
         if cache.max_seq_len % BLOCK_TOKENS:
             raise ValueError(f"max_seq_len: the cache's {cache.max_seq_len} positions are not whole blocks of "
-                             f"{BLOCK_TOKENS} (make_cache rounds them up)")
+                             f"{BLOCK_TOKENS} (the engine rounds its window up)")
         self.cache = cache
         layers, _, heads, _, head_dim = cache.k.shape
         shape = (layers, num_blocks, heads, BLOCK_TOKENS, head_dim)
