@@ -10,12 +10,8 @@ import pytest
 import torch
 
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
-from replicas.torch_engine.model_config import ModelConfig
 from replicas.torch_engine.mtp import DEFAULT_WEIGHTS_DIR, META_FILE, MTPModule, setting_problems
-
-TINY = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
-                   max_position_embeddings=256, tie_word_embeddings=True)
+from tests.torch_engine.test_mtp import TINY
 
 
 def test_a_head_that_cannot_serve_the_target_is_named_before_loading(tmp_path):
