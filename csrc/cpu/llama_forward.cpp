@@ -171,6 +171,7 @@ void LlamaForward::forward_fused(const float* hidden_in, const float* embeds, in
 void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const KvCache& cache, float* hidden,
                                const std::function<void(float*)>& input) {
   check_ready();
+  const CanonicalFloatEnv canonical;
   const ModelDims& dm = dims_;
   const int d = dm.hidden_size, hd = dm.head_dim, heads = dm.num_heads, kvh = dm.num_kv_heads;
   const int group = heads / kvh, q_size = heads * hd, kv_size = kvh * hd, qkv_n = q_size + 2 * kv_size;
@@ -366,6 +367,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
 
 void LlamaForward::logits(const float* hidden, int rows, float* out) {
   check_ready();
+  const CanonicalFloatEnv canonical;
   const int d = dims_.hidden_size;
   Scratch quant(rows, d);
   pool_.parallel_for(rows, [&](int r0, int r1, int) {
@@ -376,6 +378,7 @@ void LlamaForward::logits(const float* hidden, int rows, float* out) {
 }
 
 void LlamaForward::embed(const int32_t* tokens, int n, float* out) {
+  const CanonicalFloatEnv canonical;
   require(!embedding_.empty(), "model: no embedding (set_globals)");
   for (int i = 0; i < n; ++i) {
     require(0 <= tokens[i] && tokens[i] < dims_.vocab_size, "tokens: id " + std::to_string(tokens[i]) + " out of range");
@@ -384,6 +387,7 @@ void LlamaForward::embed(const int32_t* tokens, int n, float* out) {
 }
 
 void LlamaForward::head_rows(const int32_t* ids, int n, float* out) {
+  const CanonicalFloatEnv canonical;
   check_ready();
   const OwnedMatrix& head = head_.empty() ? embedding_ : head_;
   for (int i = 0; i < n; ++i) {

@@ -9,6 +9,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#else
+#include <cfenv>
+#endif
 
 namespace cpu {
 // Internal linkage: each translation unit keeps its own copies, compiled with its own
@@ -169,6 +174,35 @@ inline float quant_inverse(float amax) {
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
   return std::isfinite(inverse) ? inverse : 0.0f;
 }
+
+// The floating-point environment all of the above assumes, held by a thread while it computes:
+// IEEE round-to-nearest-even, no flush-to-zero, no denormals-are-zero. A thread inherits its
+// creator's environment, and a library loaded into the process (one built with -ffast-math
+// sets FTZ/DAZ as it loads) or the caller may change a thread's: without this, the chunks a
+// worker and the calling thread each took of one loop were computed two ways, and a verify's
+// rows no longer equalled their one-row decodes. The caller's environment is restored after.
+class CanonicalFloatEnv {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  CanonicalFloatEnv() : saved_(_mm_getcsr()) { _mm_setcsr(kMxcsr); }
+  ~CanonicalFloatEnv() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kMxcsr = 0x1F80;  // every exception masked, round to nearest, no FTZ/DAZ
+  unsigned saved_;
+#else
+  CanonicalFloatEnv() {
+    std::fegetenv(&saved_);
+    std::fesetenv(FE_DFL_ENV);
+  }
+  ~CanonicalFloatEnv() { std::fesetenv(&saved_); }
+
+ private:
+  std::fenv_t saved_;
+#endif
+  CanonicalFloatEnv(const CanonicalFloatEnv&) = delete;
+  CanonicalFloatEnv& operator=(const CanonicalFloatEnv&) = delete;
+};
 
 }  // namespace
 }  // namespace cpu

@@ -5,6 +5,8 @@
 #include <string>
 #include <utility>
 
+#include "numerics.hpp"
+
 namespace cpu {
 namespace {
 
@@ -101,6 +103,7 @@ void ThreadPool::parallel_for(int n, const Fn& fn, int chunks) {
 }
 
 void ThreadPool::worker(int index) {
+  const CanonicalFloatEnv canonical;  // not its creator's: a worker only ever runs chunks
   uint32_t seen = 0;
   for (;;) {
     int spins = 0;

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.machine import ISA_CAPS
+from benchmarks.machine import ISA_CAPS, cpu_model
 
 REPO = Path(__file__).resolve().parents[2]
 QEMU = shutil.which("qemu-x86_64")
@@ -56,10 +56,19 @@ def probes(tmp_path_factory) -> dict:
     return got
 
 
+def differ(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which rows of two logits differ, and by how much at most."""
+    rows = [r for r in range(len(a)) if not torch.equal(a[r], b[r])]
+    return f"rows {rows} differ, by up to {(a - b).abs().max().item():.4g}"
+
+
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_an_emulated_cpu_runs_its_own_path_to_the_same_bits(probes, cpu):
     emulated, here = probes[cpu], probes[None]
     assert (emulated["isa"], emulated["torch_capability"]) == CPUS[cpu]
-    assert torch.equal(emulated["verify"], emulated["decodes"])
-    assert torch.equal(emulated["verify"], here["verify"])
-    assert torch.equal(emulated["decodes"], here["decodes"])
+    # Each agrees with itself first: a failure below is then a disagreement between paths.
+    for who, probe in ((f"this machine ({cpu_model()}, {here['isa']})", here), (cpu, emulated)):
+        assert torch.equal(probe["verify"], probe["decodes"]), f"{who}, verify against decodes: " + differ(
+            probe["verify"], probe["decodes"])
+    for what in ("verify", "decodes"):
+        assert torch.equal(emulated[what], here[what]), f"{what}: " + differ(emulated[what], here[what])

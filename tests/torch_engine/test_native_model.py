@@ -7,6 +7,10 @@ requests, a prefill chunk) and however many threads run it. Compared with `torch
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import platform
 import threading
 
 import numpy as np
@@ -94,6 +98,44 @@ def test_thread_count_does_not_change_a_bit(model, model_1t):
         results.append(logits_of(m, ids[300:], [SeqSpan(slot, 300, 10)], cache))
     assert torch.equal(*results)
 
+
+@contextlib.contextmanager
+def rounding_toward_zero():
+    """This thread's floating-point rounding set toward zero (C's fesetround), as a library
+    loaded into the process may leave it; restored after."""
+    toward_zero = {"x86_64": 0xC00, "aarch64": 0xC00000}.get(platform.machine())
+    if toward_zero is None:
+        pytest.skip(f"FE_TOWARDZERO of {platform.machine()} is not known here")
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    before = libm.fegetround()
+    assert libm.fesetround(toward_zero) == 0
+    try:
+        yield libm
+    finally:
+        libm.fesetround(before)
+
+
+def test_the_callers_floating_point_environment_does_not_change_a_bit(model, monkeypatch):
+    # Rounding toward zero in the calling thread only: its chunks of each loop and its workers'
+    # once disagreed, and a 5-row verify moved its logits by up to 3 from the 1-row decodes.
+    ids = random_ids(7, 13)
+    canonical = verify_and_decodes(model, ids, 8, max_seq_len=64)
+    with rounding_toward_zero() as libm:
+        mode = libm.fegetround()
+        verify, decodes = verify_and_decodes(model, ids, 8, max_seq_len=64)
+        assert libm.fegetround() == mode  # the caller's environment is given back
+    assert torch.equal(verify, canonical[0]) and torch.equal(decodes, canonical[1])
+    # The workers take nothing from the thread that started them either (only the native
+    # forward, and so its pool, is made under the mode: torch's rope tables would follow it).
+    native_forward = native_model._cpu_forward.LlamaForward
+
+    def made_toward_zero(*args):
+        with rounding_toward_zero():
+            return native_forward(*args)
+
+    monkeypatch.setattr(native_model._cpu_forward, "LlamaForward", made_toward_zero)
+    model_of_workers = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2)
+    assert all(map(torch.equal, verify_and_decodes(model_of_workers, ids, 8, max_seq_len=64), canonical))
 
 def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
     # Whole, each (tile, KV head) runs its chunks of 128 positions in one task; in calls of 16
