@@ -216,7 +216,7 @@ class Ingress:
                 lambda err: [{"type": "error", **err.body(anthropic=True)}])
         acc = await self._replicas.collect(request, *opened, routing)
         blocks.feed(acc.text, acc.finish_reason)
-        return JSONResponse(messages.message_body(request.request_id, model, blocks, acc))
+        return messages.MessageResponse(messages.message_body(request.request_id, model, blocks, acc))
 
     async def tokenize(self, body: Union[TokenizeCompletion, TokenizeChat]) -> dict[str, Any]:
         """vLLM's `POST /tokenize`: a prompt or a chat as its completion would tokenize it."""

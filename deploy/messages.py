@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import (
     AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator,
 )
@@ -394,7 +397,7 @@ class ContentBlocks(OutputParts):
     def on_close(self, block: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
         if block["type"] == "tool_use":
             try:  # a call cut by max_tokens leaves its input as far as it parsed: none
-                block["input"] = json.loads(self._arguments[block["id"]] or "{}")
+                block["input"] = parsed_input(self._arguments[block["id"]] or "{}")
             except ValueError:
                 pass
         return [{"type": "content_block_stop", "index": self.index}]  # the block closed is the last begun
@@ -405,6 +408,54 @@ class ContentBlocks(OutputParts):
         if acc.stop_string is not None:
             return "stop_sequence"
         return "tool_use" if any(b["type"] == "tool_use" for b in self.parts) else "end_turn"
+
+
+@dataclass(frozen=True)
+class RawJson:
+    """JSON text that a body holds as it is (`MessageResponse` writes it unquoted)."""
+
+    text: str
+
+
+def parsed_input(text: str) -> Any:
+    """A tool_use block's input: the object `text` spells, or `RawJson(text)` where Python
+    holds one of its numbers as no JSON number (1e999 parses to inf, which JSON cannot spell,
+    and an answer with it was a 500) or holds none (an integer of over 4,300 digits)."""
+    lossy = False
+
+    def number(kind: type) -> Any:
+        def parse(spelt: str) -> Any:
+            nonlocal lossy
+            try:
+                value = kind(spelt)
+            except ValueError:  # int's digit limit
+                lossy = True
+                return 0
+            lossy = lossy or not math.isfinite(value)
+            return value
+        return parse
+
+    value = json.loads(text, parse_float=number(float), parse_int=number(int))
+    return RawJson(text) if lossy else value
+
+
+class MessageResponse(JSONResponse):
+    """A Message's JSON body, each `RawJson` in it written as the text it holds."""
+
+    def render(self, content: Any) -> bytes:
+        raw: list[str] = []
+        mark = f"raw-{uuid.uuid4().hex}-"
+
+        def placeholder(value: Any) -> str:
+            if not isinstance(value, RawJson):
+                raise TypeError(f"{type(value).__name__} is not JSON")
+            raw.append(value.text)
+            return f"{mark}{len(raw) - 1}"
+
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=placeholder)
+        for i, spelt in enumerate(raw):
+            text = text.replace(f'"{mark}{i}"', spelt, 1)
+        return text.encode("utf-8")
 
 
 def usage(acc: Accumulated) -> dict[str, int]:

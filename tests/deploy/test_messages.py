@@ -11,7 +11,8 @@ from anthropic.lib.streaming._messages import accumulate_event, build_events
 from anthropic.types import RawMessageStreamEvent
 
 from deploy.errors import ApiError
-from deploy.messages import ContentBlocks, CountTokensRequest, MessagesRequest, chat_request
+from deploy.openai_format import Accumulated
+from deploy.messages import ContentBlocks, CountTokensRequest, MessageResponse, MessagesRequest, chat_request, message_body
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
@@ -42,6 +43,25 @@ def test_each_block_stop_names_the_block_it_closes_as_the_sdk_rebuilds_it():
     assert rebuilt == parts == [{k: v for k, v in b.items() if k != "id"} for b in closed]
     assert [p["type"] for p in parts] == ["text", "tool_use", "text", "tool_use"]
 
+
+@pytest.mark.parametrize("arguments", ['{"x": 1e999, "y": 1.50}', '{"x": -1e400}', '{"n": ' + "9" * 5000 + "}"])
+def test_a_tool_input_no_python_number_holds_is_written_as_the_model_wrote_it(arguments):
+    """Anthropic's `input` is an object: one with 1e999 (inf to json.loads, which JSON cannot
+    spell) was a 500; it is now the text the stream's input_json_delta carried."""
+    blocks = ContentBlocks(tools=True)
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    streamed = "".join(e["delta"]["partial_json"] for e in blocks.feed(text, "stop")
+                       if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    body = MessageResponse(message_body("msg_1", "m", blocks, Accumulated(finish_reason="stop"))).body.decode()
+    assert streamed == arguments
+    assert f'"input":{arguments}' in body
+    [block] = json.loads(body, parse_int=str)["content"]  # (over 4,300 digits: no int for Python's json)
+    assert (block["type"], block["name"]) == ("tool_use", "f")
+    # a call whose numbers Python holds keeps its object as json.loads gives it
+    plain = ContentBlocks(tools=True)
+    plain.feed(CALL, "stop")
+    assert json.loads(MessageResponse(message_body("msg_2", "m", plain, Accumulated(finish_reason="stop"))).body)[
+        "content"][0]["input"] == {"city": "Paris"}
 
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
         # tool search and programmatic calls (Claude Code's): taken, every tool offered
