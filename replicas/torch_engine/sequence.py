@@ -47,6 +47,8 @@ class Sequence:
     sa_match_len: int = 0  # from the last SA extend
     sa_draft: list[int] = field(default_factory=list)
     sa_acceptance: SaAcceptance = field(default_factory=SaAcceptance)  # its SA drafts', drafted or not
+    shadow_draft: list[int] = field(default_factory=list)  # an SA draft held behind a closed gate (step_drafts)
+    shadow_matched: int = 0  # of its tokens, those the request has emitted since
     mtp_fed: bool = False  # the MTP head sees its positions (its mode could draft with MTP when admitted)
     mtp_backoff: int = 0  # steps the last unfruitful MTP proposal set aside (hybrid.next_mtp_backoff)
     mtp_skip: int = 0  # of those, steps still to go without MTP

@@ -4,6 +4,15 @@ The hybrid rule (`plan_draft`) picks a source and a length per request; the meas
 rules (`adaptive_drafts`) cut an SA draft to what pays and decide whether an MTP ask pays;
 the head is asked once for every request that still wants it; a grammar cuts each draft at
 its first forbidden token. Nothing here runs the target or touches the KV cache.
+
+Behind a closed gate nothing is drafted, and the acceptance length that the autoscaling
+policy and the router read would stand at its last verified value however the workload
+changed (a packed fleet then stays packed where spreading it would pay). So there each
+request holds the SA draft the hybrid rule would make were the gate open (`hold_shadow_drafts`),
+and the tokens it then emits settle it (`shadow_kept`): the tokens do not depend on drafting
+(verification is exact, sampling keyed by output position), so their common prefix with the
+draft is what its verify would have accepted. A request the rule would hand to the MTP head
+(asking it costs most of a step), or whose grammar would cut its drafts, holds none.
 """
 
 from __future__ import annotations
@@ -87,3 +96,33 @@ def _request_plan(seq: Sequence, cfg: SpeculationConfig, drafts: DraftPolicy, ma
     if plan.sa_fallback and cfg.adaptive_drafts:
         plan = dataclasses.replace(plan, sa_fallback=drafts.sa_draft_len(seq, plan.sa_fallback, batch))
     return plan, []
+
+
+def hold_shadow_drafts(seqs: list[Sequence], cfg: SpeculationConfig, max_seq_len: int) -> None:
+    """Behind a closed gate: each request holding no shadow draft takes the SA draft the
+    hybrid rule would make with the gate open (its full length, not cut to what pays)."""
+    for seq in seqs:
+        if seq.shadow_draft or seq.constraint is not None:
+            continue
+        mode, max_draft_len = effective_settings(cfg, seq.speculation)
+        room = max_seq_len - seq.num_cached - 1
+        plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, seq.mtp_fed, True,
+                          min(seq.tokens_left, room + 1))
+        if plan.source == "sa":
+            seq.shadow_draft, seq.shadow_matched = seq.sa_draft[: plan.num_draft], 0
+
+
+def shadow_kept(seq: Sequence, emitted: list[int]) -> int | None:
+    """The tokens a verify of the request's shadow draft would have kept (1 + accepted), once
+    the tokens it emitted settle it, the draft then let go; None while it is unsettled."""
+    draft = seq.shadow_draft
+    for token in emitted:
+        if not draft:
+            return None
+        if seq.shadow_matched < len(draft) and token == draft[seq.shadow_matched]:
+            seq.shadow_matched += 1
+            continue
+        kept = seq.shadow_matched + 1  # the correction, or the bonus token after a whole draft
+        seq.shadow_draft, seq.shadow_matched = [], 0
+        return kept
+    return None
