@@ -51,10 +51,21 @@ class EngineArgs(_Strict):
         """The TrtllmEngineConfig these args describe (raises ValueError naming a bad field)."""
         from replicas.trtllm.config import TrtllmEngineConfig
 
+        # set under trtllm, these were dropped (speculation) or took the engine's alone, the
+        # served name, Serve's defaults and the edge limits keeping the engine-level ones
+        beside = sorted(set(self.trtllm or {}) & {"model", "max_batch_size", "max_seq_len", "speculation"})
+        if beside:
+            raise ValueError(f"engine.trtllm: {beside} are set beside it (engine.<key>; speculation in the "
+                             "Replica's user_config), not under it")
         return TrtllmEngineConfig.from_mapping({
             "model": self.model, "max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
             **(self.trtllm or {}), "speculation": speculation,
         })
+
+
+# EngineArgs' fields that only the embedded engine reads: set with kind trtllm, an error.
+TORCH_ONLY = frozenset({"device", "num_threads", "mtp_weights", "sa_global_pool_tokens", "prefix_cache_bytes",
+                        "kv_cache_bytes", "max_prefill_tokens"})
 
 
 class LimitArgs(_Strict):
@@ -138,6 +149,9 @@ class AppArgs(_Strict):
             if self.engine.trtllm is not None:
                 raise ValueError("engine.trtllm: only with engine.kind trtllm")
             return self
+        ignored = sorted(self.engine.model_fields_set & TORCH_ONLY)
+        if ignored:
+            raise ValueError(f"engine: {ignored} are the embedded engine's (kind torch); TensorRT-LLM ignores them")
         # The real config's own validation of the engine's fields. The speculation settings
         # arrive with user_config: "off" asks nothing of them here, and deploy.config_check
         # builds the config again with the file's own.

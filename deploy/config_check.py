@@ -114,6 +114,9 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
                     problems.append(f"{where}.user_config: only the Replica takes one")
                 else:
                     problems += _speculation_problems(deployment["user_config"], args, where)
+        if not any(d.get("name") == "Replica" and d.get("user_config") is not None for d in app.get("deployments") or []):
+            # the Replica then starts with the default speculation, which a TensorRT-LLM build must take
+            problems += _speculation_problems({}, args, f"applications[{i}] (no Replica user_config: the defaults)")
     return problems
 
 

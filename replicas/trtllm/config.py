@@ -18,6 +18,11 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+# The fields' annotations (strings: postponed) and the types their values must have.
+_FIELD_KINDS = {"str": (str,), "str | None": (str, type(None)), "int": (int,), "float": (int, float),
+                "bool": (bool,)}
+
+
 @dataclass(frozen=True)
 class TrtllmEngineConfig:
     """One TensorRT-LLM `LLM` per replica.
@@ -57,6 +62,11 @@ class TrtllmEngineConfig:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # YAML's "false" or "0.85" is a str: truthy, or no number
+            kinds = _FIELD_KINDS.get(f.type)
+            value = getattr(self, f.name)
+            if kinds is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+                raise ValueError(f"{f.name}: must be {f.type}, got {value!r}")
         _require(bool(self.model), "model", "must be a model id or path")
         _require(self.drafter in ("eagle3", "mtp"), "drafter", f"must be eagle3 or mtp, got {self.drafter!r}")
         _require(

@@ -184,6 +184,10 @@ def llm_kwargs(config: TrtllmEngineConfig, have: frozenset[str]) -> dict[str, An
         "max_seq_len": config.max_seq_len,
         "enable_iter_perf_stats": True,  # get_stats_async rows, our live stats
     }
+    if config.max_num_tokens < config.max_seq_len:
+        # upstream's PyTorch backend refuses a prompt over max_num_tokens unless prefills go in
+        # chunks (llmapi/llm.py, _check_arguments): one the window admits failed mid-request
+        kwargs["enable_chunked_prefill"] = True
     if config.tokenizer:
         kwargs["tokenizer"] = config.tokenizer
     if config.orchestrator == "ray":

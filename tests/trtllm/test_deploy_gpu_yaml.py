@@ -113,3 +113,31 @@ def test_user_config_is_checked_against_the_engine_it_builds(document):
 def test_the_replica_requests_one_gpu(document):
     replica = document["applications"][0]["args"]["replica"]
     assert replica["num_gpus"] == 1 and replica["num_replicas"] == 1
+
+
+def test_the_default_speculation_is_checked_where_no_user_config_sets_one(document):
+    doc = copy.deepcopy(document)
+    del doc["applications"][0]["args"]["engine"]["trtllm"]["draft_model"]
+    doc["applications"][0]["deployments"] = [d for d in doc["applications"][0]["deployments"] if d["name"] != "Replica"]
+    problems = check_serve_config(doc)  # the Replica starts in hybrid, which needs the EAGLE-3 head
+    assert len(problems) == 1 and "no Replica user_config" in problems[0] and "draft_model" in problems[0], problems
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("speculation", {"mode": "off"}, "engine.trtllm: ['speculation']"),  # was dropped
+    ("max_batch_size", 8, "engine.trtllm: ['max_batch_size']"),  # took the engine's, not Serve's or the limits'
+    ("cuda_graphs", "false", "cuda_graphs: must be bool"),  # a truthy string
+    ("free_gpu_memory_fraction", "0.85", "free_gpu_memory_fraction: must be float"),  # was a TypeError
+])
+def test_a_trtllm_key_that_would_not_do_what_it_says_is_named(document, key, value, named):
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["args"]["engine"]["trtllm"][key] = value
+    problems = check_serve_config(doc)
+    assert len(problems) == 1 and named in problems[0], problems
+
+
+def test_the_embedded_engines_keys_are_refused_beside_trtllm(document):
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["args"]["engine"].update(num_threads=4, prefix_cache_bytes=0)
+    problems = check_serve_config(doc)
+    assert len(problems) == 1 and "['num_threads', 'prefix_cache_bytes']" in problems[0], problems

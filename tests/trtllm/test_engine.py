@@ -332,6 +332,19 @@ def test_a_failed_submission_is_an_error_delta():
     assert delta.finish_reason == "error" and "executor is shut down" in delta.error
 
 
+def test_a_prompt_over_max_num_tokens_goes_in_chunks():
+    """Upstream's PyTorch backend refuses a prompt over max_num_tokens unless it prefills in
+    chunks: one the window admits failed mid-request with a server error."""
+    async def go():
+        engine = await started(engine_config(max_num_tokens=64))
+        deltas = await collect(engine, request(list(range(1, 201))))
+        chunked = engine._llm.args.enable_chunked_prefill
+        await engine.shutdown()
+        return deltas, chunked
+
+    deltas, chunked = run(go())
+    assert chunked and deltas[-1].finish_reason == "length" and len(joined(deltas)[1]) == 24
+
 def test_an_upstream_failure_mid_stream_is_an_error_delta(monkeypatch):
     from tests.trtllm.fake_tensorrt_llm.llm import FakeRequestOutput
 

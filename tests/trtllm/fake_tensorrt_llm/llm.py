@@ -203,6 +203,12 @@ class LLM:
 
     def generate_async(self, inputs, sampling_params=None, streaming=False) -> FakeRequestOutput:
         assert streaming and isinstance(inputs, list) and isinstance(inputs[0], int)
+        # upstream's _check_arguments (llmapi/llm.py), PyTorch backend: without chunked prefill
+        # a prompt goes in one iteration, so max_num_tokens bounds it
+        limit = self.args.max_num_tokens
+        if not self.args.enable_chunked_prefill and limit is not None and len(inputs) > limit:
+            raise ValueError(f"The sum of prompt length ({len(inputs)}), query length (0) should not exceed "
+                             f"max_num_tokens ({limit})")
         result = FakeRequestOutput(self, list(inputs), sampling_params or SamplingParams())
         if self._rows is None:
             self._rows = asyncio.Queue()

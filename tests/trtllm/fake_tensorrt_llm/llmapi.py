@@ -234,6 +234,7 @@ class TorchLlmArgs(StrictBaseModel):
     max_batch_size: Optional[int] = None
     max_num_tokens: Optional[int] = None
     max_seq_len: Optional[int] = None
+    enable_chunked_prefill: bool = False
     kv_cache_config: Optional[KvCacheConfig] = None
     cuda_graph_config: Optional[Union[DecodeCudaGraphConfig, CudaGraphConfig]] = None
     speculative_config: Optional[SpeculativeConfig] = Field(None, discriminator="decoding_type")
