@@ -168,15 +168,20 @@ def ray_resources(group: dict[str, Any]) -> tuple[float, float]:
 
 def fleet_fits(serve_config: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
     """Problems if the Serve Replicas cannot be placed on the worker groups at their maximum."""
+    from ray.serve.config import AutoscalingConfig
+
     from deploy.config import AppArgs
 
     problems = []
     workers = cluster.get("workerGroupSpecs", [])
     for app in serve_config.get("applications", []):
         args = AppArgs.model_validate(app.get("args") or {})
-        need_cpu, need_gpu = args.replica.num_cpus, args.replica.num_gpus
         override = next((d for d in app.get("deployments") or [] if d.get("name") == "Replica"), {})
+        actor = override.get("ray_actor_options") or {}  # the file's own options outrank the app's
+        need_cpu, need_gpu = actor.get("num_cpus", args.replica.num_cpus), actor.get("num_gpus", args.replica.num_gpus)
         autoscaling = override.get("autoscaling_config")
+        if override.get("num_replicas") == "auto":  # Serve lays the file's over its defaults (max_replicas 100)
+            autoscaling = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **(autoscaling or {})}
         wanted = autoscaling.get("max_replicas", 1) if autoscaling else override.get("num_replicas", args.replica.num_replicas)
         capacity = 0
         for group in workers:
