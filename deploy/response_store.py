@@ -11,16 +11,20 @@ redeploy. `KeptResponses` is an Ingress's side of it: a missing response as the 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from typing import Any, List, Optional
 
-from deploy.errors import ApiError, server_error
+from deploy.errors import RETRY_AFTER_S, ApiError, server_error
 from deploy.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
 # the response body, its conversation as chat messages, its input items (`responses.input_items`)
 Kept = tuple[dict[str, Any], List[ChatMessage], List[dict[str, Any]]]
+# Longest an Ingress waits on the store: Serve queues a call while the store's one replica
+# restarts, and a request waited as long, its answer made, for its put.
+STORE_TIMEOUT_S = 10.0
 
 
 class ResponseStore:
@@ -31,14 +35,19 @@ class ResponseStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
-        self._items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of the kept responses
+        # item id -> (the item, how many kept responses hold it): their output items, and their
+        # input items, where a conversation's follow-ups hold its earlier answers (sent back,
+        # or by reference), so a reference lives as long as the conversation's newest response
+        self._items: dict[str, tuple[dict[str, Any], int]] = {}
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
         if self.capacity <= 0:
             return
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
-        self._items.update((item["id"], item) for item in body["output"])
+        for item in (*body["output"], *inputs):
+            held = self._items.get(item["id"])
+            self._items[item["id"]] = (held[0] if held else item, (held[1] if held else 0) + 1)
         while len(self._kept) > self.capacity:
             self._forget(next(iter(self._kept)))
 
@@ -46,16 +55,20 @@ class ResponseStore:
         return self._kept.get(response_id)
 
     async def items(self, item_ids: List[str]) -> dict[str, dict[str, Any]]:
-        """The kept output items among `item_ids`, by id."""
-        return {item_id: self._items[item_id] for item_id in item_ids if item_id in self._items}
+        """The kept items among `item_ids`, by id."""
+        return {item_id: self._items[item_id][0] for item_id in item_ids if item_id in self._items}
 
     async def delete(self, response_id: str) -> bool:
         return self._forget(response_id)
 
     def _forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
-        for item in kept[0]["output"] if kept else ():
-            self._items.pop(item["id"], None)
+        for item in (*kept[0]["output"], *kept[2]) if kept else ():
+            held, holders = self._items[item["id"]]
+            if holders > 1:
+                self._items[item["id"]] = (held, holders - 1)
+            else:
+                del self._items[item["id"]]
         return kept is not None
 
 
@@ -87,7 +100,7 @@ class KeptResponses:
         """Keep a finished response. The answer has been made: a store that cannot take it is
         logged, not the request's failure."""
         try:
-            await self._store.put.remote(body, messages, inputs)
+            await asyncio.wait_for(self._store.put.remote(body, messages, inputs), STORE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             logger.warning("response %s was not stored: %r", body["id"], exc)
 
@@ -97,7 +110,10 @@ class KeptResponses:
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await getattr(self._store, method).remote(*args)
+            return await asyncio.wait_for(getattr(self._store, method).remote(*args), STORE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the response store did not answer within {STORE_TIMEOUT_S:g} s, retry later",
+                           retry_after_s=RETRY_AFTER_S) from None
         except Exception as exc:  # noqa: BLE001
             raise server_error(exc, "response store") from exc
 

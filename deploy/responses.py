@@ -104,13 +104,16 @@ class ItemReference(RequestModel):
     """An item of a stored response named by its id (`msg_...`, `fc_...`): what clients send
     back instead of an earlier answer when it was stored (the Vercel AI SDK's default)."""
 
-    type: Literal["item_reference"]
+    type: Optional[Literal["item_reference"]] = "item_reference"  # optional in OpenAI's ItemReference
     id: str = Field(min_length=1)
 
 
 def _item_tag(value: Any) -> Optional[str]:
-    # a message may leave out its type (OpenAI's "easy input message")
-    return type_tag({"type": "message", **value} if isinstance(value, dict) else value)
+    if not isinstance(value, dict) or value.get("type") is not None:
+        return type_tag(value)
+    # typeless: an item reference names only its id; a message may leave out its type (OpenAI's
+    # "easy input message")
+    return "type=item_reference" if "role" not in value and "id" in value else "type=message"
 
 
 InputItem = Annotated[Union[
@@ -333,7 +336,7 @@ def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[C
 # the chat pipeline's fields as a Responses request names them (ApiError.renamed)
 FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
           "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema",
-          "tools[].function.parameters": "tools[].parameters"}
+          "tools[].function.parameters": "tools[].parameters", "logprobs": "include"}
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -346,10 +349,10 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     resolved, `with_items`): each with an id (its own, else a new one) and status completed."""
     listed = []
     for item in body.items:
-        kept = item.model_dump(exclude_none=True)
+        kept = item.model_dump(by_alias=True, exclude_none=True)
         if isinstance(item, InputMessage) and isinstance(item.content, str):  # as a list of parts
-            kept["content"] = [{"type": "output_text" if item.role == "assistant" else "input_text",
-                                "text": item.content}]
+            part = {"type": "input_text", "text": item.content}
+            kept["content"] = [{**part, "type": "output_text", "annotations": []} if item.role == "assistant" else part]
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kept["type"]]
         listed.append({"id": _id(prefix), **kept, "status": "completed"})
     return listed

@@ -10,6 +10,7 @@ import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from deploy import response_store
 from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
 from deploy.responses import (
@@ -182,11 +183,14 @@ def test_input_items_are_listed_as_the_sdk_types_them_page_by_page():
     body = ResponsesRequest(model="m", input=[
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "message", "role": "assistant", "id": "msg_1", "content": [{"type": "output_text", "text": "Looking."}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "18 C"}])
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+         "async": False},
+        {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+        {"role": "assistant", "content": "18 C in Paris."}])  # listed as an output_text part (annotations and all)
     items = input_items(body)
-    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output"]
-    assert items[1]["id"] == "msg_1" and len({i["id"] for i in items}) == 4  # its own id kept, the others new
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output", "message"]
+    assert items[1]["id"] == "msg_1" and len({i["id"] for i in items}) == 5  # its own id kept, the others new
+    assert items[2]["async"] is False  # as the API spells it, not async_
     assert items[0]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
     newest_first = ResponseItemList.model_validate(input_item_list(items))  # every field the SDK's type requires
     assert [i.id for i in newest_first.data] == [i["id"] for i in reversed(items)] and not newest_first.has_more
@@ -197,9 +201,49 @@ def test_input_items_are_listed_as_the_sdk_types_them_page_by_page():
         if not page["has_more"]:
             break
         after = page["last_id"]
-    assert pages == [[i["id"] for i in items[:3]], [items[3]["id"]]]
+    assert pages == [[i["id"] for i in items[:3]], [i["id"] for i in items[3:]]]
     assert input_items(ResponsesRequest(model="m", input="Hi"))[0]["content"] == [{"type": "input_text", "text": "Hi"}]
     for bad, param in ((dict(limit=0), "limit"), (dict(order="up"), "order"), (dict(after="msg_none"), "after")):
         with pytest.raises(ApiError) as info:
             input_item_list(items, **bad)
         assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_a_reference_lives_as_long_as_a_kept_response_holds_its_item():
+    """A conversation that sends its earlier answers back by reference (the Vercel AI SDK's way)
+    holds them in each follow-up's input items: they outlive the response that made them."""
+    store = ResponseStore(capacity=2)
+    answer = {"id": "msg_a", "type": "message", "status": "completed", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hi.", "annotations": []}]}
+    asyncio.run(store.put({"id": "resp_1", "output": [answer]}, [], []))
+    follow_up = ResponsesRequest(model="m", input=[{"role": "user", "content": "Hello"}, {"id": "msg_a"},
+                                                   {"role": "user", "content": "And?"}])  # `type` is optional
+    assert references(follow_up) == {"input[1].id": "msg_a"}
+    resolved = with_items(follow_up, asyncio.run(store.items(["msg_a"])))
+    asyncio.run(store.put({"id": "resp_2", "output": []}, [], input_items(resolved)))
+    asyncio.run(store.put({"id": "resp_other", "output": []}, [], []))  # resp_1 evicted
+    assert asyncio.run(store.get("resp_1")) is None and asyncio.run(store.items(["msg_a"])) == {"msg_a": answer}
+    asyncio.run(store.delete("resp_2"))
+    assert asyncio.run(store.items(["msg_a"])) == {}
+    assert references(ResponsesRequest(model="m", input=[{"type": None, "id": "msg_a"}])) == {"input[0].id": "msg_a"}
+
+
+def test_a_store_that_does_not_answer_is_a_503_in_time(monkeypatch):
+    """Serve queues a call while the store's replica restarts: a lookup waits a bounded time, a
+    put (the answer made) is logged."""
+    monkeypatch.setattr(response_store, "STORE_TIMEOUT_S", 0.05)
+
+    async def never(*args):
+        await asyncio.Event().wait()
+
+    silent = SimpleNamespace(**{m: SimpleNamespace(remote=never) for m in ("get", "items", "put", "delete")})
+    with pytest.raises(ApiError) as info:
+        asyncio.run(KeptResponses(silent, 4).get("resp_1"))
+    assert info.value.status == 503 and "did not answer" in info.value.message
+    asyncio.run(KeptResponses(silent, 4).put({"id": "resp_1"}, [], []))
+
+
+def test_an_engine_refusing_logprobs_names_the_field_a_responses_client_sent():
+    from deploy.responses import FIELDS  # TensorRT-LLM refuses logprobs as RequestError("logprobs")
+
+    assert ApiError(400, "logprobs: not supported", "logprobs").renamed(FIELDS).param == "include"
