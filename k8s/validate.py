@@ -147,8 +147,8 @@ def kuberay_rules(cluster: dict[str, Any]) -> list[str]:
 def quantity(value: Any) -> float:
     """A Kubernetes quantity as a float ('500m' -> 0.5, '64Gi' -> 64 * 2**30, 2 -> 2.0)."""
     text = str(value)
-    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
     for suffix in sorted(suffixes, key=len, reverse=True):
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * suffixes[suffix]
