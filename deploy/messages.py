@@ -420,7 +420,8 @@ class RawJson:
 def parsed_input(text: str) -> Any:
     """A tool_use block's input: the object `text` spells, or `RawJson(text)` where Python
     holds one of its numbers as no JSON number (1e999 parses to inf, which JSON cannot spell,
-    and an answer with it was a 500) or holds none (an integer of over 4,300 digits)."""
+    and an answer with it was a 500) or holds none (an integer of over 4,300 digits). Not
+    JSON (NaN, a call cut short): ValueError."""
     lossy = False
 
     def number(kind: type) -> Any:
@@ -435,8 +436,12 @@ def parsed_input(text: str) -> Any:
             return value
         return parse
 
-    value = json.loads(text, parse_float=number(float), parse_int=number(int))
+    value = json.loads(text, parse_float=number(float), parse_int=number(int), parse_constant=_no_constant)
     return RawJson(text) if lossy else value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity, which no JSON writer may write
 
 
 class MessageResponse(JSONResponse):

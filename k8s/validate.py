@@ -177,8 +177,10 @@ def fleet_fits(serve_config: dict[str, Any], cluster: dict[str, Any]) -> list[st
     for app in serve_config.get("applications", []):
         args = AppArgs.model_validate(app.get("args") or {})
         override = next((d for d in app.get("deployments") or [] if d.get("name") == "Replica"), {})
-        actor = override.get("ray_actor_options") or {}  # the file's own options outrank the app's
-        need_cpu, need_gpu = actor.get("num_cpus", args.replica.num_cpus), actor.get("num_gpus", args.replica.num_gpus)
+        need_cpu, need_gpu = args.replica.num_cpus, args.replica.num_gpus
+        if "ray_actor_options" in override:  # the file's replace the app's whole, Ray's defaults beneath
+            actor = override["ray_actor_options"] or {}
+            need_cpu, need_gpu = actor.get("num_cpus", 1), actor.get("num_gpus", 0)
         autoscaling = override.get("autoscaling_config")
         if override.get("num_replicas") == "auto":  # Serve lays the file's over its defaults (max_replicas 100)
             autoscaling = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **(autoscaling or {})}

@@ -26,7 +26,7 @@ from replicas.torch_engine.model import SeqSpan
 from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
 from replicas.torch_engine.request_step import verify_rows
 from replicas.torch_engine.sequence import Detokenizer, Sequence, release_text
-from replicas.torch_engine.step_drafts import Planned, hold_shadow_drafts, request_mode, shadow_kept, step_drafts
+from replicas.torch_engine.step_drafts import Planned, request_mode, shadow_drafts, shadow_kept, step_drafts
 
 if TYPE_CHECKING:
     from replicas.torch_engine.model import LlamaModel
@@ -262,8 +262,8 @@ class EngineCore:
         # (a request of mode off, or one with nothing to copy, leaves a gate open; a grammar's
         # forced tokens, drafted at any batch size, leave it closed)
         gate_open = self.speculation.mode != "off" and speculate_this_step(len(seqs), self.speculation.batch_gate)
-        if not gate_open and self.speculation.mode != "off":
-            hold_shadow_drafts(seqs, self.speculation, self.cache.max_seq_len)
+        shadowing = not gate_open and self.speculation.mode != "off"
+        shadow_drafts(seqs, self.speculation, self.drafts, self.cache.max_seq_len, shadowing)
         plans = step_drafts(seqs, self.speculation, self.drafts, self.mtp, self.mtp_min_confidence,
                             self.cache.max_seq_len)
         seqs, plans = self._make_room(seqs, plans)
@@ -297,7 +297,7 @@ class EngineCore:
                     self.totals.record(plan.source, len(draft), verdict.num_accepted)
                     if plan.source != "grammar":  # what speculation earns, which forced tokens are not
                         self.acceptance_ewma.update(kept)
-                if (would_keep := shadow_kept(seq, verdict.tokens)) is not None:  # behind a closed gate
+                if shadowing and (would_keep := shadow_kept(seq, verdict.tokens)) is not None:
                     self.acceptance_ewma.update(would_keep)
                 verdicts.append((seq, rows, verdict))
             except Exception as exc:  # noqa: BLE001

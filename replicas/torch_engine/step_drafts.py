@@ -8,11 +8,13 @@ its first forbidden token. Nothing here runs the target or touches the KV cache.
 Behind a closed gate nothing is drafted, and the acceptance length that the autoscaling
 policy and the router read would stand at its last verified value however the workload
 changed (a packed fleet then stays packed where spreading it would pay). So there each
-request holds the SA draft the hybrid rule would make were the gate open (`hold_shadow_drafts`),
-and the tokens it then emits settle it (`shadow_kept`): the tokens do not depend on drafting
+request holds the SA draft it would make at the gate's batch size (`shadow_drafts`), and the
+tokens it then emits settle it (`shadow_kept`): the tokens do not depend on drafting
 (verification is exact, sampling keyed by output position), so their common prefix with the
 draft is what its verify would have accepted. A request the rule would hand to the MTP head
-(asking it costs most of a step), or whose grammar would cut its drafts, holds none.
+(asking it costs most of a step), or whose grammar would cut its drafts, holds none; so the
+figure there is the SA's part, and a draft a request's end leaves unsettled is not counted.
+Once the gate opens the drafts held are let go: real verifies measure again.
 """
 
 from __future__ import annotations
@@ -98,18 +100,27 @@ def _request_plan(seq: Sequence, cfg: SpeculationConfig, drafts: DraftPolicy, ma
     return plan, []
 
 
-def hold_shadow_drafts(seqs: list[Sequence], cfg: SpeculationConfig, max_seq_len: int) -> None:
-    """Behind a closed gate: each request holding no shadow draft takes the SA draft the
-    hybrid rule would make with the gate open (its full length, not cut to what pays)."""
+def shadow_drafts(seqs: list[Sequence], cfg: SpeculationConfig, drafts: DraftPolicy, max_seq_len: int,
+                  gate_closed: bool) -> None:
+    """Behind a closed gate, each request holding no shadow draft takes the SA draft the hybrid
+    rule would make at the gate's batch size (cut to what pays there, as `adaptive_drafts`
+    cuts); with the gate open, the drafts held are let go."""
     for seq in seqs:
+        if not gate_closed:
+            seq.shadow_draft, seq.shadow_matched = [], 0
+            continue
         if seq.shadow_draft or seq.constraint is not None:
             continue
         mode, max_draft_len = effective_settings(cfg, seq.speculation)
         room = max_seq_len - seq.num_cached - 1
         plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, seq.mtp_fed, True,
                           min(seq.tokens_left, room + 1))
-        if plan.source == "sa":
-            seq.shadow_draft, seq.shadow_matched = seq.sa_draft[: plan.num_draft], 0
+        if plan.source != "sa":
+            continue
+        num_draft = plan.num_draft
+        if cfg.adaptive_drafts:
+            num_draft = drafts.sa_draft_len(seq, num_draft, max(1, cfg.batch_gate))
+        seq.shadow_draft, seq.shadow_matched = seq.sa_draft[:num_draft], 0
 
 
 def shadow_kept(seq: Sequence, emitted: list[int]) -> int | None:

@@ -11,8 +11,8 @@ from anthropic.lib.streaming._messages import accumulate_event, build_events
 from anthropic.types import RawMessageStreamEvent
 
 from deploy.errors import ApiError
-from deploy.openai_format import Accumulated
 from deploy.messages import ContentBlocks, CountTokensRequest, MessageResponse, MessagesRequest, chat_request, message_body
+from deploy.openai_format import Accumulated
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
@@ -62,6 +62,17 @@ def test_a_tool_input_no_python_number_holds_is_written_as_the_model_wrote_it(ar
     plain.feed(CALL, "stop")
     assert json.loads(MessageResponse(message_body("msg_2", "m", plain, Accumulated(finish_reason="stop"))).body)[
         "content"][0]["input"] == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("arguments", ['{"x": NaN}', '{"x": -Infinity}'])
+def test_a_tool_input_that_is_no_json_is_left_empty_not_a_500(arguments):
+    """json.loads takes NaN and Infinity, which no JSON writer may write: such an input is
+    as a call cut short, `{}` (the stream carried the text as written)."""
+    blocks = ContentBlocks(tools=True)
+    blocks.feed(f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>', "stop")
+    body = json.loads(MessageResponse(message_body("msg_1", "m", blocks, Accumulated(finish_reason="stop"))).body)
+    assert body["content"][0]["input"] == {}
+
 
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
         # tool search and programmatic calls (Claude Code's): taken, every tool offered

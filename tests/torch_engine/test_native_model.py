@@ -137,6 +137,7 @@ def test_the_callers_floating_point_environment_does_not_change_a_bit(model, mon
     model_of_workers = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2)
     assert all(map(torch.equal, verify_and_decodes(model_of_workers, ids, 8, max_seq_len=64), canonical))
 
+
 def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
     # Whole, each (tile, KV head) runs its chunks of 128 positions in one task; in calls of 16
     # rows they are separate tasks whose states are merged afterwards.

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from replicas.engine import SpeculationConfig
 from replicas.stats import Ewma
-from replicas.torch_engine.step_drafts import shadow_kept
+from replicas.torch_engine.draft_policy import DraftPolicy
+from replicas.torch_engine.step_drafts import shadow_drafts, shadow_kept
 from tests.torch_engine.engine_util import code_edit_prompts, collect, request
 
 
@@ -18,12 +20,20 @@ from tests.torch_engine.engine_util import code_edit_prompts, collect, request
     ([[5], [6], [9]], [None, None, 3]),  # parts at its third token: 2 accepted + the correction
     ([[5], [6], [7], [8]], [None, None, None, 4]),  # all of it: 3 + the bonus token
     ([[4]], [1]),  # parts at once
-    ([[5, 6, 9, 1]], [3]),  # a step of several tokens (a grammar's forced ones) settles it too
+    ([[5, 6, 9, 1]], [3]),  # a step of several tokens settles it too
 ])
 def test_a_shadow_draft_keeps_what_its_verify_would_have(emitted, kept):
     seq = SimpleNamespace(shadow_draft=[5, 6, 7], shadow_matched=0)
     assert [shadow_kept(seq, tokens) for tokens in emitted] == kept
     assert seq.shadow_draft == [] and shadow_kept(seq, [1]) is None  # settled: let go
+
+
+def test_an_open_gate_lets_the_drafts_held_go():
+    # else their settling counted beside the real verifies of the same tokens, or moved the
+    # figure of a server set to mode off
+    seq = SimpleNamespace(shadow_draft=[5, 6], shadow_matched=1)
+    shadow_drafts([seq], SpeculationConfig(), DraftPolicy(None), 100, gate_closed=False)
+    assert (seq.shadow_draft, seq.shadow_matched) == ([], 0)
 
 
 @pytest.mark.slow

@@ -345,6 +345,7 @@ def test_a_prompt_over_max_num_tokens_goes_in_chunks():
     deltas, chunked = run(go())
     assert chunked and deltas[-1].finish_reason == "length" and len(joined(deltas)[1]) == 24
 
+
 def test_an_upstream_failure_mid_stream_is_an_error_delta(monkeypatch):
     from tests.trtllm.fake_tensorrt_llm.llm import FakeRequestOutput
 
