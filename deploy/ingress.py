@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy import messages, openai_format as fmt, responses, tokenizing
+from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.config import IngressConfig
@@ -168,16 +168,16 @@ class Ingress:
         request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
         created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts.for_tokenizer(await self.tokenizer()) if body.logprobs else None
-        items = responses.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls)
+        items = response_items.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls)
 
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
-            done = responses.response_body(body, request.request_id, created, model, items, acc)
+            done = response_items.response_body(body, request.request_id, created, model, items, acc)
             if body.store:  # kept before the client can see it done and ask for it
-                await self.stored.put(done, conversation + items.as_messages(), responses.input_items(body))
+                await self.stored.put(done, conversation + items.as_messages(), response_items.input_items(body))
             return done
 
         if body.stream:
-            begun = responses.response_body(body, request.request_id, created, model)
+            begun = response_items.response_body(body, request.request_id, created, model)
 
             async def completed(acc: fmt.Accumulated) -> list[dict[str, Any]]:
                 done = await finished(acc)
@@ -202,12 +202,12 @@ class Ingress:
         chat = messages.chat_request(body)
         request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
         model = self.config.model_name
-        blocks = messages.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
+        blocks = message_blocks.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
         if body.stream:
-            begun = messages.message_body(request.request_id, model, blocks, first=opened[1])
+            begun = message_blocks.message_body(request.request_id, model, blocks, first=opened[1])
 
             async def closing(acc: fmt.Accumulated) -> list[dict[str, Any]]:
-                return [{"type": "message_delta", "usage": messages.usage(acc),
+                return [{"type": "message_delta", "usage": message_blocks.usage(acc),
                          "delta": {"stop_reason": blocks.stop_reason(acc), "stop_sequence": acc.stop_string}},
                         {"type": "message_stop"}]
 
@@ -216,7 +216,7 @@ class Ingress:
                 lambda err: [{"type": "error", **err.body(anthropic=True)}])
         acc = await self._replicas.collect(request, *opened, routing)
         blocks.feed(acc.text, acc.finish_reason)
-        return messages.MessageResponse(messages.message_body(request.request_id, model, blocks, acc))
+        return message_blocks.MessageResponse(message_blocks.message_body(request.request_id, model, blocks, acc))
 
     async def tokenize(self, body: Union[TokenizeCompletion, TokenizeChat]) -> dict[str, Any]:
         """vLLM's `POST /tokenize`: a prompt or a chat as its completion would tokenize it."""

@@ -6,7 +6,7 @@ A request is turned into the chat completion it means (`chat_request`: `system` 
 message, `tool_use` blocks as an assistant's tool calls, `tool_result` blocks as tool messages,
 `input_schema` tools, `tool_choice` auto / any / tool / none), so it is rendered, tokenized,
 constrained and generated exactly as `/v1/chat/completions` would; the answer comes back as
-content blocks (`ContentBlocks`: a `text` block per run of text, a `tool_use` block per call),
+content blocks (`deploy/message_blocks.py`: a `text` block per run of text, a `tool_use` block per call),
 streamed as Anthropic's events. `cache_control` marks are taken and not read: the prefix cache
 finds a prompt's cached prefix by itself (Claude Code's billing header, which changes with
 every request, is left out of the prompt for it). Text only: an image or document block is a
@@ -15,28 +15,21 @@ every request, is left out of the prompt for it). Text only: an image or documen
 
 from __future__ import annotations
 
-import copy
 import json
-import math
-import uuid
-from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import (
     AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator,
 )
 
 from deploy.errors import validation_error
-from deploy.openai_format import Accumulated
-from deploy.output_parts import OutputParts
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
     NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, type_tag,
     unique_names,
 )
-from replicas.engine import GenerationDelta, RequestSpeculation
+from replicas.engine import RequestSpeculation
 
 # Anthropic documents no limit on `stop_sequences` (OpenAI's `stop` takes 4): a bound on the
 # stop search each step makes, which a client of ours sending a long list stays well within.
@@ -363,122 +356,3 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
 FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
           "response_format.json_schema.schema": "output_config.format.schema",
           "tools[].function.parameters": "tools[].input_schema"}
-
-
-# -- output --------------------------------------------------------------------------------------
-class ContentBlocks(OutputParts):
-    """The answer's content blocks (`parts`) and the stream events each delta makes: a `text`
-    block per run of text, a `tool_use` block per call, its input streamed as JSON text."""
-
-    def __init__(self, tools: bool, one_call: bool = False) -> None:
-        super().__init__(tools, one_call=one_call)
-        self._arguments: dict[str, str] = {}  # a tool_use block's id -> its input as JSON text so far
-
-    def text_part(self) -> dict[str, Any]:
-        return {"type": "text", "text": ""}
-
-    def call_part(self, name: str) -> dict[str, Any]:
-        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": {}}
-        self._arguments[block["id"]] = ""
-        return block
-
-    def on_open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"type": "content_block_start", "index": self.index, "content_block": copy.deepcopy(block)}]
-
-    def on_text(self, block: dict[str, Any], text: str, logprobs: Any) -> list[dict[str, Any]]:
-        block["text"] += text
-        return [{"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}]
-
-    def on_arguments(self, block: dict[str, Any], arguments: str) -> list[dict[str, Any]]:
-        self._arguments[block["id"]] += arguments
-        return [{"type": "content_block_delta", "index": self.index,
-                 "delta": {"type": "input_json_delta", "partial_json": arguments}}]
-
-    def on_close(self, block: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
-        if block["type"] == "tool_use":
-            try:  # a call cut by max_tokens leaves its input as far as it parsed: none
-                block["input"] = parsed_input(self._arguments[block["id"]] or "{}")
-            except ValueError:
-                pass
-        return [{"type": "content_block_stop", "index": self.index}]  # the block closed is the last begun
-
-    def stop_reason(self, acc: Accumulated) -> str:
-        if acc.finish_reason == "length":
-            return "max_tokens"
-        if acc.stop_string is not None:
-            return "stop_sequence"
-        return "tool_use" if any(b["type"] == "tool_use" for b in self.parts) else "end_turn"
-
-
-@dataclass(frozen=True)
-class RawJson:
-    """JSON text that a body holds as it is (`MessageResponse` writes it unquoted)."""
-
-    text: str
-
-
-def parsed_input(text: str) -> Any:
-    """A tool_use block's input: the object `text` spells, or `RawJson(text)` where Python
-    holds one of its numbers as no JSON number (1e999 parses to inf, which JSON cannot spell,
-    and an answer with it was a 500) or holds none (an integer of over 4,300 digits). Not
-    JSON (NaN, a call cut short): ValueError."""
-    lossy = False
-
-    def number(kind: type) -> Any:
-        def parse(spelt: str) -> Any:
-            nonlocal lossy
-            try:
-                value = kind(spelt)
-            except ValueError:  # int's digit limit
-                lossy = True
-                return 0
-            lossy = lossy or not math.isfinite(value)
-            return value
-        return parse
-
-    value = json.loads(text, parse_float=number(float), parse_int=number(int), parse_constant=_no_constant)
-    return RawJson(text) if lossy else value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity, which no JSON writer may write
-
-
-class MessageResponse(JSONResponse):
-    """A Message's JSON body, each `RawJson` in it written as the text it holds."""
-
-    def render(self, content: Any) -> bytes:
-        raw: list[str] = []
-        mark = f"raw-{uuid.uuid4().hex}-"
-
-        def placeholder(value: Any) -> str:
-            if not isinstance(value, RawJson):
-                raise TypeError(f"{type(value).__name__} is not JSON")
-            raw.append(value.text)
-            return f"{mark}{len(raw) - 1}"
-
-        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=placeholder)
-        for i, spelt in enumerate(raw):
-            text = text.replace(f'"{mark}{i}"', spelt, 1)
-        return text.encode("utf-8")
-
-
-def usage(acc: Accumulated) -> dict[str, int]:
-    return {"input_tokens": acc.prompt_tokens - acc.cached_tokens, "output_tokens": acc.completion_tokens,
-            "cache_read_input_tokens": acc.cached_tokens, "cache_creation_input_tokens": 0}
-
-
-def message_body(message_id: str, model: str, blocks: ContentBlocks, acc: Optional[Accumulated] = None,
-                 first: Optional[GenerationDelta] = None) -> dict[str, Any]:
-    """The Message object: finished (`acc`), or begun, its usage the prompt's as the stream's
-    `first` delta tells it (the part the prefix cache held apart, as the finished one's)."""
-    begun = acc is None
-    if begun:
-        acc = Accumulated(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
-    return {
-        "id": message_id, "type": "message", "role": "assistant", "model": model,
-        "content": [] if begun else blocks.parts,
-        "stop_reason": None if begun else blocks.stop_reason(acc),
-        "stop_sequence": None if begun else acc.stop_string,
-        "usage": usage(acc),
-    }

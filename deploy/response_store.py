@@ -20,7 +20,7 @@ from deploy.errors import RETRY_AFTER_S, ApiError, server_error
 from deploy.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
-# the response body, its conversation as chat messages, its input items (`responses.input_items`)
+# the response body, its conversation as chat messages, its input items (`response_items.input_items`)
 Kept = tuple[dict[str, Any], List[ChatMessage], List[dict[str, Any]]]
 # Longest an Ingress waits on the store: Serve queues a call while the store's one replica
 # restarts, and a request waited as long, its answer made, for its put.

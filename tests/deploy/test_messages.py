@@ -11,7 +11,8 @@ from anthropic.lib.streaming._messages import accumulate_event, build_events
 from anthropic.types import RawMessageStreamEvent
 
 from deploy.errors import ApiError
-from deploy.messages import ContentBlocks, CountTokensRequest, MessageResponse, MessagesRequest, chat_request, message_body
+from deploy.message_blocks import ContentBlocks, MessageResponse, message_body
+from deploy.messages import CountTokensRequest, MessagesRequest, chat_request
 from deploy.openai_format import Accumulated
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -13,9 +13,8 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from deploy import response_store
 from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
-from deploy.responses import (
-    OutputItems, ResponsesRequest, chat_request, conversation, fitted, input_items, references, with_items,
-)
+from deploy.response_items import OutputItems, input_items
+from deploy.responses import ResponsesRequest, chat_request, conversation, fitted, references, with_items
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
