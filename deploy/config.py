@@ -57,10 +57,16 @@ class EngineArgs(_Strict):
         if beside:
             raise ValueError(f"engine.trtllm: {beside} are set beside it (engine.<key>; speculation in the "
                              "Replica's user_config), not under it")
-        return TrtllmEngineConfig.from_mapping({
-            "model": self.model, "max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
-            **(self.trtllm or {}), "speculation": speculation,
-        })
+        try:
+            return TrtllmEngineConfig.from_mapping({
+                "model": self.model, "max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
+                **(self.trtllm or {}), "speculation": speculation,
+            })
+        except ValueError as exc:  # "field: ..." -> "engine.trtllm.field: ..." (the engine-level ones: engine.)
+            field, _, message = str(exc).partition(": ")
+            where = ("engine" if field in ("model", "max_batch_size", "max_seq_len") else "engine.trtllm"
+                     if field == "trtllm" else f"engine.trtllm.{field}")
+            raise ValueError(f"{where}: {message}") from None
 
 
 # EngineArgs' fields that only the embedded engine reads: set with kind trtllm, an error.
@@ -152,6 +158,8 @@ class AppArgs(_Strict):
         ignored = sorted(self.engine.model_fields_set & TORCH_ONLY)
         if ignored:
             raise ValueError(f"engine: {ignored} are the embedded engine's (kind torch); TensorRT-LLM ignores them")
+        if self.replica.num_gpus <= 0:
+            raise ValueError("replica.num_gpus: a TensorRT-LLM replica needs a GPU (1 per tensor-parallel rank)")
         # The real config's own validation of the engine's fields. The speculation settings
         # arrive with user_config: "off" asks nothing of them here, and deploy.config_check
         # builds the config again with the file's own.

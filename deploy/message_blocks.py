@@ -72,8 +72,8 @@ class RawJson:
 def parsed_input(text: str) -> Any:
     """A tool_use block's input: the object `text` spells, or `RawJson(text)` where Python
     holds one of its numbers as no JSON number (1e999 parses to inf, which JSON cannot spell,
-    and an answer with it was a 500) or holds none (an integer of over 4,300 digits). Not
-    JSON (NaN, a call cut short): ValueError."""
+    and an answer with it was a 500), as zero (1e-400) or not at all (an integer of over 4,300
+    digits). Not JSON (NaN, a call cut short): ValueError."""
     lossy = False
 
     def number(kind: type) -> Any:
@@ -84,7 +84,9 @@ def parsed_input(text: str) -> Any:
             except ValueError:  # int's digit limit
                 lossy = True
                 return 0
-            lossy = lossy or not math.isfinite(value)
+            # inf, or a nonzero spelling that underflowed to 0 (1e-400)
+            underflow = value == 0 and any(d in "123456789" for d in spelt.lower().partition("e")[0])
+            lossy = lossy or not math.isfinite(value) or underflow
             return value
         return parse
 

@@ -29,7 +29,7 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
             part = {"type": "input_text", "text": item.content}
             kept["content"] = [{**part, "type": "output_text", "annotations": []} if item.role == "assistant" else part]
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kept["type"]]
-        listed.append({"id": _id(prefix), **kept, "status": "completed"})
+        listed.append({"id": _id(prefix), "status": "completed", **kept})  # an item's own status kept
     return listed
 
 

@@ -35,10 +35,12 @@ class ResponseStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
-        # item id -> (the item, how many kept responses hold it): their output items, and their
-        # input items, where a conversation's follow-ups hold its earlier answers (sent back,
-        # or by reference), so a reference lives as long as the conversation's newest response
-        self._items: dict[str, tuple[dict[str, Any], int]] = {}
+        # item id -> {response id: the item as it holds it}, oldest first: the kept responses'
+        # output items and input items, where a conversation's follow-ups hold its earlier
+        # answers (sent back, or by reference), so a reference lives as long as the newest
+        # response holding it, and reads as that one holds it (a client's id may name other
+        # text in another response; a deleted response's is gone with it)
+        self._items: dict[str, dict[str, dict[str, Any]]] = {}
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
         if self.capacity <= 0:
@@ -46,8 +48,7 @@ class ResponseStore:
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
         for item in (*body["output"], *inputs):
-            held = self._items.get(item["id"])
-            self._items[item["id"]] = (held[0] if held else item, (held[1] if held else 0) + 1)
+            self._items.setdefault(item["id"], {})[body["id"]] = item
         while len(self._kept) > self.capacity:
             self._forget(next(iter(self._kept)))
 
@@ -56,7 +57,8 @@ class ResponseStore:
 
     async def items(self, item_ids: List[str]) -> dict[str, dict[str, Any]]:
         """The kept items among `item_ids`, by id."""
-        return {item_id: self._items[item_id][0] for item_id in item_ids if item_id in self._items}
+        return {item_id: next(reversed(self._items[item_id].values())) for item_id in item_ids
+                if item_id in self._items}
 
     async def delete(self, response_id: str) -> bool:
         return self._forget(response_id)
@@ -64,11 +66,10 @@ class ResponseStore:
     def _forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
         for item in (*kept[0]["output"], *kept[2]) if kept else ():
-            held, holders = self._items[item["id"]]
-            if holders > 1:
-                self._items[item["id"]] = (held, holders - 1)
-            else:
-                del self._items[item["id"]]
+            holders = self._items.get(item["id"], {})
+            holders.pop(response_id, None)
+            if not holders:
+                self._items.pop(item["id"], None)
         return kept is not None
 
 

@@ -204,6 +204,11 @@ class ResponsesRequest(RequestModel):
     def _input(cls, value):
         if len(value) == 0:
             raise ValueError("must not be empty")
+        first: dict[str, int] = {}  # an id names one item: the store keys its items by id
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            item_id = None if isinstance(item, ItemReference) else getattr(item, "id", None)
+            if item_id is not None and first.setdefault(item_id, i) != i:
+                raise ValueError(f"input[{i}].id: {item_id!r} is input[{first[item_id]}]'s id too")
         return value
 
     @field_validator("tool_choice")

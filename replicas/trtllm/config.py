@@ -100,5 +100,9 @@ class TrtllmEngineConfig:
         if isinstance(data.get("speculation"), Mapping):
             data["speculation"] = SpeculationConfig(**data["speculation"])
         if "draft_len_taper" in data:
-            data["draft_len_taper"] = tuple(tuple(p) for p in data["draft_len_taper"])
+            taper = data["draft_len_taper"]
+            pairs = isinstance(taper, (list, tuple)) and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int for v in p) for p in taper)
+            _require(pairs, "draft_len_taper", f"a list of [batch_size, draft_len] integer pairs, got {taper!r}")
+            data["draft_len_taper"] = tuple(tuple(p) for p in taper)
         return cls(**data)

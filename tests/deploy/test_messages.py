@@ -45,7 +45,8 @@ def test_each_block_stop_names_the_block_it_closes_as_the_sdk_rebuilds_it():
     assert [p["type"] for p in parts] == ["text", "tool_use", "text", "tool_use"]
 
 
-@pytest.mark.parametrize("arguments", ['{"x": 1e999, "y": 1.50}', '{"x": -1e400}', '{"n": ' + "9" * 5000 + "}"])
+@pytest.mark.parametrize("arguments", ['{"x": 1e999, "y": 1.50}', '{"x": -1e400}', '{"x": 1.0e-400}',
+                                       '{"n": ' + "9" * 5000 + "}"])
 def test_a_tool_input_no_python_number_holds_is_written_as_the_model_wrote_it(arguments):
     """Anthropic's `input` is an object: one with 1e999 (inf to json.loads, which JSON cannot
     spell) was a 500; it is now the text the stream's input_json_delta carried."""

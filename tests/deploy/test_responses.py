@@ -224,6 +224,15 @@ def test_a_reference_lives_as_long_as_a_kept_response_holds_its_item():
     assert asyncio.run(store.get("resp_1")) is None and asyncio.run(store.items(["msg_a"])) == {"msg_a": answer}
     asyncio.run(store.delete("resp_2"))
     assert asyncio.run(store.items(["msg_a"])) == {}
+    # a client's id may name other text in another response: a reference reads the newest
+    # holder's, and a deleted response's text is gone with it
+    for rid, text in (("resp_x", "secret"), ("resp_y", "public")):
+        asyncio.run(store.put({"id": rid, "output": []}, [], [{"id": "shared", "type": "message", "text": text}]))
+    assert asyncio.run(store.items(["shared"]))["shared"]["text"] == "public"
+    asyncio.run(store.delete("resp_x"))
+    assert asyncio.run(store.items(["shared"]))["shared"]["text"] == "public"
+    asyncio.run(store.delete("resp_y"))
+    assert asyncio.run(store.items(["shared"])) == {}
     assert references(ResponsesRequest(model="m", input=[{"type": None, "id": "msg_a"}])) == {"input[0].id": "msg_a"}
 
 
@@ -246,3 +255,17 @@ def test_an_engine_refusing_logprobs_names_the_field_a_responses_client_sent():
     from deploy.responses import FIELDS  # TensorRT-LLM refuses logprobs as RequestError("logprobs")
 
     assert ApiError(400, "logprobs: not supported", "logprobs").renamed(FIELDS).param == "include"
+
+
+def test_an_input_naming_one_id_twice_is_a_400_naming_the_second():
+    # the store keys items by id; listing them paged by it looped forever
+    with pytest.raises(ValueError, match=r"input\[2\]\.id: 'dup' is input\[0\]'s id too"):
+        ResponsesRequest(model="m", input=[{"role": "user", "content": "a", "id": "dup"},
+                                           {"role": "user", "content": "b"}, {"role": "user", "content": "c", "id": "dup"}])
+
+
+def test_an_items_own_status_is_listed():
+    cut = {"type": "message", "role": "assistant", "id": "msg_1", "status": "incomplete",
+           "content": [{"type": "output_text", "text": "Par"}]}
+    assert [i["status"] for i in input_items(ResponsesRequest(model="m", input=[cut, {"role": "user", "content": "?"}]))] \
+        == ["incomplete", "completed"]

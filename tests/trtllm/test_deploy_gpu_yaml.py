@@ -104,7 +104,7 @@ def test_user_config_is_checked_against_the_engine_it_builds(document):
     assert check_serve_config(doc) == []  # the SA alone needs no EAGLE-3 head
     user_config(doc)["mode"] = "hybrid"
     problems = check_serve_config(doc)
-    assert len(problems) == 1 and "user_config: draft_model" in problems[0], problems
+    assert len(problems) == 1 and "user_config: engine.trtllm.draft_model" in problems[0], problems
     user_config(doc)["batch_gates"] = 16
     assert check_serve_config(doc) == [
         "applications[0].deployments[0].user_config.batch_gates: Unexpected keyword argument"]
@@ -127,7 +127,9 @@ def test_the_default_speculation_is_checked_where_no_user_config_sets_one(docume
     ("speculation", {"mode": "off"}, "engine.trtllm: ['speculation']"),  # was dropped
     ("max_batch_size", 8, "engine.trtllm: ['max_batch_size']"),  # took the engine's, not Serve's or the limits'
     ("cuda_graphs", "false", "cuda_graphs: must be bool"),  # a truthy string
-    ("free_gpu_memory_fraction", "0.85", "free_gpu_memory_fraction: must be float"),  # was a TypeError
+    ("free_gpu_memory_fraction", "0.85", "engine.trtllm.free_gpu_memory_fraction: must be float"),  # a TypeError
+    ("draft_len_taper", {16: 4}, "engine.trtllm.draft_len_taper: a list of [batch_size, draft_len]"),  # a TypeError
+    ("draft_len_taper", [[1.5, True]], "engine.trtllm.draft_len_taper: a list of [batch_size, draft_len]"),
 ])
 def test_a_trtllm_key_that_would_not_do_what_it_says_is_named(document, key, value, named):
     doc = copy.deepcopy(document)
@@ -141,3 +143,10 @@ def test_the_embedded_engines_keys_are_refused_beside_trtllm(document):
     doc["applications"][0]["args"]["engine"].update(num_threads=4, prefix_cache_bytes=0)
     problems = check_serve_config(doc)
     assert len(problems) == 1 and "['num_threads', 'prefix_cache_bytes']" in problems[0], problems
+
+
+def test_a_trtllm_replica_without_a_gpu_is_refused(document):
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["args"]["replica"]["num_gpus"] = 0
+    problems = check_serve_config(doc)
+    assert len(problems) == 1 and "replica.num_gpus: a TensorRT-LLM replica needs a GPU" in problems[0], problems
