@@ -32,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import ADAPTIVE_MODES, MODES, WORKLOADS, bench_engine, bench_modes, workloads  # noqa: E402
+from benchmarks.engine import (  # noqa: E402
+    ADAPTIVE_MODES, MODES, WORKLOADS, bench_engine, bench_modes, identical_flags, workloads,
+)
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.engine import SpeculationConfig  # noqa: E402
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig  # noqa: E402
@@ -146,8 +148,9 @@ def main() -> None:
         sys.exit("cuda_engine.py needs a CUDA GPU")
 
     loop = asyncio.new_event_loop()
+    # no prefix cache, as engine.py: each prompt recurs across modes, and a later one skipped its prefill
     engine = TorchEngine(TorchEngineConfig(device="cuda", max_batch_size=8, max_seq_len=4096, sa_global_pool_tokens=0,
-                                           speculation=SpeculationConfig()))
+                                           prefix_cache_bytes=0, speculation=SpeculationConfig()))
     loop.run_until_complete(engine.start())
     prompts = workloads(engine.tokenizer, args.prompts)
     result = {"settings": vars(args) | {"out": str(args.out)}, "gpu": gpu_description(), "machine": cpu_description(),
@@ -167,6 +170,9 @@ def main() -> None:
     args.out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
     print(f"wrote {args.out} and its .png and .md")
+    differing = sorted(where for where, same in identical_flags(result) if not same)
+    if differing:
+        raise SystemExit(f"speculation changed greedy output: {', '.join(differing)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def cpu_model() -> str:
 
 def cpu_description() -> dict:
     """Model, family/model numbers (AMD reports every EPYC as 'AMD EPYC'), SIMD features, cores,
-    and the ISA_CAPS this process runs under."""
+    the ISA_CAPS this process runs under and the native forward's kernel path they leave it."""
     info: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -39,7 +39,18 @@ def cpu_description() -> dict:
         "features": [f for f in wanted if f in flags],
         "cpus": len(os.sched_getaffinity(0)),
         "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)},
+        "kernel_path": kernel_path(),
     }
+
+
+def kernel_path() -> str:
+    """The native forward's kernel path in this process (SPECSERVE_CPU_ISA heeded); "none"
+    where the module is not built."""
+    try:
+        from replicas.torch_engine import _cpu_forward
+    except ImportError:
+        return "none"
+    return _cpu_forward.best_isa()
 
 
 def read_bandwidth_gbs(threads: int, size_mb: int = 512, repeats: int = 5) -> float:

@@ -111,7 +111,8 @@ async def chat_batch(url: str, questions: list[str]) -> int:
     """Completion tokens of the chat `questions` sent at once."""
     async with openai_client(url) as client:
         async def one(question: str) -> int:
-            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}])
+            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                         temperature=0)  # the same answers in every run
             return reply.usage.completion_tokens
         return sum(await asyncio.gather(*(one(q) for q in questions)))
 

@@ -134,7 +134,7 @@ def ray_overhead(url: str, engine_config: dict, user_config: dict, pairs: int, m
 async def one_request(client: httpx.AsyncClient, payload: dict) -> dict:
     started = time.perf_counter()
     first = last = None
-    usage, error = None, None
+    usage, error, text = None, None, 
     try:
         async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
             if response.status_code != 200:
@@ -150,6 +150,7 @@ async def one_request(client: httpx.AsyncClient, payload: dict) -> dict:
                 elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     last = time.perf_counter()
                     first = first or last
+                    text += chunk["choices"][0]["delta"]["content"]
     except httpx.HTTPError as exc:
         error = repr(exc)
     done = time.perf_counter()
@@ -158,7 +159,7 @@ async def one_request(client: httpx.AsyncClient, payload: dict) -> dict:
     tokens = usage["completion_tokens"]
     return {"latency_s": done - started, "ttft_s": (first or done) - started, "tokens": tokens,
             "tpot_s": (last - first) / (tokens - 1) if first and last and tokens > 1 else None,
-            "acceptance_length": usage["speculation"]["acceptance_length"], "error": None}
+            "acceptance_length": usage["speculation"]["acceptance_length"], "error": None, "text": text}
 
 
 async def load(url: str, payloads: list[dict], concurrency: int) -> tuple[list[dict], float]:
@@ -276,7 +277,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     replica_args = dict(app_args["replica"])
-    results, overhead, applied = {}, {}, {}
+    results, overhead, applied, texts = {}, {}, {}, {}
     try:
         for key in args.settings:
             name, change, replica_change = SETTINGS[key]
@@ -290,12 +291,13 @@ def main() -> None:
             applied[name] = {"user_config": dict(replica_config(doc)), "replica": dict(app_args["replica"])}
             apply(doc)
             asyncio.run(load(url, [body(chats[-1], 4)], 1))  # warm up the path
-            results[name], offset = {}, 0
+            results[name], texts[name], offset = {}, [], 0
             for concurrency, count in zip(args.concurrency, counts):
                 payloads = [body(m, args.max_tokens) for m in chats[offset:offset + count]]
                 offset += count
                 out, wall_s = asyncio.run(load(url, payloads, concurrency))
                 results[name][concurrency] = summarize(out, wall_s)
+                texts[name] += [r.get("text") for r in out]  # every setting answers the same prompts, greedy
                 print(name, concurrency, json.dumps(results[name][concurrency]), flush=True)
             if key == "gate":
                 print("Ray overhead: alternating direct / HTTP requests", flush=True)
@@ -308,14 +310,19 @@ def main() -> None:
     from replicas.torch_engine import _cpu_forward
 
     machine = {**cpu_description(), "platform": platform.platform(), "kernel_path": _cpu_forward.best_isa()}
+    first = next(iter(texts.values()), [])
     report = {"machine": machine,
               "max_tokens": args.max_tokens, "workload": args.workload, "settings": applied,
               "engine": app_args["engine"], "results": results,
+              "identical_to_first_setting": {name: answers == first for name, answers in texts.items()},
               "ray_overhead_per_request": overhead}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot(report, args.out.with_suffix(".png"))
     print(table(report))
+    differing = [name for name, same in report["identical_to_first_setting"].items() if not same]
+    if differing:
+        raise SystemExit(f"these settings answered differently from {next(iter(texts))}: {', '.join(differing)}")
 
 
 def table(report: dict) -> str:
