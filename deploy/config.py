@@ -62,11 +62,10 @@ class EngineArgs(_Strict):
                 "model": self.model, "max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
                 **(self.trtllm or {}), "speculation": speculation,
             })
-        except ValueError as exc:  # "field: ..." -> "engine.trtllm.field: ..." (the engine-level ones: engine.)
+        except ValueError as exc:  # "field: ..." -> "engine.trtllm.field: ..." (the engine-level ones: engine.field)
             field, _, message = str(exc).partition(": ")
-            where = ("engine" if field in ("model", "max_batch_size", "max_seq_len") else "engine.trtllm"
-                     if field == "trtllm" else f"engine.trtllm.{field}")
-            raise ValueError(f"{where}: {message}") from None
+            where = ("engine" if field in ("model", "max_batch_size", "max_seq_len", "trtllm") else "engine.trtllm")
+            raise ValueError(f"{where}.{field}: {message}") from None
 
 
 # EngineArgs' fields that only the embedded engine reads: set with kind trtllm, an error.
