@@ -307,9 +307,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
 
-    from replicas.torch_engine import _cpu_forward
-
-    machine = {**cpu_description(), "platform": platform.platform(), "kernel_path": _cpu_forward.best_isa()}
+    machine = {**cpu_description(), "platform": platform.platform()}  # kernel_path among them
     first = next(iter(texts.values()), [])
     report = {"machine": machine,
               "max_tokens": args.max_tokens, "workload": args.workload, "settings": applied,

@@ -53,21 +53,23 @@ class EngineArgs(_Strict):
 
         # set under trtllm, these were dropped (speculation) or took the engine's alone, the
         # served name, Serve's defaults and the edge limits keeping the engine-level ones
-        beside = sorted(set(self.trtllm or {}) & {"model", "max_batch_size", "max_seq_len", "speculation"})
+        beside = sorted(set(self.trtllm or {}) & {*SHARED_ENGINE_KEYS, "speculation"})
         if beside:
             raise ValueError(f"engine.trtllm: {beside} are set beside it (engine.<key>; speculation in the "
                              "Replica's user_config), not under it")
         try:
             return TrtllmEngineConfig.from_mapping({
-                "model": self.model, "max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
-                **(self.trtllm or {}), "speculation": speculation,
+                **{key: getattr(self, key) for key in SHARED_ENGINE_KEYS}, **(self.trtllm or {}),
+                "speculation": speculation,
             })
         except ValueError as exc:  # "field: ..." -> "engine.trtllm.field: ..." (the engine-level ones: engine.field)
             field, _, message = str(exc).partition(": ")
-            where = ("engine" if field in ("model", "max_batch_size", "max_seq_len", "trtllm") else "engine.trtllm")
+            where = "engine" if field in (*SHARED_ENGINE_KEYS, "trtllm") else "engine.trtllm"
             raise ValueError(f"{where}.{field}: {message}") from None
 
 
+# EngineArgs' fields TensorRT-LLM's config takes from beside its `trtllm` block.
+SHARED_ENGINE_KEYS = ("model", "max_batch_size", "max_seq_len")
 # EngineArgs' fields that only the embedded engine reads: set with kind trtllm, an error.
 TORCH_ONLY = frozenset({"device", "num_threads", "mtp_weights", "sa_global_pool_tokens", "prefix_cache_bytes",
                         "kv_cache_bytes", "max_prefill_tokens"})

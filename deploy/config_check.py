@@ -179,6 +179,17 @@ def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
     return [f"{where}.engine.{problem}" for problem in problems + setting_problems(engine.mtp_weights, model)]
 
 
+def autoscaling_in_force(deployment: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A deployment's `autoscaling_config` as Serve builds it: with num_replicas "auto", laid
+    over Serve's own defaults (max_replicas 100 ...); None where it autoscales not at all."""
+    config = deployment.get("autoscaling_config")
+    if deployment.get("num_replicas") != "auto":
+        return config
+    from ray.serve.config import AutoscalingConfig
+
+    return {**AutoscalingConfig.default().model_dump(exclude_unset=True), **(config or {})}
+
+
 def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
     """An `autoscaling_config` as Serve builds it at deploy time (its schema keeps the mapping
     unchecked until then), and our policy's `policy_kwargs` as the policy reads them."""
@@ -187,11 +198,8 @@ def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
         return []
     from ray.serve.config import AutoscalingConfig
 
-    # num_replicas "auto": Serve lays the mapping over its own defaults (max_replicas 100 ...)
-    auto = deployment.get("num_replicas") == "auto"
-    base = AutoscalingConfig.default().model_dump(exclude_unset=True) if auto else {}
     try:
-        AutoscalingConfig.model_validate({**base, **config})
+        AutoscalingConfig.model_validate(autoscaling_in_force(deployment))
     except ValidationError as exc:
         return _validation_lines(exc, f"{where}.autoscaling_config")
     policy = config.get("policy") or {}

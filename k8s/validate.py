@@ -168,9 +168,8 @@ def ray_resources(group: dict[str, Any]) -> tuple[float, float]:
 
 def fleet_fits(serve_config: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
     """Problems if the Serve Replicas cannot be placed on the worker groups at their maximum."""
-    from ray.serve.config import AutoscalingConfig
-
     from deploy.config import AppArgs
+    from deploy.config_check import autoscaling_in_force
 
     problems = []
     workers = cluster.get("workerGroupSpecs", [])
@@ -181,9 +180,7 @@ def fleet_fits(serve_config: dict[str, Any], cluster: dict[str, Any]) -> list[st
         if "ray_actor_options" in override:  # the file's replace the app's whole, Ray's defaults beneath
             actor = override["ray_actor_options"] or {}
             need_cpu, need_gpu = actor.get("num_cpus", 1), actor.get("num_gpus", 0)
-        autoscaling = override.get("autoscaling_config")
-        if override.get("num_replicas") == "auto":  # Serve lays the file's over its defaults (max_replicas 100)
-            autoscaling = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **(autoscaling or {})}
+        autoscaling = autoscaling_in_force(override)
         wanted = autoscaling.get("max_replicas", 1) if autoscaling else override.get("num_replicas", args.replica.num_replicas)
         capacity = 0
         for group in workers:

@@ -25,7 +25,7 @@ from replicas.torch_engine.core import EngineCore
 from replicas.torch_engine.loader import load_tokenizer, model_config, packaged_gguf_path, resolve_model_dir
 from replicas.torch_engine.mtp import DEFAULT_MTP_WEIGHTS, MTPDrafter, setting_problems, weights_dir
 from replicas.torch_engine.sequence import Detokenizer, Sequence
-from replicas.torch_engine.sizes import PAGE_TOKENS, kv_pages, size_problems
+from replicas.torch_engine.sizes import kv_pages, size_problems, whole_pages
 from replicas.torch_engine.suffix_drafts import prediction_prefix, suffix_drafts
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class TorchEngine:
             pages = kv_pages(cfg.max_seq_len, cfg.kv_cache_bytes, model.cfg)
             cache = model.make_cache(cfg.max_batch_size, cfg.max_seq_len, pages)
         else:  # whole blocks of 32, as the native cache's (the prefix cache copies whole blocks)
-            cache = model.make_cache(cfg.max_batch_size, -(-cfg.max_seq_len // PAGE_TOKENS) * PAGE_TOKENS)
+            cache = model.make_cache(cfg.max_batch_size, whole_pages(cfg.max_seq_len))
         prefix = None
         if cfg.prefix_cache_bytes:
             from replicas.torch_engine.prefix_cache import PrefixCache

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from replicas.torch_engine import _cpu_forward
-from replicas.torch_engine.kv_cache import PAGE_TOKENS, KVCacheFull, PagedKVCache
+from replicas.torch_engine.kv_cache import KVCacheFull, PagedKVCache
+from replicas.torch_engine.sizes import whole_pages
 from replicas.torch_engine.model import SeqSpan, validate_step
 from replicas.torch_engine.model_config import ModelConfig
 
@@ -106,7 +107,7 @@ class NativeLlamaModel:
     def make_cache(self, max_slots: int, max_seq_len: int, num_pages: int | None = None) -> PagedKVCache:
         """A paged fp16 KV cache for this model, its length rounded up to a multiple of 32;
         `num_pages` (default: every slot's whole window) sizes the pool the slots share."""
-        return PagedKVCache(self.cfg.num_layers, max_slots, -(-max_seq_len // PAGE_TOKENS) * PAGE_TOKENS,
+        return PagedKVCache(self.cfg.num_layers, max_slots, whole_pages(max_seq_len),
                             self.cfg.num_kv_heads, self.cfg.head_dim, num_pages)
 
     @torch.inference_mode()
@@ -223,7 +224,7 @@ class NativeMtpHead:
         self._forward.set_globals(None, Q8_0, *quantize_q8_0(head), weights["out_norm.weight"],
                                   np.ascontiguousarray(target.rope_cos[:, :half].numpy()),
                                   np.ascontiguousarray(target.rope_sin[:, :half].numpy()))
-        self.cache = PagedKVCache(1, max_slots, -(-max_seq_len // PAGE_TOKENS) * PAGE_TOKENS, cfg.num_kv_heads,
+        self.cache = PagedKVCache(1, max_slots, whole_pages(max_seq_len), cfg.num_kv_heads,
                                   cfg.head_dim)  # every slot's whole window: a slot never runs short
 
     def step(self, hidden: Tensor, embeds: Tensor, spans: Sequence[SeqSpan]) -> Tensor:

@@ -12,6 +12,11 @@ from replicas.torch_engine.model_config import ModelConfig
 PAGE_TOKENS = 32  # positions per page: the native K layout's block
 
 
+def whole_pages(positions: int) -> int:
+    """`positions` rounded up to whole pages of PAGE_TOKENS (a cache's window)."""
+    return -(-positions // PAGE_TOKENS) * PAGE_TOKENS
+
+
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int = 2) -> int:
     """Bytes of 32 positions' K and V in every layer: one page of the paged (fp16) cache."""
     return PAGE_TOKENS * 2 * num_layers * num_kv_heads * head_dim * element_size
