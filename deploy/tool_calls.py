@@ -80,12 +80,24 @@ def _example_arguments(parameters: dict) -> dict:
     return {n: placeholder(props.get(n)) for n in names}
 
 
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[^\s",:\[\]{}]+|[,:\[\]{}]')
+
+
+def json_layout(text: str) -> str:
+    """JSON `text` in our layout (`_dumps`'s spacing), every string and number as written:
+    the model's own arguments come back to it as it wrote them (`1.50`, `1E5`, `"\\u00e9"`), so
+    the next turn's prompt repeats its tokens and the prefix cache holds. A ValueError if
+    `text` is not JSON (Python's: `NaN` and `Infinity` pass, and stay as written)."""
+    json.loads(text)
+    return "".join(t + " " if t in (",", ":") else t for t in _JSON_TOKEN.findall(text))
+
+
 def format_tool_calls(calls: list[tuple[str, str]]) -> str:
     """An assistant message's tool calls, (name, arguments JSON text), as prompt text."""
     blocks = []
     for name, arguments in calls:
         try:
-            arguments = _dumps(json.loads(arguments or "{}"))
+            arguments = json_layout(arguments or "{}")
         except ValueError:
             pass  # the client's text, verbatim: the model should see what was really sent
         blocks.append(f'{TOOL_CALL_OPEN}\n{{"name": {_dumps(name)}, "arguments": {arguments}}}\n{TOOL_CALL_CLOSE}')

@@ -12,7 +12,7 @@ import pytest
 
 from deploy.tool_call_stream import StreamEvent, ToolCallStream, parse_cut_output
 from deploy.tool_calls import (
-    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_calls, parse_tool_calls, tool_call_grammar,
+    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_calls, json_layout, parse_tool_calls, tool_call_grammar,
     tools_system_prompt,
 )
 
@@ -104,6 +104,55 @@ def test_format_round_trips_through_parse(calls):
     expected = [ToolCall(n, json.dumps(json.loads(a or "{}"), separators=(", ", ": "), ensure_ascii=False))
                 for n, a in calls]
     assert parse_tool_calls(text) == (None, expected)
+
+
+@pytest.mark.parametrize("arguments", [
+    '{"price": 1.50, "big": 1E5, "tiny": 1e-400, "huge": -1e999, "city": "S\\u00e3o Paulo", "tab": "a\\tb"}',
+    '{"n": 123456789012345678901234567890, "x": 0.1000, "list": [1.0, -0.0, 2e+3], "nested": {"k": NaN}}',
+])
+def test_the_models_own_call_comes_back_to_it_as_it_wrote_it(arguments):
+    """A call the model wrote (in our layout, which the grammar forces), sent back by a client
+    as the `arguments` it received, renders as the model's text: the next turn's prompt
+    repeats its tokens (json.dumps would write 1.5, 100000.0, 0.0, -Infinity, "São")."""
+    output = _block(f'{{"name": "quote", "arguments": {arguments}}}')
+    content, calls = parse_tool_calls(output)
+    assert content is None and calls == [ToolCall("quote", arguments)]
+    assert format_tool_calls([(c.name, c.arguments) for c in calls]) == output
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.choice(["scalar"] * 3 + (["list", "dict"] if depth < 3 else []))
+    if kind == "list":
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "dict":
+        return {rng.choice(["a", "b c", "d,e", "f:g", '"q"', "é"]) + str(i): _random_json(rng, depth + 1)
+                for i in range(rng.randrange(4))}
+    return rng.choice([None, True, False, 0, -7, 2.5, 1e20, "", "x, y", "[1: 2]", "{}", "é\n\u2028"])
+
+
+def _spaced(value: object, rng: random.Random) -> str:
+    """`value` as JSON with random whitespace around every token."""
+    ws = lambda: rng.choice(["", " ", "\n\t "])  # noqa: E731
+    if isinstance(value, list):
+        return f"[{ws()}" + ",".join(ws() + _spaced(v, rng) + ws() for v in value) + "]"
+    if isinstance(value, dict):
+        return ("{" + ws() + ",".join(f"{ws()}{_spaced(k, rng)}{ws()}:{ws()}{_spaced(v, rng)}{ws()}"
+                                      for k, v in value.items()) + "}")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def test_layout_is_json_dumps_spacing_under_any_whitespace():
+    """Wherever json.dumps keeps every literal's spelling, json_layout gives exactly its text,
+    whatever whitespace the client put between the tokens."""
+    rng = random.Random(7)
+    for _ in range(300):
+        value = _random_json(rng)
+        ours = json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
+        spaced = _spaced(value, rng)
+        assert json.loads(spaced) == value
+        assert json_layout(spaced) == ours
+    with pytest.raises(ValueError):
+        json_layout('{"a": 1,}')
 
 
 def test_format_exact_text_and_verbatim_non_json():
