@@ -7,6 +7,7 @@ ingress `IngressConfig`. The speculation settings are not here: they are the Rep
 at start and live. Importing this never loads torch.
 """
 
+import dataclasses
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -53,10 +54,13 @@ class EngineArgs(_Strict):
 
         # set under trtllm, these were dropped (speculation) or took the engine's alone, the
         # served name, Serve's defaults and the edge limits keeping the engine-level ones
-        beside = sorted(set(self.trtllm or {}) & {*SHARED_ENGINE_KEYS, "speculation"})
-        if beside:
-            raise ValueError(f"engine.trtllm: {beside} are set beside it (engine.<key>; speculation in the "
-                             "Replica's user_config), not under it")
+        given, elsewhere = set(self.trtllm or {}), {*SHARED_ENGINE_KEYS, "speculation"}
+        if given & elsewhere:
+            raise ValueError(f"engine.trtllm: {sorted(given & elsewhere)} are set beside it (engine.<key>; "
+                             "speculation in the Replica's user_config), not under it")
+        under = {f.name for f in dataclasses.fields(TrtllmEngineConfig)} - elsewhere
+        if given - under:
+            raise ValueError(f"engine.trtllm: unknown keys {sorted(given - under)}; known: {sorted(under)}")
         try:
             return TrtllmEngineConfig.from_mapping({
                 **{key: getattr(self, key) for key in SHARED_ENGINE_KEYS}, **(self.trtllm or {}),

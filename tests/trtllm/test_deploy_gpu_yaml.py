@@ -127,6 +127,7 @@ def test_the_default_speculation_is_checked_where_no_user_config_sets_one(docume
     ("speculation", {"mode": "off"}, "engine.trtllm: ['speculation']"),  # was dropped
     ("max_batch_size", 8, "engine.trtllm: ['max_batch_size']"),  # took the engine's, not Serve's or the limits'
     ("cuda_graphs", "false", "cuda_graphs: must be bool"),  # a truthy string
+    ("cuda_graph", True, "engine.trtllm: unknown keys ['cuda_graph']; known: ['cuda_graphs', "),  # listed model too
     ("free_gpu_memory_fraction", "0.85", "engine.trtllm.free_gpu_memory_fraction: must be float"),  # a TypeError
     ("draft_len_taper", {16: 4}, "engine.trtllm.draft_len_taper: a list of [batch_size, draft_len]"),  # a TypeError
     ("draft_len_taper", [[1.5, True]], "engine.trtllm.draft_len_taper: a list of [batch_size, draft_len]"),
@@ -136,6 +137,7 @@ def test_a_trtllm_key_that_would_not_do_what_it_says_is_named(document, key, val
     doc["applications"][0]["args"]["engine"]["trtllm"][key] = value
     problems = check_serve_config(doc)
     assert len(problems) == 1 and named in problems[0], problems
+    assert "'model'" not in problems[0] and "'speculation'" not in problems[0].partition("known:")[2]
 
 
 def test_the_embedded_engines_keys_are_refused_beside_trtllm(document):
