@@ -64,6 +64,11 @@ class PolicyConfig:
     metrics_stale_s: float = 30.0  # a replica whose last report is older counts as silent
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # YAML's "4" or an empty value: named here, not a TypeError below
+            value = getattr(self, f.name)
+            if f.name != "mode" and not (value is None and f.default is None):
+                _require(isinstance(value, (int, float)) and not isinstance(value, bool), f.name,
+                         f"must be a number, got {value!r}")
         _require(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.batch_gate >= 1, "batch_gate", f"must be >= 1, got {self.batch_gate}")
         _require(self.min_acceptance_length >= 1.0, "min_acceptance_length",

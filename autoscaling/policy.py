@@ -133,7 +133,8 @@ class AcceptanceAwarePolicy:
         config = self.resolved_config(ctx, signals)
         replicas = decide(signals, ctx.current_num_replicas, config)
         spread = spread_pays(signals, config)
-        state[STATE_SPREADING] = bool(spread)
+        # a tick without enough metrics (new replicas not yet reporting) chose no mode: keep the last
+        state[STATE_SPREADING] = signals.spreading if spread is None else spread
         state[STATE_ACCEPTANCE] = fleet_acceptance(signals, config)
         state[STATE_DECISION] = {None: "queue_length", True: "spread", False: "pack"}[spread]
         return replicas, state

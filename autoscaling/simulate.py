@@ -178,7 +178,8 @@ class Simulation:
                                               acceptance_length=r.acceptance)
                                if now_s - r.ready_s >= push else ReplicaSignals() for r in running))
             desired = decide(signals, len(running), self.policy_config)
-            self.spreading = bool(spread_pays(signals, self.policy_config))
+            spread = spread_pays(signals, self.policy_config)
+            self.spreading = self.spreading if spread is None else spread  # as the Serve adapter keeps it
         else:
             target = self.p.pack_target if policy == "serve_default" else self.p.batch_gate
             desired = queue_length_replicas(load, target)

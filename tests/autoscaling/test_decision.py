@@ -137,6 +137,11 @@ def test_no_flapping_under_steady_load():
     ({"min_reporting_fraction": 0}, "min_reporting_fraction"),
     ({"metrics_stale_s": 0}, "metrics_stale_s"),
     ({"batch_gat": 4}, "policy_kwargs"),
+    # YAML that quotes a number, or leaves it empty: named, not a TypeError from a comparison
+    ({"batch_gate": "4"}, "batch_gate"),
+    ({"min_acceptance_length": None}, "min_acceptance_length"),
+    ({"gate_fill": "0.5"}, "gate_fill"),
+    ({"metrics_stale_s": True}, "metrics_stale_s"),
 ])
 def test_config_is_validated(kwargs, field):
     with pytest.raises(ValueError, match=field):

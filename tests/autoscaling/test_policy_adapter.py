@@ -179,3 +179,16 @@ def test_replicas_that_do_not_gate_neither_set_the_gate_nor_make_it_spread():
     ungated = [stats(3.0) | {"batch_gate": 0.0}] * 3
     replicas, state = serve_policy(config)(context(config, 18, ungated))
     assert replicas == 3 and state[STATE_DECISION] == "pack"  # ceil(18 / 8): Serve's rule
+
+
+def test_a_tick_without_metrics_keeps_the_mode_hysteresis():
+    """Scaling out leaves the new replicas silent for a push period: that tick falls back to
+    the queue-length rule, and it also forgot it was spreading, so a fleet inside the band
+    (1.9, min 2.0 - band 0.25) packed once the new replicas reported."""
+    config = serve_config()
+    policy = serve_policy(config)
+    _, state = policy(context(config, 16, [stats(3.0)] * 2))
+    _, state = policy(context(config, 16, [stats(1.9)] * 2 + [None] * 3, policy_state=state))
+    assert state[STATE_DECISION] == "queue_length"
+    replicas, state = policy(context(config, 16, [stats(1.9)] * 5, policy_state=state))
+    assert replicas == 5 and state[STATE_DECISION] == "spread"  # held in the dead band, not packed to 2
