@@ -53,7 +53,9 @@ GPU_AUTOSCALING = {
     "downscale_delay_s": 300,        # a GPU Replica takes minutes to come back
     "policy": {
         "policy_function": "autoscaling.policy:AcceptanceAwarePolicy",
-        "policy_kwargs": {"batch_gate": 16},  # the Replica's user_config batch_gate until replicas report
+        # pinned to the Replica's user_config batch_gate (not followed when it changes): hybrid on
+        # TensorRT-LLM drafts at every batch size and its replicas report no gate to read
+        "policy_kwargs": {"batch_gate": 16},
     },
 }
 
