@@ -64,7 +64,11 @@ def _unicode(text: str) -> str:
 
 
 def _unicode_json(value: dict) -> dict:
-    _unicode(json.dumps(value, ensure_ascii=False))
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except RecursionError:  # the body was read a few frames up the stack: a few levels short of this
+        raise ValueError("nested too deep") from None
+    _unicode(text)
     return value
 
 

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from replicas.engine import JSON_LAYOUT
+from replicas.speculation.schema_depth import too_deep
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -140,6 +141,8 @@ def schema_error(parameters: dict | None) -> str | None:
 
     if parameters is None:
         return None
+    if (reason := too_deep(parameters)) is not None:  # given to llguidance, it could kill the process
+        return reason
     try:
         return LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(parameters, defaults=JSON_LAYOUT)) or None
     except ValueError as exc:
@@ -155,20 +158,27 @@ def _call_schema(function: dict, arguments_pointer: str) -> dict:
 
 
 def _rebase_refs(schema: object, base: str) -> object:
-    if isinstance(schema, list):
-        return [_rebase_refs(s, base) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = base + value[1:]
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # keys are names, values schemas
-            out[key] = {k: _rebase_refs(v, base) for k, v in value.items()}
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        else:
-            out[key] = _rebase_refs(value, base)
+    # Without recursion: a body may nest ~950 deep, and two frames a level overflowed Python's
+    # stack (the grammar engine, not this copy, refuses what is too deep).
+    def empty(value: object) -> object:
+        return {} if isinstance(value, dict) else [] if isinstance(value, list) else value
+
+    out = empty(schema)
+    # (a container, its copy to fill, whether its keys are names rather than keywords)
+    pending = [(schema, out, False)] if out is not schema else []
+    while pending:
+        source, copy, names = pending.pop()
+        for key, value in source.items() if isinstance(source, dict) else enumerate(source):
+            keyword = isinstance(source, dict) and not names
+            if keyword and key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                value = base + value[1:]
+            elif not (keyword and key in _DATA_KEYWORDS) and isinstance(value, (dict, list)):
+                value, inner = empty(value), value  # filled below: keys are names, values schemas
+                pending.append((inner, value, keyword and key in _SCHEMA_MAPS and isinstance(inner, dict)))
+            if isinstance(copy, list):
+                copy.append(value)
+            else:
+                copy[key] = value
     return out
 
 

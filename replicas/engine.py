@@ -16,6 +16,7 @@ from typing import (
 import pydantic.dataclasses
 from pydantic import ConfigDict, Field
 
+from replicas.speculation.schema_depth import too_deep
 from replicas.stats import EngineStats, SpecCounters
 
 __all__ = [
@@ -205,14 +206,18 @@ class GrammarSpec:
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema of a json_object / json_schema spec; RequestError naming `param` if
-        `text` is not a JSON object."""
+        `text` is not a JSON object, or one the grammar engine must not be given (`too_deep`)."""
         if self.kind == "json_object":
             return {"type": "object"}
         try:
             schema = json.loads(self.text)
+        except RecursionError:
+            raise RequestError(self.param, "the JSON schema is nested too deep to read") from None
         except ValueError as exc:
             raise RequestError(self.param, f"the JSON schema is not valid JSON: {exc}") from None
         _require(isinstance(schema, dict), self.param, "the JSON schema must be an object")
+        reason = too_deep(schema)
+        _require(reason is None, self.param, f"the JSON schema is {reason}")
         return schema
 
 

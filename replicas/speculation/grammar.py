@@ -15,7 +15,9 @@ forbidden token, `rollback`, and `compute_ff_tokens` for the forced continuation
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import json
+import re
+from typing import Iterable, Iterator, Sequence
 
 import llguidance.hf
 import numpy as np
@@ -25,19 +27,36 @@ from llguidance.numpy import fill_next_token_bitmask
 from torch import Tensor
 
 from replicas.engine import JSON_LAYOUT, GrammarSpec, RequestError
+from replicas.speculation.schema_depth import too_deep
 
 # mask_ writes forbidden tokens by index where fewer than 1 in this many mask words forbid one
 SPARSE_MASK_WORDS = 8
+_JSON_RULE = re.compile(r"%json\s*")
 
 
 def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar for a spec; RequestError naming `spec.param` if it is malformed."""
+    """The llguidance grammar for a spec; RequestError naming `spec.param` if it is malformed,
+    or holds a schema llguidance must not be given (`too_deep`)."""
     if spec.kind == "lark":
+        for schema in _json_schemas(spec.text):
+            if (reason := too_deep(schema)) is not None:
+                raise RequestError(spec.param, f"a JSON schema in the grammar is {reason}")
         return LLMatcher.grammar_from_lark(spec.text)
     try:
         return LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_LAYOUT)
     except ValueError as exc:
         raise RequestError(spec.param, f"the JSON schema was refused: {exc}") from None
+
+
+def _json_schemas(lark: str) -> Iterator[object]:
+    """The JSON schemas a Lark grammar holds (`%json {...}`: how tool calls' arguments are
+    held) that read as JSON; llguidance refuses the others itself."""
+    decoder = json.JSONDecoder()
+    for found in _JSON_RULE.finditer(lark):
+        try:
+            yield decoder.raw_decode(lark, found.end())[0]
+        except (ValueError, RecursionError):
+            continue
 
 
 class GrammarCompiler:

@@ -23,6 +23,8 @@ def message(**kw):
     return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
 
 
+_REF_CHAIN = {"$defs": {f"a{i}": {"items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(150)}, "$ref": "#/$defs/a0"}
+
 BAD_INPUT = [
     # (name, path, body or raw bytes, headers, status, param)
     ("malformed json", "/v1/completions", b'{"model": "fake",', {}, 400, None),
@@ -144,6 +146,10 @@ BAD_INPUT = [
      chat(tools=[{"type": "function", "function": {"name": "f"}},
                  {"type": "function", "function": {"name": "g", "parameters": {"type": "foo"}}}],
           tool_choice="required"), {}, 400, "tools[1].function.parameters"),
+    # flat JSON nested deep through $refs: llguidance's recursion through 1,000 of them killed the ingress
+    ("a forced call's schema nested too deep through references", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _REF_CHAIN}}], tool_choice="required"),
+     {}, 400, "tools[0].function.parameters"),
     ("a tool message answering no call", "/v1/chat/completions",
      chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "18"}]), {}, 400,
      "messages[1].tool_call_id"),

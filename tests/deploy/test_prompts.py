@@ -15,8 +15,9 @@ from deploy.errors import ApiError
 from deploy.openai_format import Echo, TokenTexts, prediction_details, shown_logprobs, vllm_prompt_logprobs
 from deploy.prompts import generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
-from replicas.engine import TokenLogprob
 from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
+from replicas.engine import TokenLogprob
+from tests.speculation.test_schema_depth import chain
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}
@@ -128,6 +129,41 @@ def test_a_forced_call_and_a_json_format_conflict():
     with pytest.raises(ApiError) as info:
         grammar_spec(chat(tools=tools(WEATHER), tool_choice="required", response_format={"type": "json_object"}))
     assert info.value.status == 400 and info.value.param == "response_format"
+
+
+def test_a_forced_calls_schema_nested_too_deep_through_references_is_a_400_naming_it(chatml):
+    """2,000 $refs each holding the next: llguidance's recursion through them, checking the
+    schema, killed the ingress (a segfault)."""
+    request_ = chat(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                    tools=tools(WEATHER, {"name": "deep", "parameters": chain(2000)}))
+    with pytest.raises(ApiError, match="nested too deep") as info:
+        generation_request("r", chatml, request_, IngressConfig.from_args(AppArgs()))
+    assert (info.value.status, info.value.param) == (400, "tools[1].function.parameters")
+
+
+def test_tools_nested_as_deep_as_a_body_may_be_still_make_the_optional_grammar():
+    """Rebasing the parameters' references recursed two frames a level: a list nested 600 deep
+    (a body may nest ~950) was a RecursionError, a 500. The replica judges the grammar (it
+    refuses one nested too deep, and runs the request unconstrained)."""
+    deep = 0
+    for _ in range(600):
+        deep = [deep]
+    spec = grammar_spec(chat(tools=tools({"name": "deep", "parameters": {"type": "object", "x-list": deep}})))
+    assert (spec.kind, spec.optional) == ("lark", True)
+
+
+@pytest.mark.parametrize("field", ["response_format", "tools"])
+def test_a_schema_too_deep_to_write_back_as_json_is_a_validation_error_naming_it(field):
+    """A body nested ~950 deep is still read, but the schema's surrogate check (writing it back
+    as JSON, deeper in the stack) ran out of Python's recursion limit: a 500."""
+    deep = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": deep}}} \
+        if field == "response_format" else {"tools": tools({"name": "f", "parameters": deep})}
+    with pytest.raises(pydantic.ValidationError, match="nested too deep") as info:
+        chat(**body)
+    assert info.value.errors()[0]["loc"][0] == field
 
 
 @pytest.mark.parametrize("choice,parallel,ends", [

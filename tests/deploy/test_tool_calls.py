@@ -12,9 +12,10 @@ import pytest
 
 from deploy.tool_call_stream import StreamEvent, ToolCallStream, parse_cut_output
 from deploy.tool_calls import (
-    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_calls, json_layout, parse_tool_calls, tool_call_grammar,
-    tools_system_prompt,
+    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, _rebase_refs, format_tool_calls, json_layout, parse_tool_calls,
+    schema_error, tool_call_grammar, tools_system_prompt,
 )
+from tests.speculation.test_schema_depth import chain
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -420,6 +421,22 @@ def test_grammar_rebases_local_refs_of_nested_parameters(lark):
         grammar = tool_call_grammar(functions, parallel=False)
         assert _accepts(lark, grammar, good)
         assert not _accepts(lark, grammar, good.replace('"city": "B"', '"town": "B"'))
+
+
+def test_a_schema_nested_too_deep_through_references_is_refused_unseen_by_the_grammar_engine():
+    """Flat JSON, but llguidance recursed through the 2,000 $refs on the native stack and the
+    ingress died checking a forced call's schema (a segfault)."""
+    assert "nested too deep" in schema_error(chain(2000))
+
+
+def test_rebasing_moves_local_refs_and_nothing_else():
+    schema = {"$ref": "#/$defs/A", "properties": {"$ref": {"$ref": "#/$defs/B"}, "s": "#/name"},
+              "anyOf": [{"$ref": "#"}, [{"$ref": "#/x"}], 1], "const": {"$ref": "#/data"},
+              "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
+    assert _rebase_refs(schema, "#/p") == {
+        "$ref": "#/p/$defs/A", "properties": {"$ref": {"$ref": "#/p/$defs/B"}, "s": "#/name"},
+        "anyOf": [{"$ref": "#/p"}, [{"$ref": "#/p/x"}], 1], "const": {"$ref": "#/data"},
+        "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
 
 
 def test_no_functions_is_an_error():

@@ -13,6 +13,7 @@ from replicas.engine import GrammarSpec, RequestError
 from replicas.speculation import grammar as grammar_module
 from replicas.speculation.grammar import GrammarCompiler
 from replicas.speculation.sampling import token_logprobs
+from tests.speculation.test_schema_depth import chain
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
           "required": ["city", "days"], "additionalProperties": False}
@@ -163,6 +164,11 @@ def test_a_tokens_rank_counts_the_tokens_strictly_likelier():
     (GrammarSpec("json_schema", "[1, 2]"), "must be an object"),
     (GrammarSpec("json_schema", json.dumps({"type": "nonsense"})), "invalid"),
     (GrammarSpec("lark", "start: missing", param="tool_choice"), "invalid"),
+    # flat JSON, but llguidance recursed through 2,000 $refs on the native stack: a segfault
+    (GrammarSpec("json_schema", json.dumps(chain(2000))), "nested too deep"),
+    (GrammarSpec("json_schema", '{"items": ' + "[" * 5000 + "]" * 5000 + "}"), "nested too deep"),  # RecursionError
+    # a tool's schema, in the grammar of its calls (the replica compiles it under tool_choice auto)
+    (GrammarSpec("lark", f"start: %json {json.dumps(chain(2000))}", "tools", optional=True), "nested too deep"),
 ])
 def test_bad_grammars_raise_request_errors_naming_the_field(compiler, bad, message):
     with pytest.raises(RequestError, match=message) as info:
