@@ -20,8 +20,8 @@ from torch import Tensor
 from replicas.engine import TokenLogprob
 
 
-# Top-p looks for the nucleus among the few most likely tokens first, widening only when
-# some row's nucleus is larger: a partial top-k over a 49k vocabulary is ~10x cheaper than
+# Top-p looks for the nucleus among the few most likely tokens first, widening a row's search
+# only when its nucleus is larger: a partial top-k over a 49k vocabulary is ~10x cheaper than
 # a full sort, and nuclei are usually small.
 _NUCLEUS_CANDIDATES = (256, 4096)
 _F32_MAX = torch.finfo(torch.float32).max
@@ -44,7 +44,8 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int,
     the smallest set of most likely tokens whose mass is at least `top_p`; the most likely
     token is always kept. Min-p then keeps the tokens at least `min_p` times as likely as the
     most likely one (0 = off). Rows sum to 1. Ties are broken deterministically, in no
-    documented order. Greedy decoding (temperature 0) never comes here: it is an argmax.
+    documented order; a row's bits never depend on the rows beside it (a verify step's
+    drafts). Greedy decoding (temperature 0) never comes here: it is an argmax.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits: expected [T, V], got shape {tuple(logits.shape)}")
@@ -59,8 +60,15 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int,
     probs = _top_k_top_p(logits.float() / temperature, top_p, top_k)
     if min_p > 0:
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = probs / _row_sums(probs)
     return probs
+
+
+def _row_sums(probs: Tensor) -> Tensor:
+    """`[T, 1]`: each row of `probs [T, N]` added up in order. torch's sum splits one long row
+    between threads but a batch by rows, so a row's sum (in its last bits) would depend on the
+    rows beside it: a verify step's drafts."""
+    return torch.cumsum(probs, dim=-1)[:, -1:]
 
 
 def _top_k_top_p(scaled: Tensor, top_p: float, top_k: int) -> Tensor:
@@ -68,30 +76,39 @@ def _top_k_top_p(scaled: Tensor, top_p: float, top_k: int) -> Tensor:
     use_top_k = 0 < top_k < vocab_size
     if not use_top_k and top_p >= 1:
         return torch.softmax(scaled, dim=-1)  # the common case needs no ranking at all
-
-    # kept_probs [T, N] in descending order, N << V, with kept_ids [T, N] their token ids.
     if use_top_k:
         kept_logits, kept_ids = torch.topk(scaled, top_k, dim=-1)
         kept_probs = torch.softmax(kept_logits, dim=-1)  # renormalised over the top-k
-        cum_probs = torch.cumsum(kept_probs, dim=-1)
-    else:
-        probs = torch.softmax(scaled, dim=-1)
-        for num_candidates in (*_NUCLEUS_CANDIDATES, vocab_size):
-            if num_candidates >= vocab_size:  # a full ranking: sort beats topk(V)
-                kept_probs, kept_ids = torch.sort(probs, dim=-1, descending=True)
-            else:
-                kept_probs, kept_ids = torch.topk(probs, num_candidates, dim=-1)
-            cum_probs = torch.cumsum(kept_probs, dim=-1)
-            if num_candidates >= vocab_size or bool((cum_probs[:, -1] >= top_p).all()):
-                break
+        return _nucleus(kept_probs, kept_ids, top_p, vocab_size)
+    probs = torch.softmax(scaled, dim=-1)
+    out = torch.empty_like(probs)
+    rows = torch.arange(probs.shape[0])  # the rows whose nucleus is still to find
+    for num_candidates in (*_NUCLEUS_CANDIDATES, vocab_size):
+        # Each row widens alone: which of tied tokens a ranking keeps depends on how many it
+        # ranks, so a row widened for the drafts beside it could keep another token.
+        if num_candidates >= vocab_size:  # a full ranking: sort beats topk(V)
+            kept_probs, kept_ids = torch.sort(probs[rows], dim=-1, descending=True)
+        else:
+            kept_probs, kept_ids = torch.topk(probs[rows], num_candidates, dim=-1)
+        found = (torch.cumsum(kept_probs, dim=-1)[:, -1] >= top_p) | (num_candidates >= vocab_size)
+        out[rows[found]] = _nucleus(kept_probs[found], kept_ids[found], top_p, vocab_size)
+        rows = rows[~found]
+        if not len(rows):
+            break
+    return out
+
+
+def _nucleus(kept_probs: Tensor, kept_ids: Tensor, top_p: float, vocab_size: int) -> Tensor:
+    """`[T, V]`: the fewest most likely of `kept_probs [T, N]` (descending, token ids
+    `kept_ids [T, N]`) whose mass reaches top_p, renormalised; zero elsewhere."""
     if top_p < 1:
         # A token stays while the mass strictly before it is short of top_p: that is the
         # smallest prefix reaching top_p, and the first token (mass before it 0) always stays.
-        dropped = cum_probs - kept_probs >= top_p
+        dropped = torch.cumsum(kept_probs, dim=-1) - kept_probs >= top_p
         dropped[:, 0] = False  # also where top_p is under float32's least (it compared as 0)
         kept_probs = kept_probs.masked_fill(dropped, 0.0)
-        kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(scaled).scatter_(-1, kept_ids, kept_probs)
+        kept_probs = kept_probs / _row_sums(kept_probs)
+    return kept_probs.new_zeros((kept_probs.shape[0], vocab_size)).scatter_(-1, kept_ids, kept_probs)
 
 
 def bias_(logits: Tensor, logit_bias: Sequence[tuple[int, float]]) -> Tensor:

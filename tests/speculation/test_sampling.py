@@ -118,6 +118,29 @@ def test_min_p_rows_equal_one_row_at_a_time():
     assert all(torch.equal(together[i], sampling_probs(logits[i:i + 1], 0.9, 0.95, 50, 0.05)[0]) for i in range(5))
 
 
+@pytest.mark.parametrize("top_p, min_p", [(0.99, 0.0), (1.0, 0.01), (0.95, 0.001)])
+def test_rows_equal_one_row_at_a_time_over_a_whole_vocabulary(top_p, min_p):
+    """Over 49k tokens torch's sum splits a lone row between threads and a batch by rows: the
+    kept mass renormalised by it, a row's probabilities depended on the drafts verified beside
+    it (and a seeded token could, rarely, differ with speculation on)."""
+    logits = torch.randn(5, 49152, generator=make_generator(7)) * 0.5  # flat: nuclei of thousands of tokens
+    together = sampling_probs(logits, 1.0, top_p, 0, min_p)
+    assert all(torch.equal(together[i], sampling_probs(logits[i:i + 1], 1.0, top_p, 0, min_p)[0]) for i in range(5))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.7])
+def test_a_rows_ties_are_broken_alike_whatever_rows_are_beside_it(top_p):
+    """Which of tied tokens a nucleus keeps depends on how many tokens are ranked: that was
+    decided for the whole batch, by its flattest row (a draft's), not by the row itself."""
+    generator = make_generator(11)
+    peaked = torch.full((49152,), -20.0)
+    peaked[:50] = torch.randn(50, generator=generator)
+    peaked[torch.randperm(49152, generator=generator)[:400]] = 0.3  # exact ties around the nucleus' edge
+    flat = torch.randn(49152, generator=generator) * 0.1  # its nucleus: thousands of tokens
+    together = sampling_probs(torch.stack([peaked, flat]), 1.0, top_p, 0)
+    assert torch.equal(together[0], sampling_probs(peaked[None], 1.0, top_p, 0)[0])
+
+
 def test_repetition_penalty_row_i_sees_the_draft_before_it():
     """Row i of a verify step penalises what plain decoding would at that position: the prompt
     and output, plus draft[:i]; positive logits divided, negative ones multiplied."""
