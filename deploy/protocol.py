@@ -394,6 +394,16 @@ class ChatCompletionRequest(_Sampling):
     modalities: Optional[List[Literal["text"]]] = None  # text is all this server answers
     audio: None = None
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value, info: ValidationInfo):
+        # the newer name of max_tokens: OpenAI refuses both, vLLM takes this one; two that agree
+        # are taken (clients that set both alike), two that disagree never silently lose one
+        max_tokens = info.data.get("max_tokens")
+        if value is not None and max_tokens is not None and value != max_tokens:
+            raise ValueError(f"{value} disagrees with max_tokens {max_tokens}: set one (the same limit)")
+        return value
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, value, info: ValidationInfo):

@@ -51,6 +51,8 @@ BAD_INPUT = [
     ("huge max_tokens", "/v1/completions", completion(max_tokens=10**9), {}, 400, "max_tokens"),
     ("huge max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=10**6), {}, 400,
      "max_completion_tokens"),
+    ("max_tokens and max_completion_tokens disagree", "/v1/chat/completions", chat(max_completion_tokens=2), {},
+     400, "max_completion_tokens"),
     ("prompt too long", "/v1/completions", completion(prompt="x" * 201), {}, 400, "prompt"),
     ("chat too long", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 300}]), {},
      400, "messages"),

@@ -1,0 +1,30 @@
+"""The request models of the HTTP edge (deploy/protocol.py), without a cluster: what a body
+means, and which field a bad one names."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from deploy.protocol import ChatCompletionRequest
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("max_tokens,max_completion_tokens,limit", [
+    (None, 5, 5), (5, None, 5), (5, 5, 5), (None, None, None),
+])
+def test_max_completion_tokens_is_the_newer_max_tokens(max_tokens, max_completion_tokens, limit):
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": max_tokens,
+                                                 "max_completion_tokens": max_completion_tokens})
+    assert body.requested_max_tokens == limit
+
+
+def test_max_tokens_and_max_completion_tokens_that_disagree_are_a_400_naming_one():
+    """OpenAI refuses the two together; one must not silently win over the other (the newer did)."""
+    with pytest.raises(pydantic.ValidationError) as info:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": 5,
+                                              "max_completion_tokens": 2})
+    (error,) = info.value.errors()
+    assert error["loc"] == ("max_completion_tokens",)
+    assert "max_tokens" in error["msg"]
