@@ -248,6 +248,9 @@ class GenerationRequest:
     # what routes a chat's every turn to one replica (its prefix cache): a digest of the
     # conversation's opening (deploy/prompts.conversation_key); None: the prompt's own prefix
     affinity_key: bytes | None = None
+    # routed while every replica was over its gate (deploy/router): for its whole life it drafts
+    # as behind a closed gate (a grammar's forced tokens still go, no SA or MTP draft)
+    over_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.grammar is not None and self.sampling.min_tokens:  # it may allow only the end there

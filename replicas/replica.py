@@ -212,10 +212,10 @@ class Replica:
         self, request: GenerationRequest, speculate: bool = True,
     ) -> AsyncIterator[GenerationDelta | RequestRejected]:
         """Stream one request. `speculate=False` (set by the router when every replica is
-        above its gate) narrows the request to no speculation. Cancelling the stream (the
-        client went away) closes the engine stream, which aborts the request there."""
+        above its gate) marks it `over_gate`. Cancelling the stream (the client went away)
+        closes the engine stream, which aborts the request there."""
         if not speculate:
-            request = dataclasses.replace(request, speculation=RequestSpeculation(mode="off"))
+            request = dataclasses.replace(request, over_gate=True)
         started = time.monotonic()
         try:
             stream = self.engine.generate(request)

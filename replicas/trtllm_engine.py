@@ -126,8 +126,8 @@ class TrtllmEngine:
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Validate now (RequestError naming the field), submit and stream once iterated.
 
-        A request's `speculation` narrowing is not forwarded: TensorRT-LLM has no per-request
-        draft control, and speculation never changes the output, only its speed.
+        A request's `speculation` narrowing (and its `over_gate` mark) is not forwarded:
+        TensorRT-LLM has no per-request draft control, and speculation never changes the output, only its speed.
         """
         if self._llm is None:
             raise RuntimeError("engine not started")

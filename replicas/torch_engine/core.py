@@ -188,7 +188,8 @@ class EngineCore:
         # Only a request that may draft with the head feeds it (a queue of every position's hidden
         # state otherwise grows for nothing, 2.3 KB a position). One admitted without stays so,
         # should the server's mode change under it; a resumed one is admitted afresh.
-        seq.mtp_fed = self.mtp is not None and drafts_with_mtp(request_mode(self.speculation, seq))
+        seq.mtp_fed = (self.mtp is not None and not seq.over_gate
+                       and drafts_with_mtp(request_mode(self.speculation, seq)))
         context = seq.context
         reused, reused_hidden = 0, None
         # the longest cached prefix goes into the slot: prefill the rest (all of a prompt to score,

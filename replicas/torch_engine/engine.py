@@ -226,6 +226,7 @@ class TorchEngine:
             prompt_ids=prompt_ids,
             sampling=sampling,
             speculation=request.speculation,
+            over_gate=request.over_gate,
             seed=None if sampling.temperature == 0 else
             sampling.seed if sampling.seed is not None else random.getrandbits(63),
             eos_ids=self._eos_ids,

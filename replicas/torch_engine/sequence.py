@@ -34,6 +34,7 @@ class Sequence:
     seed: int | None  # keys the sampling stream by output position; None when greedy
     eos_ids: frozenset[int]
     constraint: Constraint | None = None  # the request's grammar state, None if unconstrained
+    over_gate: bool = False  # drafts as behind a closed gate, whatever the batch (GenerationRequest.over_gate)
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose KV is in the cache

@@ -88,7 +88,7 @@ def _request_plan(seq: Sequence, cfg: SpeculationConfig, drafts: DraftPolicy, ma
     if seq.constraint is not None and cfg.grammar_drafts and mode != "off":
         forced = seq.constraint.forced_tokens()
     plan = plan_draft(mode, max_draft_len, cfg.sa_threshold, seq.sa_match_len, seq.mtp_fed,
-                      speculate, min(seq.tokens_left, room + 1), len(forced),
+                      speculate and not seq.over_gate, min(seq.tokens_left, room + 1), len(forced),
                       bool(forced) and seq.sa_draft[: len(forced)] == forced)
     if plan.source == "grammar":
         return plan, forced[: plan.num_draft]

@@ -108,7 +108,7 @@ def test_a_bare_yaml_off_is_mode_off():
         SpeculationConfig.from_user_config(yaml.safe_load("mode: on"))
 
 
-def test_engine_validation_becomes_a_rejection_and_speculate_false_turns_it_off():
+def test_engine_validation_becomes_a_rejection_and_speculate_false_marks_it_over_the_gate():
     async def scenario():
         replica = await make_replica()
         too_long = GenerationRequest("r1", [1] * 250, SamplingParams(max_tokens=20))
@@ -120,7 +120,7 @@ def test_engine_validation_becomes_a_rejection_and_speculate_false_turns_it_off(
         replica.engine.generate = lambda request: seen.append(request) or original(request)
         deltas = [d async for d in replica.generate(GenerationRequest("r2", "hi", SamplingParams(max_tokens=3)),
                                                     speculate=False)]
-        assert seen[0].speculation.mode == "off" and deltas[-1].finish_reason == "length"
+        assert seen[0].over_gate and seen[0].speculation.mode == "auto" and deltas[-1].finish_reason == "length"
     run(scenario())
 
 

@@ -114,6 +114,22 @@ def test_grammar_drafts_are_counted_and_accepted(engine, loop, prompts, grammar_
     assert last.speculation["draft_tokens"] == 0
 
 
+def test_a_request_routed_over_every_gate_drafts_only_forced_tokens(engine, loop, prompts, grammar_drafts):
+    """The router's mark (`over_gate`: every replica was over its gate) holds a request behind a
+    closed gate for its life: a grammar's forced tokens go, as they do at any batch size (the
+    mark once narrowed it to mode off, and they went too); SA and MTP drafts do not."""
+    grammar_drafts(True)
+    marked = dataclasses.replace(constrained(prompts[0], max_tokens=120, mode="auto"), over_gate=True)
+    tokens, text, _, last = run(engine, loop, marked)
+    assert (tokens, text) == run(engine, loop, constrained(prompts[0], max_tokens=120, mode="off"))[:2]
+    assert last.speculation["draft_tokens"] == last.speculation["accepted_tokens"] > 0  # forced: all kept
+    repeat = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 6  # the SA drafts this on its own
+    copying = request(chat_prompt(engine, f"Repeat exactly: {repeat}"), max_tokens=60, mode="auto")
+    _, _, _, free = run(engine, loop, copying)
+    _, _, _, held = run(engine, loop, dataclasses.replace(copying, over_gate=True))
+    assert free.speculation["draft_tokens"] > 0 and held.speculation["draft_tokens"] == 0
+
+
 def test_the_gate_reported_is_its_verdict_not_whether_a_request_drafted(engine, loop, prompts, grammar_drafts):
     """`speculating`, which the autoscaling policy reads as the gate being open: a request of
     mode off under the gate leaves it open (it read 0: nothing drafted); grammar-forced tokens
