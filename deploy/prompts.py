@@ -53,6 +53,8 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
     """The chat as the model's template renders it (a 400 if the template refuses it)."""
     native_tools = template_knows_tools(tokenizer)
     messages = [_message(m, native_tools) for m in request.messages]
+    if "developer" not in (getattr(tokenizer, "chat_template", None) or ""):  # OpenAI's newer name for system
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     functions = request.functions
     extra: dict[str, Any] = {}
     if functions and native_tools:

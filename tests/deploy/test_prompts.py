@@ -60,6 +60,18 @@ def tools(*functions):
     return [{"type": "function", "function": f} for f in functions]
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_without_the_role(chatml, tools_aware):
+    """OpenAI's newer name for system instructions: SmolLM2's ChatML would otherwise keep its
+    own default system prompt and add a `developer` turn it was never trained on."""
+    said = [{"role": "user", "content": "hi"}]
+    for role in ("developer", "system"):
+        assert render_chat(chatml, chat([{"role": role, "content": "Be terse."}, *said], add_generation_prompt=True)) \
+            == render_chat(chatml, chat([{"role": "system", "content": "Be terse."}, *said], add_generation_prompt=True))
+    knows = copy.deepcopy(tools_aware)
+    knows.chat_template = "{% for m in messages %}{{ 'developer' if m.role == 'developer' }}{{ m.content }}{% endfor %}"
+    assert render_chat(knows, chat([{"role": "developer", "content": "x"}, *said])) == "developerxhi"
+
+
 def test_default_format_lists_the_tools_and_writes_calls_as_blocks(chatml):
     assert not template_knows_tools(chatml)
     text = render_chat(chatml, chat(tools=tools(WEATHER, TIME)))
