@@ -58,7 +58,8 @@ def _pack(fed: Fed, accepted: np.ndarray, lens: np.ndarray) -> None:
 def _assign(fed: Fed, match_len: np.ndarray, draft: np.ndarray) -> None:
     for b, (seq, _) in enumerate(fed):
         seq.sa_match_len = int(match_len[b])
-        seq.sa_draft = [int(t) for t in draft[b] if t >= 0]
+        row = draft[b]
+        seq.sa_draft = row[row >= 0].tolist()  # numpy's own loop: a step of 8 spent ~5% of its Python here
 
 
 class HostSuffixDrafts:
