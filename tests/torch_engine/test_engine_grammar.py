@@ -340,3 +340,32 @@ def test_bad_grammar_is_a_request_error_naming_the_field(engine, spec, message):
         engine.generate(dataclasses.replace(request("hi"), grammar=spec))
     assert info.value.param == spec.param
     assert engine.num_live_requests == 0
+
+
+PRICE = {"type": "function", "function": {"name": "set_price", "description": "Set an item's price", "parameters": {
+    "type": "object", "properties": {"item": {"type": "string", "maxLength": 30}, "price": {"type": "number"}},
+    "required": ["item", "price"]}}}
+
+
+def test_the_next_turn_prompt_repeats_a_call_token_for_token(engine, loop):
+    """A call the model made, sent back as the client received it, renders in the next turn's
+    prompt as the very tokens the model emitted (its `1.50` not re-spelt 1.5), so that prompt
+    begins with the first turn's prompt and output and the prefix cache holds through the call."""
+    from deploy.prompts import grammar_spec, prompt_token_ids
+    from deploy.protocol import ChatCompletionRequest
+    from deploy.tool_calls import parse_tool_calls
+
+    chat = [{"role": "user", "content": "Set the price of apples to 1.50 dollars."}]
+    first = ChatCompletionRequest(model="m", messages=chat, tools=[PRICE], tool_choice="required",
+                                  parallel_tool_calls=False, max_tokens=60, temperature=0)
+    prompt = prompt_token_ids(engine.tokenizer, first)
+    tokens, text, _, _ = run(engine, loop, dataclasses.replace(request(prompt, max_tokens=60, mode="off"),
+                                                               grammar=grammar_spec(first)))
+    _, (call,) = parse_tool_calls(text, one_call=True)
+    spelt = json.dumps(json.loads(call.arguments), separators=(", ", ": "))
+    assert spelt != call.arguments, f"the model wrote {call.arguments}: pick a prompt json.dumps would re-spell"
+    history = chat + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    second = prompt_token_ids(engine.tokenizer, ChatCompletionRequest(model="m", messages=history, tools=[PRICE]))
+    assert second[:len(prompt) + len(tokens)] == prompt + tokens
