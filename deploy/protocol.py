@@ -256,11 +256,12 @@ class CompletionRequest(_Sampling):
         batch = _batch(prompt)
         if len(batch) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts in a batch, got {len(batch)}")
-        for one in batch:
+        for i, one in enumerate(batch):
+            which = f"prompt {i} of the batch: " if len(batch) > 1 or batch[0] is not prompt else ""
             if len(one) == 0:
-                raise ValueError("must not be empty")
+                raise ValueError(f"{which}must not be empty")
             if isinstance(one, list) and any(t < 0 for t in one):
-                raise ValueError("token ids must be >= 0")
+                raise ValueError(f"{which}token ids must be >= 0")
         return prompt
 
     @property
