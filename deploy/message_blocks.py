@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
+from deploy.tool_calls import json_loads
 from replicas.engine import GenerationDelta
 
 class ContentBlocks(OutputParts):
@@ -90,7 +91,7 @@ def parsed_input(text: str) -> Any:
             return value
         return parse
 
-    value = json.loads(text, parse_float=number(float), parse_int=number(int), parse_constant=_no_constant)
+    value = json_loads(text, parse_float=number(float), parse_int=number(int), parse_constant=_no_constant)
     return RawJson(text) if lossy else value
 
 

@@ -25,7 +25,7 @@ from pydantic import (
 
 from deploy.errors import validation_error
 from deploy.protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonObject,
     NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, type_tag,
     unique_names,
 )
@@ -57,7 +57,7 @@ class ToolUseBlock(RequestModel):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: FunctionName
-    input: Dict[str, Any]
+    input: JsonObject
     cache_control: Optional[CacheControl] = None
     caller: Optional[Dict[str, Any]] = None  # who made the call (a server tool's code): not read
     toolset_name: Optional[str] = None  # an MCP toolset's name: not read
@@ -147,7 +147,7 @@ class ToolDefinition(RequestModel):
     type: Optional[Literal["custom"]] = None
     name: FunctionName
     description: Optional[Text] = None
-    input_schema: JsonSchema
+    input_schema: JsonObject
     strict: Optional[bool] = None  # every call follows its schema (the grammar, forced or under auto)
     cache_control: Optional[CacheControl] = None
     eager_input_streaming: Optional[bool] = None  # a hint (Claude Code's): inputs stream as written anyway
@@ -201,7 +201,7 @@ class MessagesMetadata(RequestModel):
 
 class JsonOutputFormat(RequestModel):
     type: Literal["json_schema"]
-    schema_: JsonSchema = Field(alias="schema")
+    schema_: JsonObject = Field(alias="schema")
 
 
 class OutputConfig(RequestModel):

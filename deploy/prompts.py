@@ -20,7 +20,9 @@ from typing import Any, Optional, Union
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
 from deploy.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
-from deploy.tool_calls import TOOL_CALL_CLOSE, format_tool_calls, schema_error, tool_call_grammar, tools_system_prompt
+from deploy.tool_calls import (
+    TOOL_CALL_CLOSE, format_tool_calls, json_loads, schema_error, tool_call_grammar, tools_system_prompt,
+)
 from replicas.engine import GenerationRequest, GrammarSpec, RequestError, RequestSpeculation, SamplingParams
 
 
@@ -44,7 +46,7 @@ def _message(m: ChatMessage, native_tools: bool) -> dict[str, Any]:
 def _arguments(arguments: str) -> Any:
     """Templates expect a call's arguments as a mapping; JSON text that is not one stays text."""
     try:
-        return json.loads(arguments)
+        return json_loads(arguments)
     except ValueError:
         return arguments
 

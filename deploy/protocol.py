@@ -73,7 +73,7 @@ def _unicode_json(value: dict) -> dict:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]  # text the tokenizer or the grammar engine reads
-JsonSchema = Annotated[Dict[str, Any], AfterValidator(_unicode_json)]
+JsonObject = Annotated[Dict[str, Any], AfterValidator(_unicode_json)]  # JSON the model reads: a schema, a call's input
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 Metadata = Annotated[Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]],
                      Field(max_length=16)]  # OpenAI's: up to 16 labels
@@ -91,7 +91,7 @@ class ResponseFormatJsonObject(RequestModel):
 class JsonSchemaFormat(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
-    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    schema_: JsonObject = Field(default_factory=dict, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -349,7 +349,7 @@ class Prediction(RequestModel):
 class FunctionDefinition(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
-    parameters: Optional[JsonSchema] = None  # none: any object
+    parameters: Optional[JsonObject] = None  # none: any object
     strict: Optional[bool] = None
 
 

@@ -25,7 +25,7 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, Val
 
 from deploy.errors import ApiError
 from deploy.protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonSchema,
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonObject,
     Metadata, NamedToolChoice, PromptCacheRetention, ReasoningEffort, RequestModel, ResponseFormatJsonObject,
     ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity, check_tool_choice, joined_text,
     type_tag, unique_names,
@@ -125,7 +125,7 @@ class FunctionTool(RequestModel):
     type: Literal["function"]
     name: FunctionName
     description: Optional[Text] = None
-    parameters: Optional[JsonSchema] = None
+    parameters: Optional[JsonObject] = None
     strict: Optional[bool] = None
 
 
@@ -138,7 +138,7 @@ class TextFormatJsonSchema(RequestModel):
     type: Literal["json_schema"]
     name: FunctionName
     description: Optional[Text] = None
-    schema_: JsonSchema = Field(alias="schema")
+    schema_: JsonObject = Field(alias="schema")
     strict: Optional[bool] = None
 
 

@@ -36,6 +36,15 @@ def header_atoms(name: str) -> list[str]:
 CALL_HEADER = re.compile("".join(header_atoms(r'((?:[^"\\]|\\.)*)')))  # group 1: the name as written
 
 
+def json_loads(text: str, **kwargs: object) -> object:
+    """json.loads, whose RecursionError (text nested ~1,000 deep, which a client's arguments
+    string or a model's output may be) is a ValueError like any text that is no JSON."""
+    try:
+        return json.loads(text, **kwargs)
+    except RecursionError:
+        raise ValueError("nested too deep to read") from None
+
+
 def json_string(body: str) -> str | None:
     """The string a JSON string literal's body (between its quotes) spells, or None."""
     try:
@@ -89,7 +98,7 @@ def json_layout(text: str) -> str:
     the model's own arguments come back to it as it wrote them (`1.50`, `1E5`, `"\\u00e9"`), so
     the next turn's prompt repeats its tokens and the prefix cache holds. A ValueError if
     `text` is not JSON (Python's: `NaN` and `Infinity` pass, and stay as written)."""
-    json.loads(text)
+    json_loads(text)
     return "".join(t + " " if t in (",", ":") else t for t in _JSON_TOKEN.findall(text))
 
 
@@ -198,7 +207,7 @@ def _as_call(obj: object, body: str) -> ToolCall | None:
     arguments = obj["arguments"]
     if isinstance(arguments, str):  # some models write the OpenAI wire form: a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = json_loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -207,7 +216,7 @@ def _as_call(obj: object, body: str) -> ToolCall | None:
     if header and body[header.end():header.end() + 1] == "{":  # the outer "}" is the body's last character
         written = body[header.end():].rstrip()[:-1].rstrip()
         try:
-            if json_string(header.group(1)) == obj["name"] and json.loads(written) == arguments:
+            if json_string(header.group(1)) == obj["name"] and json_loads(written) == arguments:
                 return ToolCall(obj["name"], written)
         except ValueError:
             pass
@@ -221,7 +230,7 @@ def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None
     j = block.find(TOOL_CALL_CLOSE, start)
     while j >= 0:
         try:
-            return j, _as_call(json.loads(block[:j]), block[:j])
+            return j, _as_call(json_loads(block[:j]), block[:j])
         except ValueError:
             j = block.find(TOOL_CALL_CLOSE, j + 1)
     return None

@@ -125,3 +125,17 @@ def test_errors_to_messages_clients_carry_anthropics_types(status, anthropic_typ
     if anthropic_type in typing.get_args(ErrorType):
         assert ErrorResponse.model_validate(body).error.type == anthropic_type
     assert json.loads(error.response("/v1/chat/completions").body)["error"]["type"] == error.type  # OpenAI's
+
+
+def test_a_tool_use_input_nested_too_deep_to_write_back_is_a_validation_error():
+    """FastAPI reads a body nested ~950 deep; writing such an input back as the call's arguments
+    (a few frames deeper) ran out of Python's recursion limit: a 500."""
+    deep: object = 0
+    for _ in range(990):
+        deep = [deep]
+    body = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"x": deep}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}
+    with pytest.raises(pydantic.ValidationError, match="nested too deep"):
+        MessagesRequest.model_validate(body)

@@ -156,6 +156,15 @@ def test_layout_is_json_dumps_spacing_under_any_whitespace():
         json_layout('{"a": 1,}')
 
 
+def test_arguments_nested_too_deep_to_read_are_text_not_a_recursion_error():
+    """A client's arguments string (or a model's output) nested 5,000 deep: json.loads' RecursionError
+    was a 500; it is text that is no JSON, kept verbatim in the prompt and plain content as output."""
+    arguments = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"
+    text = format_tool_calls([("f", arguments)])
+    assert text == _block(f'{{"name": "f", "arguments": {arguments}}}')
+    assert parse_tool_calls(text) == (text, [])
+
+
 def test_format_exact_text_and_verbatim_non_json():
     assert format_tool_calls([("get_weather", '{"city":"Paris"}'), ("f", "not json")]) == (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
