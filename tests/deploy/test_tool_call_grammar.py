@@ -1,0 +1,131 @@
+"""The llguidance grammar of the `<tool_call>` format (`tool_call_grammar`): it admits exactly
+the format, holds a call begun under `auto` to it, forces the fixed prefix; and the schemas
+given to it (`schema_error`, `_rebase_refs`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.tool_calls import _rebase_refs, format_tool_calls, schema_error, tool_call_grammar, tools_system_prompt
+from tests.deploy.test_tool_calls import ADD, NOW, PARIS, SUM, WEATHER, _block
+from tests.speculation.test_schema_depth import chain
+
+
+@pytest.fixture(scope="module")
+def lark():
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    transformers = pytest.importorskip("transformers")
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir())
+    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
+
+    def matcher(grammar):
+        is_error, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.LLMatcher.grammar_from_lark(grammar), llt)
+        assert not is_error and not warnings, warnings
+        return llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return tokenizer, matcher
+
+
+def _accepts(lark, grammar, text):
+    tokenizer, matcher = lark
+    m = matcher(grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("functions,text,parallel,accepted", [
+    ([WEATHER], PARIS, False, True),
+    ([WEATHER], _block('{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'), False, True),
+    ([WEATHER, ADD, NOW], SUM, False, True),
+    ([WEATHER, ADD, NOW], _block('{"name": "now", "arguments": {"any": [1, 2]}}'), False, True),
+    ([WEATHER, ADD], format_tool_calls([("add", '{"a": -3, "b": 0.5}')]), False, True),
+    ([WEATHER, {"name": 'say "hé"'}], _block('{"name": "say \\"hé\\"", "arguments": {}}'), False, True),
+    ([WEATHER, ADD], _block('{"name": "get_time", "arguments": {"city": "Paris"}}'), False, False),  # unknown
+    ([WEATHER, ADD], _block('{"name": "add", "arguments": {"a": 1}}'), False, False),  # missing "b"
+    ([WEATHER], _block('{"name": "get_weather", "arguments": {}}'), False, False),  # missing "city"
+    ([WEATHER], _block('{"name": "get_weather", "arguments": {"city":"Paris"}}'), False, False),  # spacing
+    ([WEATHER], "Sure. " + PARIS, False, False),
+    ([WEATHER, ADD], PARIS + "\n" + SUM, False, False),
+    ([WEATHER, ADD], PARIS + "\n" + SUM, True, True),
+    ([WEATHER, ADD], PARIS + "\n" + SUM + "\n" + PARIS, True, True),
+    ([WEATHER, ADD], PARIS + "\n\n" + SUM, True, False),
+    ([WEATHER, ADD], PARIS + SUM, True, False),
+])
+def test_grammar_admits_exactly_the_format(lark, functions, text, parallel, accepted):
+    assert _accepts(lark, tool_call_grammar(functions, parallel), text) is accepted
+
+
+IN_A_STRING = _block('{"name": "get_weather", "arguments": {"city": "a </tool_call> b"}}')
+
+
+@pytest.mark.parametrize("text,one_call,parallel", [
+    ("No call: the weather is fine. {\"a\": 1} <tool_ and <tool call> are text.", True, True),
+    ("Let me check.\n" + PARIS, True, True),
+    (IN_A_STRING, True, True),  # a close tag in an argument's string ends nothing
+    ("Sure " + PARIS + "\n" + SUM, False, True),
+    ("Sure " + PARIS + " and then " + SUM + " done.", False, True),  # text between and after calls
+    ("Let me check.\n<tool_call>\nParis?", False, False),  # once the tag is written: a call
+    (_block('{"name": "get_weather", "arguments": {}}'), False, False),  # missing "city"
+    (_block('{"name": "get_time", "arguments": {"city": "Paris"}}'), False, False),  # unknown
+    (PARIS + " with words after", False, True),
+])
+def test_an_optional_grammar_admits_any_text_and_holds_a_call_begun_to_the_format(lark, text, one_call, parallel):
+    """tool_choice auto: the model may answer in text, but a call it makes is a valid call; one
+    call ends the answer."""
+    for allow_parallel, accepted in ((False, one_call), (True, parallel)):
+        grammar = tool_call_grammar([WEATHER, ADD], allow_parallel, optional=True)
+        assert _accepts(lark, grammar, text) is accepted, (allow_parallel, text)
+
+
+@pytest.mark.parametrize("functions,at_least", [
+    ([WEATHER], '<tool_call>\n{"name": "get_weather", "arguments":'),
+    ([NOW], '<tool_call>\n{"name": "now", "arguments":'),
+    ([WEATHER, ADD], '<tool_call>\n{"name": "'),
+])
+def test_grammar_forces_the_fixed_prefix(lark, functions, at_least):
+    """Forced tokens stop a few bytes short of the forced text where the next token could
+    still be one of several spellings (`": "` vs `": {"`); what they cover is fixed."""
+    tokenizer, matcher = lark
+    text = tokenizer.decode(matcher(tool_call_grammar(functions, parallel=False)).compute_ff_tokens())
+    assert text.startswith(at_least)
+    call = format_tool_calls([(functions[0]["name"], '{"city": "Paris"}' if functions[0] is WEATHER else "{}")])
+    assert call.startswith(text)
+
+
+def test_grammar_rebases_local_refs_of_nested_parameters(lark):
+    place = {"name": "place", "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}, "near": {"$ref": "#/$defs/Loc"}},
+                          "required": ["city"], "additionalProperties": False}}}}
+    good = _block('{"name": "place", "arguments": {"loc": {"city": "A", "near": {"city": "B"}}}}')
+    for functions in ([place], [WEATHER, place]):
+        grammar = tool_call_grammar(functions, parallel=False)
+        assert _accepts(lark, grammar, good)
+        assert not _accepts(lark, grammar, good.replace('"city": "B"', '"town": "B"'))
+
+
+def test_a_schema_nested_too_deep_through_references_is_refused_unseen_by_the_grammar_engine():
+    """Flat JSON, but llguidance recursed through the 2,000 $refs on the native stack and the
+    ingress died checking a forced call's schema (a segfault)."""
+    assert "nested too deep" in schema_error(chain(2000))
+
+
+def test_rebasing_moves_local_refs_and_nothing_else():
+    schema = {"$ref": "#/$defs/A", "properties": {"$ref": {"$ref": "#/$defs/B"}, "s": "#/name"},
+              "anyOf": [{"$ref": "#"}, [{"$ref": "#/x"}], 1], "const": {"$ref": "#/data"},
+              "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
+    assert _rebase_refs(schema, "#/p") == {
+        "$ref": "#/p/$defs/A", "properties": {"$ref": {"$ref": "#/p/$defs/B"}, "s": "#/name"},
+        "anyOf": [{"$ref": "#/p"}, [{"$ref": "#/p/x"}], 1], "const": {"$ref": "#/data"},
+        "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
+
+
+def test_no_functions_is_an_error():
+    with pytest.raises(ValueError):
+        tool_call_grammar([], parallel=False)
+    with pytest.raises(ValueError):
+        tools_system_prompt([])
