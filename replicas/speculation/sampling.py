@@ -82,7 +82,7 @@ def _top_k_top_p(scaled: Tensor, top_p: float, top_k: int) -> Tensor:
         return _nucleus(kept_probs, kept_ids, top_p, vocab_size)
     probs = torch.softmax(scaled, dim=-1)
     out = torch.empty_like(probs)
-    rows = torch.arange(probs.shape[0])  # the rows whose nucleus is still to find
+    rows = torch.arange(probs.shape[0], device=probs.device)  # the rows whose nucleus is still to find
     for num_candidates in (*_NUCLEUS_CANDIDATES, vocab_size):
         # Each row widens alone: which of tied tokens a ranking keeps depends on how many it
         # ranks, so a row widened for the drafts beside it could keep another token.

@@ -191,3 +191,16 @@ def test_sampling_probs_rejects_bad_settings(kwargs, field):
         sampling_probs(torch.zeros(1, 4), **settings)
     with pytest.raises(ValueError, match="logits"):
         sampling_probs(torch.zeros(4), 1.0, 1.0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_p", [0.5, 0.99])
+def test_top_p_on_cuda_logits_rows_equal_one_row_at_a_time(top_p):
+    """Top-p widens each row's search alone; the rows still to widen were indexed by a host
+    `arange` with the device's `found` mask, which torch refuses ("indices should be either on
+    cpu or on the same device"): every top-p request failed on a GPU."""
+    generator = torch.Generator().manual_seed(13)
+    logits = (torch.randn(5, 49152, generator=generator) * torch.tensor([[4.0], [0.1], [2.0], [0.1], [4.0]])).cuda()
+    together = sampling_probs(logits, 0.8, top_p, 0)
+    assert together.device == logits.device
+    assert all(torch.equal(together[i], sampling_probs(logits[i:i + 1], 0.8, top_p, 0)[0]) for i in range(5))
