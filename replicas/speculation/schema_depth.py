@@ -40,8 +40,8 @@ def schema_depth(schema: object) -> int:
 
     A descent enters a target at most once per spelling of its reference (one being compiled is
     referred back to, not entered again), so targets that reach one another (a recursive
-    schema) are bounded together by the sum of their heights. ValueError past
-    MAX_REFERENCE_LOOKUPS."""
+    schema) are bounded together by the heights of as many of them as one descent can pass
+    (`_cycle_weight`). ValueError past MAX_REFERENCE_LOOKUPS."""
     # Every object and array, parents first, with its role: a schema (its keywords read), a map
     # of names to schemas, a list (of schemas, or of strings), or data (nothing in it read).
     order, role, parent, scope = [schema], {id(schema): "schema"}, {id(schema): None}, {id(schema): schema}
@@ -106,9 +106,10 @@ def schema_depth(schema: object) -> int:
             edges[_START if parent[i] is None else owner[parent[i]]].add(i)
     for node_id, target in entered:
         edges[owner[node_id]].add(target)
-    weight = {t: height[t] * len(s) for t, s in spellings.items()}
-    weight[_START] = height[id(schema)]
-    return _heaviest_path(edges, weight)
+    entries = {t: len(s) for t, s in spellings.items()}
+    weight = {t: height[t] * n for t, n in entries.items()}
+    entries[_START], weight[_START] = 1, height[id(schema)]
+    return _heaviest_path(edges, weight, entries)
 
 
 def _pointer(node: object, pointer: str) -> object:
@@ -124,9 +125,9 @@ def _pointer(node: object, pointer: str) -> object:
     return node
 
 
-def _heaviest_path(edges: dict[int, set], weight: dict[int, int]) -> int:
-    """The heaviest path from _START, the vertices of a cycle all counted (Tarjan's strongly
-    connected components, which come out after every component they reach)."""
+def _heaviest_path(edges: dict[int, set], weight: dict[int, int], entries: dict[int, int]) -> int:
+    """The heaviest path from _START, a cycle's vertices counted as `_cycle_weight` bounds them
+    (Tarjan's strongly connected components, which come out after every component they reach)."""
     index, low, stack, on_stack, component, best = {}, {}, [], set(), {}, {}
     work = [(_START, iter(edges[_START]))]
     index[_START] = low[_START] = 0
@@ -153,6 +154,24 @@ def _heaviest_path(edges: dict[int, set], weight: dict[int, int]) -> int:
                     members.add(stack.pop())
                 on_stack -= members
                 after = max((best[component[w]] for m in members for w in edges[m] if w not in members), default=0)
-                best[v] = sum(weight[m] for m in members) + after
+                best[v] = _cycle_weight(members, edges, weight, entries) + after
                 component.update(dict.fromkeys(members, v))
     return best[_START]
+
+
+def _cycle_weight(members: set, edges: dict[int, set], weight: dict[int, int], entries: dict[int, int]) -> int:
+    """The most one descent can weigh through a strongly connected component: its heaviest
+    members, as many as a descent can pass through. Two members a descent passes in turn are
+    joined by an edge, so one of them is in any vertex cover C (here the ends of a maximal
+    matching, and every member with an edge to itself): a descent enters C's members at most
+    `entries` times each, and the others between and around those, so it passes through at
+    most 2 x (C's entries) + 1 members. A hub the others refer back to (a tree of node kinds)
+    weighs a few members, not all of them; a chain closed into a cycle weighs them all."""
+    cover = {m for m in members if m in edges[m]}
+    for m in members:
+        if m not in cover:
+            partner = next((w for w in edges[m] if w in members and w not in cover), None)
+            if partner is not None:
+                cover |= {m, partner}
+    most = 2 * sum(entries[m] for m in cover) + 1
+    return sum(sorted((weight[m] for m in members), reverse=True)[:most])

@@ -72,6 +72,24 @@ def test_a_bundle_of_schemas_naming_one_another_by_id_is_taken():
                      "type": "array", "items": {"$ref": "person"}}) is None
 
 
+def kinds(n: int) -> dict:
+    """A tree of `n` node kinds, each holding children of any kind: one hub they all refer back to."""
+    defs = {f"T{i}": {"type": "object", "properties": {"kind": {"const": f"t{i}"},
+                                                      "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}
+            for i in range(n)}
+    return {"$defs": {**defs, "Node": {"anyOf": [{"$ref": f"#/$defs/T{i}"} for i in range(n)]}}, "$ref": "#/$defs/Node"}
+
+
+def test_a_tree_of_many_node_kinds_is_as_deep_as_one_of_few():
+    """Every kind refers back to the hub, which is being compiled: a descent passes the hub and one
+    kind, not all of them (the whole cycle's sum refused an AST-like schema of 60 kinds)."""
+    assert schema_depth(kinds(1000)) == schema_depth(kinds(10)) < 40
+    assert too_deep(kinds(1000)) is None
+    from llguidance import LLMatcher  # and the grammar engine compiles it, whole
+
+    assert not LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(kinds(1000)))
+
+
 def test_measuring_is_bounded():
     defs = {f"s{i}": {"$id": f"http://x/{i}/s", "type": "string"} for i in range(400)}
     refs = [{"$ref": f"s#/p{i}"} for i in range(400)]  # each may be in any of 400 resources
