@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from replicas.engine import JSON_LAYOUT
-from replicas.speculation.schema_depth import too_deep
+from replicas.speculation.schema_depth import DATA_KEYWORDS, NAME_MAPS, too_deep
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -114,10 +114,6 @@ def format_tool_calls(calls: list[tuple[str, str]]) -> str:
     return "\n".join(blocks)
 
 
-_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-
-
 def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = False) -> str:
     """An llguidance Lark grammar admitting exactly one call (or, if `parallel`, calls joined
     by "\\n") to one of `functions`. Fixed whitespace makes every fixed part a forced token.
@@ -181,9 +177,9 @@ def _rebase_refs(schema: object, base: str) -> object:
             keyword = isinstance(source, dict) and not names
             if keyword and key == "$ref" and isinstance(value, str) and value.startswith("#"):
                 value = base + value[1:]
-            elif not (keyword and key in _DATA_KEYWORDS) and isinstance(value, (dict, list)):
+            elif not (keyword and key in DATA_KEYWORDS) and isinstance(value, (dict, list)):
                 value, inner = empty(value), value  # filled below: keys are names, values schemas
-                pending.append((inner, value, keyword and key in _SCHEMA_MAPS and isinstance(inner, dict)))
+                pending.append((inner, value, keyword and key in NAME_MAPS and isinstance(inner, dict)))
             if isinstance(copy, list):
                 copy.append(value)
             else:

@@ -15,8 +15,8 @@ from urllib.parse import unquote
 MAX_SCHEMA_DEPTH = 256  # objects and arrays within each other, references entered: ~1 MB of its stack
 MAX_REFERENCE_LOOKUPS = 100_000  # what measuring may cost (a few per reference in any real schema)
 _REFS = ("$ref", "$dynamicRef", "$recursiveRef")
-_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas
-_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas
+NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 _START = -1  # the root as compiled first, before any reference may enter it again
 
 
@@ -64,9 +64,9 @@ def schema_depth(schema: object) -> int:
         for key, value in node.items() if isinstance(node, dict) else enumerate(node):
             if not isinstance(value, (dict, list)):
                 continue
-            if kind == "data" or kind == "schema" and key in _DATA_KEYWORDS:
+            if kind == "data" or kind == "schema" and key in DATA_KEYWORDS:
                 role[id(value)] = "data"
-            elif kind == "schema" and key in _NAME_MAPS and isinstance(value, dict):
+            elif kind == "schema" and key in NAME_MAPS and isinstance(value, dict):
                 role[id(value)] = "names"
             else:
                 role[id(value)] = "schema" if isinstance(value, dict) else "list"
