@@ -135,14 +135,16 @@ def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int]
     """The output ended at the first of its unsent tokens whose text holds a stop string, as
     one token a step would have found it: the tokens after it (accepted drafts of the same
     step, a final stop id) and their logprobs are dropped, so usage and logprobs do not depend
-    on speculation. -> (the text cut at the stop, find_stop's hit)."""
-    for n in range(seq.num_sent_tokens + 1, len(ids) + 1):
+    on speculation. -> (the text cut at the stop, find_stop's hit). The search starts at the
+    sent tokens themselves: a U+FFFD they end with is a stop only once the output is final (an
+    EOS in the next step), and then the tokens after them go, as one step ending there cut them."""
+    for n in range(max(1, seq.num_sent_tokens), len(ids) + 1):
         text = seq.settled_text + detokenizer.decode(ids[seq.settled_tokens:n])
         found = find_stop(_whole_characters(text, n == len(ids) and seq.finish_reason is not None),
                           seq.num_sent_chars, seq.sampling.stop, kept)
         if found is not None:
             del seq.output_ids[n:]
-            del seq.logprobs[n - seq.resumed_tokens:]  # n > num_sent_tokens >= resumed_tokens
+            del seq.logprobs[n - seq.resumed_tokens:]  # n >= num_sent_tokens >= resumed_tokens
             return text[: found[0]], found
     raise AssertionError("a stop string found in the text is in none of its prefixes")
 

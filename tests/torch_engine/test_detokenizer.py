@@ -93,3 +93,28 @@ def test_a_stop_string_matches_whole_characters_not_an_incomplete_ones_bytes(tok
     real = one_token_a_step("a\ufffdbc")
     assert (real.finish_reason, real.stop_string, real.text) == ("stop", "\ufffd", "a")
 
+
+
+def test_a_last_incomplete_character_stops_alike_however_the_steps_split_the_output():
+    """The U+FFFD of an output's incomplete last character matches a stop string only once the
+    output is final. With the EOS a step after that character (one token a step), the stop was
+    found in tokens already sent, which the search for its token skipped: the request failed.
+    Now it ends as when one verify step holds the character and the EOS: the EOS cut off."""
+    eos = 999
+    detokenizer = Detokenizer(lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"),
+                              joins=False)
+
+    def run(steps: list[list[int]]) -> tuple:
+        seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=20, stop=("\ufffd",)), RequestSpeculation(),
+                       None, frozenset({eos}))
+        for tokens in steps:
+            seq.append(tokens)
+            release_text(seq, detokenizer)
+            if seq.finish_reason is not None:
+                return seq.output_ids, seq.finish_reason, seq.stop_string, seq.text
+        raise AssertionError("the output did not end")
+
+    together = run([[65, 0xF0, eos]])  # "A", a 4-byte character's first byte, EOS
+    assert together == ([65, 0xF0], "stop", "\ufffd", "A")
+    assert run([[65], [0xF0], [eos]]) == together
+    assert run([[65, 0xF0], [eos]]) == together
