@@ -6,6 +6,8 @@ uploads), so the application never buffers more than the limit, and replays it.
 
 from __future__ import annotations
 
+from ray.exceptions import TaskCancelledError
+
 from deploy.errors import ApiError, app_path
 
 
@@ -42,6 +44,13 @@ class BodyLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later calls: wait for the disconnect
+            try:
+                return await receive()  # later calls: wait for the disconnect
+            except TaskCancelledError:
+                # Serve's receive raises this once its proxy cancels a request whose client went
+                # away (it returns a disconnect only for some ways of going): a streaming
+                # response that waits on it then ended in a traceback Serve logs as "Future
+                # exception was never retrieved", for every client that left mid-stream.
+                return {"type": "http.disconnect"}
 
         await self.app(scope, replay, send)
