@@ -409,7 +409,10 @@ class EngineCore:
                 deltas.append(delta)
             if seq.finish_reason is not None:
                 self.running.remove(seq)
-                self._release(seq)
+                try:
+                    self._release(seq)
+                except Exception:  # noqa: BLE001 - its resources may leak; the step's deltas (its last) must go
+                    logger.exception("freeing request %s failed", seq.request_id)
         return deltas
 
     def stats(self) -> EngineStats:

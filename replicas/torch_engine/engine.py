@@ -355,6 +355,9 @@ class TorchEngine:
                 queue.put_nowait(delta)
                 if delta.finish_reason is not None:
                     self._queues.pop(delta.request_id, None)
+                    if delta.request_id in self._pending_abort:  # its consumer had gone: the id is free
+                        # now, and a twin let in before the next step must not take this abort
+                        self._pending_abort = [r for r in self._pending_abort if r != delta.request_id]
 
     def _fail_all(self, exc: Exception) -> None:
         """Finish every live request with an error; never raises, so the loop lives on."""

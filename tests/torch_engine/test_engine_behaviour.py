@@ -315,6 +315,56 @@ def test_a_gone_consumers_id_stays_taken_until_its_request_is_freed(engine, loop
     assert idle(engine)
 
 
+def test_a_twin_let_in_once_a_gone_consumers_request_finished_is_not_aborted(engine, loop):
+    """The consumer goes away while its request's last step is in flight: that step's deltas
+    free the id, and a twin sent before the loop applied the pending abort took it (aborted
+    with no token). The twin starts right after those deltas, from the loop's own callback,
+    to land in that window every time."""
+    twin = []
+    publish = engine._publish
+
+    async def send_twin():
+        return [d async for d in engine.generate(request(chat_prompt(engine, "Hi."), max_tokens=5, rid="gone",
+                                                         ignore_eos=True))]
+
+    def publish_then_send_twin(deltas):
+        publish(deltas)
+        if not twin and any(d.request_id == "gone" and d.finish_reason for d in deltas):
+            twin.append(loop.create_task(send_twin()))
+
+    async def run():
+        stream = engine.generate(request(chat_prompt(engine, POEM), max_tokens=2, rid="gone", ignore_eos=True))
+        async for _ in stream:  # the first token; the last is being computed
+            break
+        await stream.aclose()
+        assert await async_wait_until(lambda: bool(twin), timeout_s=30)
+        return await twin[0]
+
+    engine._publish = publish_then_send_twin
+    try:
+        deltas = loop.run_until_complete(asyncio.wait_for(run(), 60))
+    finally:
+        del engine._publish
+    assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 5
+    assert idle(engine)
+
+
+def test_a_request_whose_freeing_fails_still_gets_its_last_delta(engine, loop, monkeypatch):
+    """Freeing a finished request raising took its step's deltas with it: the engine failed the
+    requests still live, and the finished one's client waited for its last delta for ever."""
+    remove = engine.core.suffix.remove
+
+    def remove_then_fail(sa_id):
+        remove(sa_id)  # freed, so the engine is idle after: only the raise is under test
+        raise RuntimeError("freeing failed")
+
+    monkeypatch.setattr(engine.core.suffix, "remove", remove_then_fail)
+    tokens, _, last = loop.run_until_complete(asyncio.wait_for(
+        collect(engine, request(chat_prompt(engine, POEM), max_tokens=3, ignore_eos=True)), 30))
+    assert len(tokens) == 3 and last.finish_reason == "length"
+    assert idle(engine)
+
+
 def test_abort_unknown_id_is_a_noop(engine, loop):
     loop.run_until_complete(engine.abort("no-such-request"))
     assert idle(engine)
