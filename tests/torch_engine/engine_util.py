@@ -11,6 +11,14 @@ from replicas.engine import GenerationRequest, RequestSpeculation, SamplingParam
 from replicas.torch_engine.engine import TorchEngine
 from training.corpora import CODE_EDITS, EDIT_PREFILL
 
+POEM = "Write a short poem about the sea."
+
+
+def idle(engine: TorchEngine) -> bool:
+    """No request live, and every KV and SA slot free again."""
+    core = engine.core
+    return (engine.num_live_requests == 0 and core.cache.num_free == engine.config.max_batch_size
+            and core.suffix.pool.num_active == 0)
 
 
 def chat_prompt(engine: TorchEngine, user: str, prefill: str = "") -> str:
