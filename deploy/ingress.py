@@ -155,9 +155,12 @@ class Ingress:
         self._served(body.model)
         if referenced := responses.references(body):
             body = responses.with_items(body, await self.stored.items(referenced))
-        history = (await self.stored.get(body.previous_response_id, "previous_response_id"))[1] \
-            if body.previous_response_id else []
-        conversation = responses.conversation(body, history)
+        previous = await self.stored.get(body.previous_response_id, "previous_response_id") \
+            if body.previous_response_id else None
+        taken = [item["id"] for item in (*previous[0]["output"], *previous[2])] if previous else []
+        if repeated := responses.repeated_id(body.items, taken):
+            raise ApiError(400, ": ".join(repeated), repeated[0])
+        conversation = responses.conversation(body, previous[1] if previous else [])
         chat = responses.chat_request(body, conversation)
 
         def fit(build: Callable[[ChatCompletionRequest], GenerationRequest]) -> GenerationRequest:

@@ -19,7 +19,7 @@ or part is a 400.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Dict, Iterable, List, Literal, Optional, Union
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
@@ -204,11 +204,8 @@ class ResponsesRequest(RequestModel):
     def _input(cls, value):
         if len(value) == 0:
             raise ValueError("must not be empty")
-        first: dict[str, int] = {}  # an id names one item: the store keys its items by id
-        for i, item in enumerate(value if isinstance(value, list) else ()):
-            item_id = None if isinstance(item, ItemReference) else getattr(item, "id", None)
-            if item_id is not None and first.setdefault(item_id, i) != i:
-                raise ValueError(f"input[{i}].id: {item_id!r} is input[{first[item_id]}]'s id too")
+        if repeated := repeated_id(value if isinstance(value, list) else []):
+            raise ValueError(": ".join(repeated))
         return value
 
     @field_validator("tool_choice")
@@ -235,6 +232,22 @@ class ResponsesRequest(RequestModel):
     @property
     def logprobs(self) -> bool:
         return "message.output_text.logprobs" in self.include or self.top_logprobs is not None
+
+
+def repeated_id(items: list, taken: Iterable[str] = ()) -> Optional[tuple[str, str]]:
+    """(the field, what is wrong) where an item's id names a second item, among `items` (an
+    item_reference names one, not a second) and the ids `taken` (the items of the response
+    `previous_response_id` names, which the conversation holds already: sent again, a call
+    was in it twice); None where none does. An id names one item: the store keys its items by it."""
+    first = dict.fromkeys(taken, "the id of an item of the previous_response_id response")
+    for i, item in enumerate(items):
+        item_id = None if isinstance(item, ItemReference) else getattr(item, "id", None)
+        if item_id is None:
+            continue
+        if item_id in first:
+            return f"input[{i}].id", f"{item_id!r} is {first[item_id]}"
+        first[item_id] = f"input[{i}]'s id too"
+    return None
 
 
 # -- the chat request it means -----------------------------------------------------------------

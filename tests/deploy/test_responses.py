@@ -14,7 +14,9 @@ from deploy import response_store
 from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
 from deploy.response_items import OutputItems, input_items
-from deploy.responses import ResponsesRequest, chat_request, conversation, fitted, references, with_items
+from deploy.responses import (
+    ResponsesRequest, chat_request, conversation, fitted, references, repeated_id, with_items,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -269,3 +271,16 @@ def test_an_items_own_status_is_listed():
            "content": [{"type": "output_text", "text": "Par"}]}
     assert [i["status"] for i in input_items(ResponsesRequest(model="m", input=[cut, {"role": "user", "content": "?"}]))] \
         == ["incomplete", "completed"]
+
+
+def test_an_id_names_one_item_in_the_conversation_references_resolved():
+    said = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+            "content": [{"type": "output_text", "text": "Hi.", "annotations": []}]}
+    body = ResponsesRequest(model="m", input=[{"type": "item_reference", "id": "msg_1"}, said])
+    assert repeated_id(body.items) is None  # a reference names an item, not a second one
+    assert repeated_id(with_items(body, {"msg_1": said}).items) == ("input[1].id", "'msg_1' is input[0]'s id too")
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "18 C"}
+    assert repeated_id(ResponsesRequest(model="m", input=[call, result]).items, ["fc_1"]) == (
+        "input[0].id", "'fc_1' is the id of an item of the previous_response_id response")
+    assert repeated_id(ResponsesRequest(model="m", input=[result]).items, ["fc_1"]) is None

@@ -148,6 +148,10 @@ def test_a_forced_function_call_and_its_round_trip(agent_client, stream):
         {"role": "user", "content": ASK_WEATHER}, {"type": "item_reference", "id": call.id}, result])
     assert whole.output_text and chained.output_text == whole.output_text == referenced.output_text
     assert chained.previous_response_id == response.id
+    # the call sent again beside the response that holds it: the model would see it twice
+    with pytest.raises(openai.BadRequestError) as resent:
+        agent_client.responses.create(**answer, input=[call.model_dump(), result], previous_response_id=response.id)
+    assert resent.value.body["param"] == "input[0].id"
 
 
 def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cache(agent_client):
