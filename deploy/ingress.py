@@ -176,7 +176,8 @@ class Ingress:
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = response_items.response_body(body, request.request_id, created, model, items, acc)
             if body.store:  # kept before the client can see it done and ask for it
-                await self.stored.put(done, conversation + items.as_messages(), response_items.input_items(body))
+                await self.stored.put(done, responses.continued(conversation, done["output"]),
+                                      response_items.input_items(body))
             return done
 
         if body.stream:

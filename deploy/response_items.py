@@ -8,11 +8,10 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
-from deploy.protocol import AssistantToolCall, ChatMessage, FunctionCall
 from deploy.responses import InputMessage, ResponsesRequest
 
 def _id(prefix: str) -> str:
@@ -91,13 +90,6 @@ class OutputItems(OutputParts):
                                  arguments=item["arguments"])]
         return events + [self.event("response.output_item.done", output_index=where["output_index"],
                                     item=copy.deepcopy(item))]
-
-    def as_messages(self) -> List[ChatMessage]:
-        """The output as the chat messages a later turn reads (`previous_response_id`)."""
-        text = "".join(i["content"][0]["text"] for i in self.parts if i["type"] == "message")
-        calls = [AssistantToolCall(id=i["call_id"], function=FunctionCall(name=i["name"], arguments=i["arguments"]))
-                 for i in self.parts if i["type"] == "function_call"]
-        return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
 
 
 def response_body(body: ResponsesRequest, response_id: str, created_at: int, model: str,

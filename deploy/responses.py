@@ -269,10 +269,22 @@ def with_items(body: ResponsesRequest, items: dict[str, dict[str, Any]]) -> Resp
 
 def conversation(body: ResponsesRequest, history: List[ChatMessage]) -> List[ChatMessage]:
     """The chat the model continues, instructions left out: `history` (what
-    `previous_response_id` names: its input and output) and then `body.input` as messages, each
-    run of function calls one assistant message (with the text the answer began with, if any)."""
-    messages = list(history)
-    for item in body.items:
+    `previous_response_id` names: its input and output) and then `body.input` as messages."""
+    return extended(history, body.items)
+
+
+def continued(chat: List[ChatMessage], output: List[dict[str, Any]]) -> List[ChatMessage]:
+    """What a `previous_response_id` naming this response continues: its `chat` and then its
+    `output` items read as the same items sent back whole would be (an answer's text after a
+    call had been joined to the text before it: another prompt than the one sent whole)."""
+    return extended(chat, [_INPUT_ITEM.validate_python(item) for item in output])
+
+
+def extended(messages: List[ChatMessage], items: list) -> List[ChatMessage]:
+    """`messages` and then input `items` as messages, each run of function calls one assistant
+    message (with the text the answer began with, if any)."""
+    messages = list(messages)
+    for item in items:
         if isinstance(item, InputMessage):
             messages.append(ChatMessage(role=item.role, content=item.text))
         elif isinstance(item, FunctionCallOutputItem):

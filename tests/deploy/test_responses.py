@@ -15,7 +15,7 @@ from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
 from deploy.response_items import OutputItems, input_items
 from deploy.responses import (
-    ResponsesRequest, chat_request, conversation, fitted, references, repeated_id, with_items,
+    ResponsesRequest, chat_request, continued, conversation, fitted, references, repeated_id, with_items,
 )
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -63,7 +63,12 @@ def test_items_and_events_do_not_depend_on_how_the_text_arrives(piece):
     assert added == done == [0, 1, 2]
     arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     assert arguments == '{"city": "Paris"}'
-    assert items.as_messages()[0].text == "Checking.\nDone."
+    # what previous_response_id continues is the chat of the same items sent back whole
+    question = {"role": "user", "content": "Weather in Paris?"}
+    asked = conversation(ResponsesRequest(model="m", input=[question]), [])
+    assert continued(asked, items.parts) == conversation(ResponsesRequest(model="m", input=[question, *items.parts]), [])
+    assert [(m.role, m.text, len(m.tool_calls or [])) for m in continued(asked, items.parts)] == [
+        ("user", "Weather in Paris?", 0), ("assistant", "Checking.", 1), ("assistant", "\nDone.", 0)]
 
 
 def test_an_answer_cut_short_leaves_its_item_incomplete():
