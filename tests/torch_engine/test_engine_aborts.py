@@ -4,6 +4,7 @@ resources come back, and a request id is one request's at a time."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -79,13 +80,13 @@ def test_a_gone_consumers_id_stays_taken_until_its_request_is_freed(engine, loop
     assert idle(engine)
 
 
-def test_a_twin_let_in_once_a_gone_consumers_request_finished_is_not_aborted(engine, loop):
+def test_a_twin_let_in_once_a_gone_consumers_request_finished_is_not_aborted(engine, loop, monkeypatch):
     """The consumer goes away while its request's last step is in flight: that step's deltas
     free the id, and a twin sent before the loop applied the pending abort took it (aborted
-    with no token). The twin starts right after those deltas, from the loop's own callback,
-    to land in that window every time."""
-    twin = []
-    publish = engine._publish
+    with no token). The last step waits for the consumer to go, and the twin starts right
+    after that step's deltas, from the loop's own callback, to land in that window every time."""
+    twin, in_flight, gone = [], threading.Event(), threading.Event()
+    publish, step = engine._publish, engine.core.step
 
     async def send_twin():
         return [d async for d in engine.generate(request(chat_prompt(engine, "Hi."), max_tokens=5, rid="gone",
@@ -96,19 +97,26 @@ def test_a_twin_let_in_once_a_gone_consumers_request_finished_is_not_aborted(eng
         if not twin and any(d.request_id == "gone" and d.finish_reason for d in deltas):
             twin.append(loop.create_task(send_twin()))
 
+    def last_step_once_the_consumer_is_gone():
+        if not in_flight.is_set() and any(s.request_id == "gone" and len(s.output_ids) == 1
+                                          for s in engine.core.running):
+            in_flight.set()
+            gone.wait(30)
+        return step()
+
     async def run():
         stream = engine.generate(request(chat_prompt(engine, POEM), max_tokens=2, rid="gone", ignore_eos=True))
-        async for _ in stream:  # the first token; the last is being computed
+        async for _ in stream:  # the first token
             break
+        assert await async_wait_until(in_flight.is_set, timeout_s=30)  # the last is being computed
         await stream.aclose()
+        gone.set()
         assert await async_wait_until(lambda: bool(twin), timeout_s=30)
         return await twin[0]
 
-    engine._publish = publish_then_send_twin
-    try:
-        deltas = loop.run_until_complete(asyncio.wait_for(run(), 60))
-    finally:
-        del engine._publish
+    monkeypatch.setattr(engine, "_publish", publish_then_send_twin)
+    monkeypatch.setattr(engine.core, "step", last_step_once_the_consumer_is_gone)
+    deltas = loop.run_until_complete(asyncio.wait_for(run(), 60))
     assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 5
     assert idle(engine)
 
