@@ -26,8 +26,8 @@ from pydantic import (
 from deploy.errors import validation_error
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonObject,
-    NamedToolChoice, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice, type_tag,
-    unique_names,
+    NamedToolChoice, ParametersSchema, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice,
+    type_tag, unique_names,
 )
 from replicas.engine import RequestSpeculation
 
@@ -147,7 +147,7 @@ class ToolDefinition(RequestModel):
     type: Optional[Literal["custom"]] = None
     name: FunctionName
     description: Optional[Text] = None
-    input_schema: JsonObject
+    input_schema: ParametersSchema
     strict: Optional[bool] = None  # every call follows its schema (the grammar, forced or under auto)
     cache_control: Optional[CacheControl] = None
     eager_input_streaming: Optional[bool] = None  # a hint (Claude Code's): inputs stream as written anyway
@@ -234,17 +234,25 @@ class CountTokensRequest(RequestModel):
                      if isinstance(block, str) or block.type == "text"]
             if i == len(messages) - 1 and message.role == "assistant" and texts in ([], [""]):
                 continue
-            if texts == [""]:
+            if texts == [""] or not blocks:
                 raise ValueError(f"messages[{i}]: all messages must have non-empty content except for the "
                                  f"optional final assistant message")
             if any(not text.strip() for text in texts):
                 raise ValueError(f"messages[{i}]: text content blocks must contain non-whitespace text")
+        _check_tool_ids(messages)
         begun = _answer_begun(messages)
         if begun and begun != begun.rstrip():
             raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
         if len(messages) == 1 and begun == "":
             raise ValueError("nothing to answer: the only message is an empty assistant message")
         return messages
+
+    @field_validator("system")
+    @classmethod
+    def _system(cls, system):
+        if isinstance(system, list) and any(not block.text.strip() for block in system):
+            raise ValueError("text content blocks must contain non-whitespace text")
+        return system
 
     @field_validator("tool_choice")
     @classmethod
@@ -276,6 +284,25 @@ class MessagesRequest(CountTokensRequest):
     @classmethod
     def _stop_sequences(cls, stops):
         return check_stops(stops, MAX_STOP_SEQUENCES)
+
+
+def _check_tool_ids(messages: List[Message]) -> None:
+    """Anthropic's pairing: tool_use ids are unique, and each tool_result answers a tool_use of
+    the assistant message before it (with the user and system messages between, one turn)."""
+    seen: set[str] = set()
+    last_uses: set[str] = set()  # the tool_use ids of the last assistant message
+    for i, message in enumerate(messages):
+        blocks = [] if isinstance(message.content, str) else message.content
+        if message.role == "assistant":
+            last_uses = {b.id for b in blocks if b.type == "tool_use"}
+            for use in (b.id for b in blocks if b.type == "tool_use"):
+                if use in seen:
+                    raise ValueError(f"messages[{i}]: tool_use ids must be unique, {use!r} is used twice")
+                seen.add(use)
+        for result in (b.tool_use_id for b in blocks if b.type == "tool_result"):
+            if result not in last_uses:
+                raise ValueError(f"messages[{i}]: unexpected tool_use_id {result!r} in a tool_result block: each "
+                                 f"must answer a tool_use block of the assistant message before it")
 
 
 # -- the chat request it means -----------------------------------------------------------------

@@ -83,18 +83,18 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     fmt = request.response_format
     functions = request.functions if isinstance(request, ChatCompletionRequest) else []
     forced_tool = functions and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
+    if functions and isinstance(request.tool_choice, NamedToolChoice):
+        functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
+    callable_names = {f["name"] for f in functions}
+    for i, tool in enumerate(request.tools if functions else ()):  # each call it may make keeps to its schema
+        error = schema_error(tool.function.parameters) if tool.function.name in callable_names else None
+        if error is not None:
+            param = f"tools[{i}].function.parameters"
+            raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
     if forced_tool:
         if fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format: cannot constrain the output while tool_choice forces a call",
                            "response_format")
-        if isinstance(request.tool_choice, NamedToolChoice):
-            functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
-        callable_names = {f["name"] for f in functions}
-        for i, tool in enumerate(request.tools):  # a call it may make is held to each schema
-            error = schema_error(tool.function.parameters) if tool.function.name in callable_names else None
-            if error is not None:
-                param = f"tools[{i}].function.parameters"
-                raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
         return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls), "tool_choice")
     if fmt is None or fmt.type == "text":
         # auto: text, or a call held to the grammar once its open tag is written; unless

@@ -75,6 +75,18 @@ def _unicode_json(value: dict) -> dict:
 Text = Annotated[str, AfterValidator(_unicode)]  # text the tokenizer or the grammar engine reads
 JsonObject = Annotated[Dict[str, Any], AfterValidator(_unicode_json)]  # JSON the model reads: a schema, a call's input
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+def _object_schema(schema: dict) -> dict:
+    # A call's arguments are an object (OpenAI's and Anthropic's rule): a schema of another type
+    # made the grammar force a string, which the parsed answer then read as text, not a call.
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+        raise ValueError(f'a function\'s parameters must be a JSON schema of type "object", not {json.dumps(kind)}')
+    return schema
+
+
+ParametersSchema = Annotated[JsonObject, AfterValidator(_object_schema)]  # a function's arguments
 Metadata = Annotated[Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]],
                      Field(max_length=16)]  # OpenAI's: up to 16 labels
 ServiceTier = Optional[Literal["auto", "default"]]  # we have one tier
@@ -349,7 +361,7 @@ class Prediction(RequestModel):
 class FunctionDefinition(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
-    parameters: Optional[JsonObject] = None  # none: any object
+    parameters: Optional[ParametersSchema] = None  # none: any object
     strict: Optional[bool] = None
 
 

@@ -26,9 +26,9 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, Val
 from deploy.errors import ApiError
 from deploy.protocol import (
     AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonObject,
-    Metadata, NamedToolChoice, PromptCacheRetention, ReasoningEffort, RequestModel, ResponseFormatJsonObject,
-    ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity, check_tool_choice, joined_text,
-    type_tag, unique_names,
+    Metadata, NamedToolChoice, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel,
+    ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity,
+    check_tool_choice, joined_text, type_tag, unique_names,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
@@ -125,7 +125,7 @@ class FunctionTool(RequestModel):
     type: Literal["function"]
     name: FunctionName
     description: Optional[Text] = None
-    parameters: Optional[JsonObject] = None
+    parameters: Optional[ParametersSchema] = None
     strict: Optional[bool] = None
 
 

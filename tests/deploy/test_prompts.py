@@ -143,25 +143,44 @@ def test_a_forced_call_and_a_json_format_conflict():
     assert info.value.status == 400 and info.value.param == "response_format"
 
 
-def test_a_forced_calls_schema_nested_too_deep_through_references_is_a_400_naming_it(chatml):
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_schema_nested_too_deep_through_references_is_a_400_naming_it(chatml, tool_choice):
     """2,000 $refs each holding the next: llguidance's recursion through them, checking the
-    schema, killed the ingress (a segfault)."""
-    request_ = chat(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+    schema, killed the ingress (a segfault). Under auto, too, a call keeps to its schema."""
+    request_ = chat(messages=[{"role": "user", "content": "hi"}], tool_choice=tool_choice,
                     tools=tools(WEATHER, {"name": "deep", "parameters": chain(2000)}))
     with pytest.raises(ApiError, match="nested too deep") as info:
         generation_request("r", chatml, request_, IngressConfig.from_args(AppArgs()))
     assert (info.value.status, info.value.param) == (400, "tools[1].function.parameters")
 
 
-def test_tools_nested_as_deep_as_a_body_may_be_still_make_the_optional_grammar():
+def test_a_refused_schema_is_a_400_only_for_a_tool_the_model_may_call():
+    refused = {"name": "bad", "parameters": {"type": "object", "properties": 5}}
+    for choice in ("auto", "required"):
+        with pytest.raises(ApiError, match="the JSON schema was refused") as info:
+            grammar_spec(chat(tools=tools(WEATHER, refused), tool_choice=choice))
+        assert (info.value.status, info.value.param) == (400, "tools[1].function.parameters")
+    for choice in ("none", {"type": "function", "function": {"name": WEATHER["name"]}}):
+        grammar_spec(chat(tools=tools(WEATHER, refused), tool_choice=choice))
+
+
+def test_tools_nested_as_deep_as_a_body_may_be_still_make_a_grammar():
     """Rebasing the parameters' references recursed two frames a level: a list nested 600 deep
-    (a body may nest ~950) was a RecursionError, a 500. The replica judges the grammar (it
-    refuses one nested too deep, and runs the request unconstrained)."""
+    (a body may nest ~950) was a RecursionError, a 500."""
     deep = 0
     for _ in range(600):
         deep = [deep]
-    spec = grammar_spec(chat(tools=tools({"name": "deep", "parameters": {"type": "object", "x-list": deep}})))
-    assert (spec.kind, spec.optional) == ("lark", True)
+    assert "x-list" in tool_call_grammar([{"name": "deep", "parameters": {"type": "object", "x-list": deep}}],
+                                         parallel=True, optional=True)
+
+
+@pytest.mark.parametrize("tool_type", ["string", ["array"]])
+def test_a_function_whose_arguments_are_no_object_is_a_validation_error_naming_it(tool_type):
+    """A schema of another type made a forced call write a string, which the finished answer
+    read as text and a stream as a call."""
+    with pytest.raises(pydantic.ValidationError, match='type "object"') as info:
+        chat(tools=tools({"name": "f", "parameters": {"type": tool_type}}))
+    assert info.value.errors()[0]["loc"][:4] == ("tools", 0, "function", "parameters")
 
 
 @pytest.mark.parametrize("field", ["response_format", "tools"])
