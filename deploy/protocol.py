@@ -81,7 +81,7 @@ def _object_schema(schema: dict) -> dict:
     # A call's arguments are an object (OpenAI's and Anthropic's rule): a schema of another type
     # made the grammar force a string, which the parsed answer then read as text, not a call.
     kind = schema.get("type", "object")
-    if kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+    if kind not in ("object", ["object"]):
         raise ValueError(f'a function\'s parameters must be a JSON schema of type "object", not {json.dumps(kind)}')
     return schema
 
