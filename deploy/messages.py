@@ -294,11 +294,12 @@ def _check_tool_ids(messages: List[Message]) -> None:
     for i, message in enumerate(messages):
         blocks = [] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
-            last_uses = {b.id for b in blocks if b.type == "tool_use"}
-            for use in (b.id for b in blocks if b.type == "tool_use"):
+            uses = [b.id for b in blocks if b.type == "tool_use"]
+            for use in uses:
                 if use in seen:
                     raise ValueError(f"messages[{i}]: tool_use ids must be unique, {use!r} is used twice")
                 seen.add(use)
+            last_uses = set(uses)
         for result in (b.tool_use_id for b in blocks if b.type == "tool_result"):
             if result not in last_uses:
                 raise ValueError(f"messages[{i}]: unexpected tool_use_id {result!r} in a tool_result block: each "

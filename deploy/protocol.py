@@ -24,6 +24,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
                       model_validator)
 
+from deploy.tool_calls import object_schema
 from replicas.engine import MAX_TOP_LOGPROBS, RequestSpeculation
 
 MAX_CHOICES = 8  # most choices (`n`) one request may ask for: as many as a replica has KV slots by default
@@ -76,17 +77,7 @@ Text = Annotated[str, AfterValidator(_unicode)]  # text the tokenizer or the gra
 JsonObject = Annotated[Dict[str, Any], AfterValidator(_unicode_json)]  # JSON the model reads: a schema, a call's input
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
-
-def _object_schema(schema: dict) -> dict:
-    # A call's arguments are an object (OpenAI's and Anthropic's rule): a schema of another type
-    # made the grammar force a string, which the parsed answer then read as text, not a call.
-    kind = schema.get("type", "object")
-    if kind not in ("object", ["object"]):
-        raise ValueError(f'a function\'s parameters must be a JSON schema of type "object", not {json.dumps(kind)}')
-    return schema
-
-
-ParametersSchema = Annotated[JsonObject, AfterValidator(_object_schema)]  # a function's arguments
+ParametersSchema = Annotated[JsonObject, AfterValidator(object_schema)]  # a function's arguments
 Metadata = Annotated[Optional[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]],
                      Field(max_length=16)]  # OpenAI's: up to 16 labels
 ServiceTier = Optional[Literal["auto", "default"]]  # we have one tier

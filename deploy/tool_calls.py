@@ -140,6 +140,16 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
     return f"{start}\ncall: {open_tag} body {close_tag}\n{body}"
 
 
+def object_schema(schema: dict) -> dict:
+    """A function's parameters schema, if of type object (OpenAI's and Anthropic's rule: a call's
+    arguments are an object; a schema of another type made a forced call write a string, which
+    the finished answer read as text and its stream as a call)."""
+    kind = schema.get("type", "object")
+    if kind not in ("object", ["object"]):
+        raise ValueError(f'a function\'s parameters must be a JSON schema of type "object", not {json.dumps(kind)}')
+    return schema
+
+
 def schema_error(parameters: dict | None) -> str | None:
     """Why the grammar engine refuses a function's parameters schema (None: it takes it)."""
     from llguidance import LLMatcher
