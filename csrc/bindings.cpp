@@ -70,7 +70,10 @@ py::array_t<T> exact_array(py::handle obj, int ndim, const char* name) {
     throw std::invalid_argument(std::string(name) + " must be a numpy " + want() + " array");
   }
   auto arr = py::reinterpret_borrow<py::array>(obj);
-  if (!arr.dtype().is(py::dtype::of<T>())) {
+  // By type number, not identity: numpy's longlong is an int64 other than its long.
+  const char order = arr.dtype().byteorder(), native = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
+  if (arr.dtype().normalized_num() != py::dtype::of<T>().normalized_num() ||
+      (order != '=' && order != '|' && order != native)) {
     throw std::invalid_argument(std::string(name) + " must have dtype " + want() + ", got " +
                                 py::str(arr.dtype()).cast<std::string>());
   }
@@ -95,8 +98,8 @@ py::tuple pool_extend(sa::SuffixAutomatonPool& pool, py::handle ids_obj, py::han
         "batch sizes differ: request_ids has " + std::to_string(batch) + " rows, accepted " +
         std::to_string(accepted.shape(0)) + ", accepted_lens " + std::to_string(lens.shape(0)));
   }
-  if (draft_len < 0) {
-    throw std::invalid_argument("draft_len must be >= 0, got " + std::to_string(draft_len));
+  if (draft_len < 0 || draft_len > sa::kMaxTokensLimit) {  // the pool's check, before the draft array is made
+    throw std::invalid_argument("draft_len must be in [0, 2^28], got " + std::to_string(draft_len));
   }
   const int64_t width = accepted.shape(1);
   py::array_t<int32_t> match_len(batch);

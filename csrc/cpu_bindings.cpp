@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -26,8 +27,9 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
 }
 
-// The array itself (no conversion), checked: dtype character, shape (-1 = any), C-contiguous.
-// The message is built only for a failed check (the dtype's name is a Python call).
+// The array itself (no conversion), checked: dtype character, shape (-1 = any; every length
+// fits an int, as the forward counts rows and widths in int), C-contiguous. The message is
+// built only for a failed check (the dtype's name is a Python call).
 template <typename T>
 T* checked(py::array& a, const char* name, char dtype, std::vector<py::ssize_t> shape, bool writable = false) {
   auto fail = [name](const std::string& what) { throw std::invalid_argument(std::string(name) + ": " + what); };
@@ -40,6 +42,8 @@ T* checked(py::array& a, const char* name, char dtype, std::vector<py::ssize_t> 
     fail("must have " + std::to_string(shape.size()) + " dimensions, got " + std::to_string(a.ndim()));
   }
   for (size_t i = 0; i < shape.size(); ++i) {
+    if (a.shape(i) > std::numeric_limits<int>::max())
+      fail("dimension " + std::to_string(i) + " has more than 2^31 - 1 entries");
     if (shape[i] >= 0 && a.shape(i) != shape[i]) {
       fail("dimension " + std::to_string(i) + " must be " + std::to_string(shape[i]) + ", got " +
            std::to_string(a.shape(i)));
@@ -69,6 +73,18 @@ cpu::GgufMatrix gguf_matrix(py::array& rows, int type, int k, const char* name) 
 }
 
 class PyForward {
+  // One call into the model at a time, with the GIL released: two Python threads stepping one
+  // model at once overwrote each other's pool state and hung, and weights set during another
+  // thread's step would free what the step reads.
+  std::mutex mutex_;
+
+  template <typename F>  // before its callers: they deduce its return type
+  auto locked(F&& call) {
+    py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> one_call(mutex_);
+    return call();
+  }
+
  public:
   PyForward(const cpu::ModelDims& dims, int num_threads, const std::string& isa)
       : impl_(dims, num_threads, isa.empty() ? cpu::best_isa() : isa) {}
@@ -76,12 +92,13 @@ class PyForward {
   void set_layer(int layer, py::array attn_norm, py::array ffn_norm, py::array qkv, int qkv_type, py::array o,
                  int o_type, py::array gate_up, int gate_up_type, py::array down, int down_type) {
     const auto& d = impl_.dims();
-    impl_.set_layer(layer, checked<float>(attn_norm, "attn_norm", 'f', {d.hidden_size}),
-                    checked<float>(ffn_norm, "ffn_norm", 'f', {d.hidden_size}),
-                    gguf_matrix(qkv, qkv_type, d.hidden_size, "qkv"),
-                    gguf_matrix(o, o_type, d.num_heads * d.head_dim, "o"),
-                    gguf_matrix(gate_up, gate_up_type, d.hidden_size, "gate_up"),
-                    gguf_matrix(down, down_type, d.intermediate_size, "down"));
+    const float* attn = checked<float>(attn_norm, "attn_norm", 'f', {d.hidden_size});
+    const float* ffn = checked<float>(ffn_norm, "ffn_norm", 'f', {d.hidden_size});
+    const cpu::GgufMatrix qkv_m = gguf_matrix(qkv, qkv_type, d.hidden_size, "qkv"),
+                          o_m = gguf_matrix(o, o_type, d.num_heads * d.head_dim, "o"),
+                          gate_up_m = gguf_matrix(gate_up, gate_up_type, d.hidden_size, "gate_up"),
+                          down_m = gguf_matrix(down, down_type, d.intermediate_size, "down");
+    locked([&] { impl_.set_layer(layer, attn, ffn, qkv_m, o_m, gate_up_m, down_m); });
   }
 
   void set_globals(std::optional<py::array> embedding, int embedding_type, std::optional<py::array> head,
@@ -90,17 +107,18 @@ class PyForward {
     cpu::GgufMatrix emb{}, head_matrix{};
     if (embedding) emb = gguf_matrix(*embedding, embedding_type, d.hidden_size, "embedding");
     if (head) head_matrix = gguf_matrix(*head, head_type, d.hidden_size, "head");
-    impl_.set_globals(embedding ? &emb : nullptr, head ? &head_matrix : nullptr,
-                      checked<float>(final_norm, "final_norm", 'f', {d.hidden_size}),
-                      checked<float>(rope_cos, "rope_cos", 'f', {d.max_positions, d.head_dim / 2}),
-                      checked<float>(rope_sin, "rope_sin", 'f', {d.max_positions, d.head_dim / 2}));
+    const float* norm = checked<float>(final_norm, "final_norm", 'f', {d.hidden_size});
+    const float* cos = checked<float>(rope_cos, "rope_cos", 'f', {d.max_positions, d.head_dim / 2});
+    const float* sin = checked<float>(rope_sin, "rope_sin", 'f', {d.max_positions, d.head_dim / 2});
+    locked([&] { impl_.set_globals(embedding ? &emb : nullptr, head ? &head_matrix : nullptr, norm, cos, sin); });
   }
 
   void set_fusion(py::array hidden_norm, py::array embed_norm, py::array proj, int proj_type) {
     const auto& d = impl_.dims();
-    impl_.set_fusion(checked<float>(hidden_norm, "hidden_norm", 'f', {d.hidden_size}),
-                     checked<float>(embed_norm, "embed_norm", 'f', {d.hidden_size}),
-                     gguf_matrix(proj, proj_type, 2 * d.hidden_size, "proj"));
+    const float* hidden = checked<float>(hidden_norm, "hidden_norm", 'f', {d.hidden_size});
+    const float* embed = checked<float>(embed_norm, "embed_norm", 'f', {d.hidden_size});
+    const cpu::GgufMatrix proj_m = gguf_matrix(proj, proj_type, 2 * d.hidden_size, "proj");
+    locked([&] { impl_.set_fusion(hidden, embed, proj_m); });
   }
 
   void forward(py::array tokens, py::array spans, py::array k_cache, py::array v_cache, py::array block_table,
@@ -108,9 +126,7 @@ class PyForward {
     auto* tok = checked<int32_t>(tokens, "tokens", 'i', {-1});
     const int n = static_cast<int>(tokens.shape(0));
     const Step step = checked_step(n, spans, k_cache, v_cache, block_table, hidden);
-    py::gil_scoped_release release;
-    const std::lock_guard<std::mutex> one_step(step_mutex_);
-    impl_.forward(tok, n, step.spans, step.num_spans, step.cache, step.out);
+    locked([&] { impl_.forward(tok, n, step.spans, step.num_spans, step.cache, step.out); });
   }
 
   void forward_fused(py::array hidden_in, py::array embeds, py::array spans, py::array k_cache, py::array v_cache,
@@ -120,9 +136,7 @@ class PyForward {
     const int n = static_cast<int>(hidden_in.shape(0));
     auto* e = checked<float>(embeds, "embeds", 'f', {n, d});
     const Step step = checked_step(n, spans, k_cache, v_cache, block_table, hidden);
-    py::gil_scoped_release release;
-    const std::lock_guard<std::mutex> one_step(step_mutex_);
-    impl_.forward_fused(h, e, n, step.spans, step.num_spans, step.cache, step.out);
+    locked([&] { impl_.forward_fused(h, e, n, step.spans, step.num_spans, step.cache, step.out); });
   }
 
   void logits(py::array hidden, py::array out) {
@@ -130,30 +144,30 @@ class PyForward {
     auto* h = checked<float>(hidden, "hidden", 'f', {-1, d.hidden_size});
     const int rows = static_cast<int>(hidden.shape(0));
     auto* o = checked<float>(out, "out", 'f', {rows, d.vocab_size}, true);
-    py::gil_scoped_release release;
-    const std::lock_guard<std::mutex> one_step(step_mutex_);
-    impl_.logits(h, rows, o);
+    locked([&] { impl_.logits(h, rows, o); });
   }
 
   void embed(py::array tokens, py::array out) {
     auto* tok = checked<int32_t>(tokens, "tokens", 'i', {-1});
     const int n = static_cast<int>(tokens.shape(0));
-    impl_.embed(tok, n, checked<float>(out, "out", 'f', {n, impl_.dims().hidden_size}, true));
+    float* o = checked<float>(out, "out", 'f', {n, impl_.dims().hidden_size}, true);
+    locked([&] { impl_.embed(tok, n, o); });
   }
 
   void head_rows(py::array ids, py::array out) {
     auto* p = checked<int32_t>(ids, "ids", 'i', {-1});
     const int n = static_cast<int>(ids.shape(0));
-    impl_.head_rows(p, n, checked<float>(out, "out", 'f', {n, impl_.dims().hidden_size}, true));
+    float* o = checked<float>(out, "out", 'f', {n, impl_.dims().hidden_size}, true);
+    locked([&] { impl_.head_rows(p, n, o); });
+  }
+
+  size_t weight_bytes() {
+    return locked([&] { return impl_.weight_bytes(); });
   }
 
   cpu::LlamaForward impl_;
 
  private:
-  // The thread pool runs one caller's step at a time: two Python threads stepping one model
-  // at once (the GIL released) overwrote each other's pool state and hung.
-  std::mutex step_mutex_;
-
   struct Step {
     const cpu::Span* spans;
     int num_spans;
@@ -170,6 +184,9 @@ class PyForward {
     require(k_cache.shape(2) > 0, "k_cache: pages must be > 0");
     auto* v = checked<uint16_t>(v_cache, "v_cache", 'e',
                                 {d.num_layers, d.num_kv_heads, k_cache.shape(2), cpu::kBlock, d.head_dim}, true);
+    const auto k_at = reinterpret_cast<uintptr_t>(k), v_at = reinterpret_cast<uintptr_t>(v);  // one shape:
+    require((k_at < v_at ? v_at - k_at : k_at - v_at) >= static_cast<uintptr_t>(k_cache.nbytes()),  // apart or overlapping
+            "k_cache, v_cache: must not share memory");
     auto* table = checked<int32_t>(block_table, "block_table", 'i', {-1, -1});
     require(block_table.shape(0) > 0 && block_table.shape(1) > 0, "block_table: slots and blocks must be > 0");
     auto* out = checked<float>(hidden, "hidden", 'f', {n, d.hidden_size}, true);
@@ -345,7 +362,7 @@ PYBIND11_MODULE(_cpu_forward, m) {
       .def("head_rows", &PyForward::head_rows, py::arg("ids"), py::arg("out"))
       .def_property_readonly("isa", [](const PyForward& f) { return std::string(f.impl_.isa()); })
       .def_property_readonly("num_threads", [](const PyForward& f) { return f.impl_.num_threads(); })
-      .def_property_readonly("weight_bytes", [](const PyForward& f) { return f.impl_.weight_bytes(); });
+      .def_property_readonly("weight_bytes", &PyForward::weight_bytes);
   m.def("best_isa", &cpu::best_isa);
   m.def("cpu_supports", &cpu::cpu_supports, py::arg("isa"));
   m.def("quantize_rows", &quantize_rows, py::arg("x"), py::arg("isa"));

@@ -2,6 +2,7 @@
 // elementwise kernels below.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "isa.hpp"
 
@@ -30,7 +31,16 @@ namespace {
   for (int b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = max_canonical(amax, std::fabs(xb[j]));
+    bool finite = true;
+    for (int j = 0; j < kBlock; ++j) {
+      const float a = std::fabs(xb[j]);
+      finite = finite && a <= std::numeric_limits<float>::max();
+      amax = max_canonical(amax, a);
+    }
+    if (!finite) {
+      quantize_non_finite(q + b * kBlock, d + b, s + b, sum + b);
+      continue;
+    }
     const float inverse = quant_inverse(amax);
     int isum = 0;
     for (int j = 0; j < kBlock; ++j) {
@@ -58,13 +68,20 @@ void rms_norm_simd(const float* x, const float* w, int n, float eps, float* out)
 
 void quantize_row_simd(const float* x, int k, int8_t* q, float* d, float* s, int32_t* sum) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
   for (int b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     __m256 v[4];
-    __m256 amax8 = _mm256_setzero_ps();
+    __m256 amax8 = _mm256_setzero_ps(), non_finite = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(xb + kLanes * i);
-      amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));  // max is exact in any order
+      const __m256 a = _mm256_and_ps(v[i], abs_mask);
+      amax8 = _mm256_max_ps(amax8, a);  // max is exact in any order
+      non_finite = _mm256_or_ps(non_finite, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // > max or NaN
+    }
+    if (_mm256_movemask_ps(non_finite) != 0) {
+      quantize_non_finite(q + b * kBlock, d + b, s + b, sum + b);
+      continue;
     }
     const float amax = hmax8(amax8);
     const __m256 inverse = _mm256_set1_ps(quant_inverse(amax));

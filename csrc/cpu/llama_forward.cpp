@@ -1,10 +1,12 @@
 #include "llama_forward.hpp"
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "attention_plan.hpp"
 #include "numerics.hpp"
@@ -42,7 +44,18 @@ LlamaForward::LlamaForward(const ModelDims& dims, int num_threads, const std::st
           "dims: hidden_size and intermediate_size must be multiples of 32");
   require(d.head_dim > 0 && d.head_dim % kLanes == 0, "dims: head_dim must be a multiple of 8");
   require(d.num_heads % d.num_kv_heads == 0, "dims: num_heads must be a multiple of num_kv_heads");
-  require((d.num_heads * d.head_dim) % kBlock == 0, "dims: num_heads * head_dim must be a multiple of 32");
+  require(d.num_layers <= kMaxLayers, "dims: num_layers must be at most " + std::to_string(kMaxLayers));
+  // The step indexes its buffers with int: every width it computes must fit one (an int
+  // product could wrap to a small width and the step write past its buffers).
+  const int64_t q = int64_t{d.num_heads} * d.head_dim, kv = int64_t{d.num_kv_heads} * d.head_dim;
+  const std::pair<const char*, int64_t> widths[] = {
+      {"(num_heads + 2 * num_kv_heads) * head_dim", q + 2 * kv},
+      {"2 * hidden_size", 2 * int64_t{d.hidden_size}},
+      {"2 * intermediate_size", 2 * int64_t{d.intermediate_size}},
+      {"max_positions * head_dim", int64_t{d.max_positions} * d.head_dim}};
+  for (const auto& [name, width] : widths)
+    require(width <= std::numeric_limits<int32_t>::max(), std::string("dims: ") + name + " is over 2^31 - 1");
+  require(q % kBlock == 0, "dims: num_heads * head_dim must be a multiple of 32");
   require(d.vocab_size % kGroupCols == 0 && d.hidden_size % kGroupCols == 0,
           "dims: vocab_size and hidden_size must be multiples of 8");
   require(d.rms_norm_eps > 0, "dims: rms_norm_eps must be > 0");
@@ -178,7 +191,7 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
   const int inter = dm.intermediate_size, half = hd / 2;
   require(n > 0, "tokens: at least one token");
   require(num_spans > 0, "spans: at least one span");
-  const int max_seq_len = cache.blocks_per_slot * kBlock;
+  const int64_t max_seq_len = int64_t{cache.blocks_per_slot} * kBlock;
   // Row r of the step: its slot and position.
   std::vector<int32_t> row_slot(n), row_pos(n), written;
   int row = 0;

@@ -17,6 +17,8 @@
 
 namespace cpu {
 
+constexpr int kMaxLayers = 4096;  // 30 times the deepest open model's (a larger count is a typo)
+
 struct ModelDims {
   int vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
   int max_positions;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #else
@@ -173,6 +174,16 @@ inline float rms_inverse(float sum_squares, int n, float eps) {
 inline float quant_inverse(float amax) {
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
   return std::isfinite(inverse) ? inverse : 0.0f;
+}
+
+// A block holding a NaN or an infinity: codes and sum 0, scale and scaled sum NaN, so every
+// output it feeds is NaN on every path. (Whether a NaN survives a max depends on the order the
+// paths take it in, and the scalar path's conversion of a NaN code was undefined: 0 there,
+// -128 on the SIMD paths.)
+inline void quantize_non_finite(int8_t* q, float* d, float* s, int32_t* sum) {
+  for (int j = 0; j < 32; ++j) q[j] = 0;
+  *d = *s = std::numeric_limits<float>::quiet_NaN();
+  *sum = 0;
 }
 
 // The floating-point environment all of the above assumes, held by a thread while it computes:

@@ -94,6 +94,11 @@ CASES = [
      lambda p: p.extend(_ids(1, 1), _acc([1], [1]), _lens(1, 1), 2)),
     ("negative draft_len", ValueError, "draft_len",
      lambda p: p.extend(_ids(1), _acc([1]), _lens(1), -1)),
+    # the draft array was allocated before draft_len was checked: a MemoryError
+    ("draft_len 2^62", ValueError, "draft_len must be in [0, 2^28]",
+     lambda p: p.extend(_ids(1), _acc([1]), _lens(1), 2**62)),
+    ("request_ids big-endian", ValueError, "request_ids must have dtype int64",
+     lambda p: p.extend(np.array([1], ">i8"), _acc([1]), _lens(1), 2)),
 ]
 
 
@@ -107,6 +112,14 @@ def test_bad_input_raises_and_changes_nothing(name, error, message, call):
     # The pool still works afterwards.
     m, _ = pool.extend(_ids(1), _acc([3]), _lens(1), 2)
     assert m[0] == 3  # "1 2 3" occurred before
+
+
+def test_arrays_of_an_equivalent_dtype_are_accepted():
+    """numpy's longlong is an int64 other than its long (and intc an int32 other than int32
+    on some platforms): they were refused as "must have dtype int64, got int64"."""
+    pool = _pool()
+    m, d = pool.extend(np.array([1], np.longlong), np.array([[3]], np.intc), np.array([1], np.intc), 2)
+    assert m[0] == 3 and d.tolist() == [[1, 2]]  # "1 2 3" occurred before, then "1 2"
 
 
 def test_more_requests_than_slots():

@@ -9,6 +9,8 @@ canonical arithmetic, see csrc/cpu/numerics.hpp).
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -257,3 +259,104 @@ def test_avx2_caps_reach_every_library():
     assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN: bf16 needs AVX-512 or AVX-NE-CONVERT
     assert not __cpu_features__["X86_V4"]  # numpy's AVX-512 loops
     assert all(os.environ.get(name) for name in ISA_CAPS)
+
+
+@pytest.mark.parametrize("isa", [runnable(i) for i in ISAS])
+def test_a_block_holding_a_nan_or_an_infinity_quantizes_to_a_nan_scale(isa):
+    """Codes 0 and scale NaN, so whatever it feeds is NaN on every path: the scalar path's
+    conversion of a NaN code was undefined (0 there, -128 on the SIMD paths), and whether a NaN
+    survived the block's max depended on the order a path took it in."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+    for row, (col, value) in enumerate(((0, np.nan), (31, np.nan), (40, np.inf), (95, -np.inf))):
+        x[row, col] = value
+    finite = x.copy()
+    finite[~np.isfinite(finite)] = 0
+    q, d, s, total = native.quantize_rows(x, isa)
+    q_f, d_f, s_f, total_f = native.quantize_rows(finite, isa)
+    bad = np.zeros((4, 3), bool)
+    bad[[0, 1, 2, 3], [0, 0, 1, 2]] = True
+    assert np.isnan(d[bad]).all() and np.isnan(s[bad]).all() and not total[bad].any()
+    assert not q.reshape(4, 3, 32)[bad].any()
+    np.testing.assert_array_equal(d[~bad], d_f[~bad])  # the row's other blocks as without it
+    np.testing.assert_array_equal(q.reshape(4, 3, 32)[~bad], q_f.reshape(4, 3, 32)[~bad])
+    for kind in (Q4_1, Q8_0):
+        out = native.linear(quantized(rng, 16, 96, kind)[0], kind, np.concatenate([x, finite[:1]]), isa)
+        assert np.isnan(out[:4]).all() and np.isfinite(out[4]).all()
+
+
+TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+            head_dim=32, max_positions=64, rms_norm_eps=1e-5)
+
+
+def tiny_model(rng, num_threads: int = 1, **dims) -> native.LlamaForward:
+    """A one-layer model of random Q8_0 weights (head_dim 32, 2 query heads on 1 KV head)."""
+    d = TINY | dims
+    model = native.LlamaForward(native.ModelDims(**d), num_threads, "")
+    h, hd, inter = d["hidden_size"], d["head_dim"], d["intermediate_size"]
+    ones, angles = np.ones(h, np.float32), np.zeros((d["max_positions"], hd // 2), np.float32)
+    weights = [quantized(rng, n, k, Q8_0)[0] for n, k in ((4 * hd, h), (h, 2 * hd), (2 * inter, h), (h, inter))]
+    model.set_layer(0, ones, ones, *(a for w in weights for a in (w, Q8_0)))
+    model.set_globals(quantized(rng, d["vocab_size"], h, Q8_0)[0], Q8_0, None, Q8_0, ones, np.cos(angles), angles)
+    return model
+
+
+@pytest.mark.parametrize("dims, message", [
+    (dict(num_heads=2**29 + 2**14, num_kv_heads=2**14, head_dim=8), r"\(num_heads \+ 2 \* num_kv_heads\) \* head_dim"),
+    (dict(hidden_size=2**30 + 32), "2 \\* hidden_size"),
+    (dict(intermediate_size=2**30 + 32), "2 \\* intermediate_size"),
+    (dict(max_positions=2**26), "max_positions \\* head_dim"),
+    (dict(num_layers=2**31 - 1), "num_layers must be at most"),
+], ids=["query and KV widths", "fused input", "gate and up", "rope tables", "layers"])
+def test_dims_a_step_could_not_index_are_value_errors(dims, message):
+    """num_heads * head_dim computed in int wrapped to a small width that passed every check,
+    and the step wrote past its buffers; a huge layer count was a MemoryError."""
+    with pytest.raises(ValueError, match="dims: " + message):
+        native.LlamaForward(native.ModelDims(**TINY | dims), 1, "scalar")
+
+
+def test_a_length_past_an_int_and_a_cache_shared_by_k_and_v_are_value_errors():
+    model = tiny_model(np.random.default_rng(9))
+    with pytest.raises(ValueError, match="tokens: dimension 0 has more than 2"):
+        model.embed(np.broadcast_to(np.zeros(1, np.int32), (2**31,)), np.zeros((1, 64), np.float32))
+    cache = np.zeros((1, 1, 4, 32, 32), np.float16)
+    step = (np.array([[0, 0, 1]], np.int32), np.array([[0, 1]], np.int32), np.empty((1, 64), np.float32))
+    for k, v in ((cache, cache), (cache[:, :, :2], cache[:, :, 1:3])):
+        with pytest.raises(ValueError, match="k_cache, v_cache: must not share memory"):
+            model.forward(np.zeros(1, np.int32), step[0], k, v, step[1], step[2])
+    model.forward(np.zeros(1, np.int32), step[0], cache[:, :, :2], cache[:, :, 2:], step[1], step[2])
+
+
+def test_weights_set_during_another_threads_step_wait_for_it():
+    """Setting weights took no lock while another thread's step ran with the GIL released: the
+    step read the head being replaced (logits of neither head, or freed memory)."""
+    rng = np.random.default_rng(10)
+    model = tiny_model(rng, num_threads=2, vocab_size=2048, hidden_size=256)
+    ones, angles = np.ones(256, np.float32), np.zeros((64, 16), np.float32)
+    heads = [quantized(rng, 2048, 256, Q8_0)[0] for _ in range(2)]
+    hidden = rng.standard_normal((32, 256)).astype(np.float32)
+    want = []
+    embedding = quantized(rng, 2048, 256, Q8_0)[0]
+    for head in heads:
+        model.set_globals(embedding, Q8_0, head, Q8_0, ones, angles, angles)
+        want.append(np.zeros((32, 2048), np.float32))
+        model.logits(hidden, want[-1])
+    torn, steps, done = [], [], threading.Event()
+
+    def step() -> None:
+        out = np.zeros((32, 2048), np.float32)
+        while not done.is_set():
+            model.logits(hidden, out)
+            steps.append(1)
+            if not any(np.array_equal(out, w) for w in want):
+                torn.append(1)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    deadline, i = time.monotonic() + 60, 0
+    while (i < 200 or len(steps) < 20) and time.monotonic() < deadline:  # heads swapped under 20 steps or more
+        model.set_globals(embedding, Q8_0, heads[i % 2], Q8_0, ones, angles, angles)
+        i += 1
+    done.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and len(steps) >= 20 and not torn
