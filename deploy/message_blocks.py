@@ -26,6 +26,7 @@ class ContentBlocks(OutputParts):
     def __init__(self, tools: bool, one_call: bool = False) -> None:
         super().__init__(tools, one_call=one_call)
         self._arguments: dict[str, str] = {}  # a tool_use block's id -> its input as JSON text so far
+        self._whole_calls = 0  # tool_use blocks closed whole (not cut, nor left malformed)
 
     def text_part(self) -> dict[str, Any]:
         return {"type": "text", "text": ""}
@@ -49,6 +50,7 @@ class ContentBlocks(OutputParts):
 
     def on_close(self, block: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
         if block["type"] == "tool_use":
+            self._whole_calls += finish_reason == "stop"
             try:  # a call cut by max_tokens leaves its input as far as it parsed: none
                 block["input"] = parsed_input(self._arguments[block["id"]] or "{}")
             except ValueError:
@@ -60,7 +62,7 @@ class ContentBlocks(OutputParts):
             return "max_tokens"
         if acc.stop_string is not None:
             return "stop_sequence"
-        return "tool_use" if any(b["type"] == "tool_use" for b in self.parts) else "end_turn"
+        return "tool_use" if self._whole_calls else "end_turn"
 
 
 @dataclass(frozen=True)

@@ -342,7 +342,7 @@ class StreamPieces:
         text = "".join(e.content for e in events if e.content is not None)
         fragments: list[dict[str, Any]] = []  # one per call in a chunk (OpenAI's): a call's pieces joined
         for e in events:
-            if e.content is not None:
+            if e.content is not None or e.unfinished:  # chat has no word for a call that went wrong
                 continue
             if e.index == len(self._call_ids):  # a new call: its id, type and name come first
                 self._call_ids.append(tool_call_id())

@@ -47,6 +47,8 @@ class OutputParts:
                 events += self.on_text(self._open, piece.content, entries)
             elif piece.name is not None:  # a call's first fragment
                 events += self._start(self.call_part(piece.name), False)
+            elif piece.unfinished:
+                events += self._close("length")
             if piece.arguments:
                 events += self.on_arguments(self._open, piece.arguments)
         if finish_reason is not None:  # a call the cut did not fall in is whole
@@ -86,5 +88,7 @@ class OutputParts:
         raise NotImplementedError
 
     def on_close(self, part: Part, finish_reason: str) -> list[Event]:
-        """`finish_reason`: "length" where the output was cut in this part, else "stop"."""
+        """`finish_reason`: "length" where the part is unfinished (the output was cut in it, or,
+        unconstrained, a call's block turned out malformed or unclosed after its name went
+        out), else "stop"."""
         raise NotImplementedError

@@ -19,12 +19,14 @@ _HEADER_PREFIX = re.compile(functools.reduce(
 @dataclass(frozen=True)
 class StreamEvent:
     """Plain text (`content` is not None) or a fragment of call `index`: `name` on its first
-    fragment, then pieces of its arguments JSON text."""
+    fragment, then pieces of its arguments JSON text; `unfinished`: the call, whose fragments
+    went out, turned out malformed or was left unclosed, and ends here (not a whole call)."""
 
     content: str | None = None
     index: int = -1
     name: str | None = None
     arguments: str = ""
+    unfinished: bool = False
 
 
 def _partial_tag_len(text: str, tag: str = TOOL_CALL_OPEN) -> int:
@@ -105,8 +107,7 @@ class ToolCallStream:
                 return self._cut_call()
             if self._name is None:
                 return self._fail(self._pre_ws + TOOL_CALL_OPEN + self._block)
-            self._failed = True
-            return []
+            return self._fail("")
         held, self._pending = self._pending, ""
         if cut:  # an open tag begun: a call cut before its name
             held = held[:len(held) - _partial_tag_len(held)]
@@ -143,8 +144,10 @@ class ToolCallStream:
         return [StreamEvent(content=text)]
 
     def _fail(self, held: str) -> list[StreamEvent]:
-        self._failed, self._block = True, None
-        return self._content(held)
+        """The block is malformed: from here everything is content; a call it began is unfinished."""
+        unfinished = [StreamEvent(index=self._num_calls - 1, unfinished=True)] if self._name is not None else []
+        self._failed, self._block, self._name = True, None, None
+        return unfinished + self._content(held)
 
     def _feed_content(self) -> list[StreamEvent]:
         buf = self._pending

@@ -66,6 +66,18 @@ def test_a_tool_input_no_python_number_holds_is_written_as_the_model_wrote_it(ar
         "content"][0]["input"] == {"city": "Paris"}
 
 
+def test_a_call_the_output_leaves_unclosed_is_no_tool_use_stop():
+    """Unconstrained output may end inside a call whose name went out: its block cannot be taken
+    back, but the answer does not stop for a tool to run (it said `tool_use`; found by QA)."""
+    blocks = ContentBlocks(tools=True)
+    blocks.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "stop")
+    assert [b["type"] for b in blocks.parts] == ["tool_use"]
+    assert blocks.stop_reason(Accumulated(finish_reason="stop")) == "end_turn"
+    whole = ContentBlocks(tools=True)
+    whole.feed(CALL, "stop")
+    assert whole.stop_reason(Accumulated(finish_reason="stop")) == "tool_use"
+
+
 @pytest.mark.parametrize("arguments", ['{"x": NaN}', '{"x": -Infinity}'])
 def test_a_tool_input_that_is_no_json_is_left_empty_not_a_500(arguments):
     """json.loads takes NaN and Infinity, which no JSON writer may write: such an input is

@@ -71,6 +71,19 @@ def test_items_and_events_do_not_depend_on_how_the_text_arrives(piece):
         ("user", "Weather in Paris?", 0), ("assistant", "Checking.", 1), ("assistant", "\nDone.", 0)]
 
 
+def test_a_call_the_output_leaves_unclosed_is_an_incomplete_item_streamed_or_not():
+    """Unconstrained output (TensorRT-LLM's `auto`) may end inside a call whose name went out:
+    it was a `completed` function_call with arguments that are no JSON (found by QA)."""
+    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    whole, streamed = OutputItems(tools=True), OutputItems(tools=True)
+    whole.feed(text, "stop")
+    events = [e for i in range(0, len(text), 5) for e in streamed.feed(text[i:i + 5], None)] + streamed.feed("", "stop")
+    for items in (whole, streamed):
+        assert [(i["type"], i["status"]) for i in items.parts] == [("message", "completed"),
+                                                                    ("function_call", "incomplete")]
+    assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == "incomplete"
+
+
 def test_an_answer_cut_short_leaves_its_item_incomplete():
     items = OutputItems(tools=False)
     items.feed("Once upon", None)

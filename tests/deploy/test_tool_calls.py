@@ -206,6 +206,8 @@ def _stream(pieces, one_call=False, cut=False):
         elif e.name is not None:
             assert e.index == len(calls) and not e.arguments
             calls.append([e.name, ""])
+        elif e.unfinished:  # the last call's end: after it, only content
+            assert e.index == len(calls) - 1 and not e.arguments and not stream.ok
         else:
             assert e.index == len(calls) - 1 and e.arguments
             calls[-1][1] += e.arguments
@@ -237,6 +239,17 @@ def test_stream_agrees_with_parse_at_every_split(output, content, calls):
 def test_stream_flags_malformed_output(output):
     for pieces in _splits(output):
         assert not _stream(pieces)[2].ok, pieces
+
+
+@pytest.mark.parametrize("output", [MALFORMED[i] for i in (2, 4, 5, 6, 7, 10)])
+def test_stream_marks_a_sent_call_that_goes_wrong_unfinished(output):
+    """Its fragments cannot be taken back: the call it began is flagged, so that an API showing
+    parts does not show it as a whole call (a Responses item `incomplete`, found by QA)."""
+    before, close, after = output.partition(TOOL_CALL_CLOSE)  # its name out before the close tag shows
+    stream = ToolCallStream()
+    events = stream.feed(before) + stream.feed(close + after) + stream.finish()
+    assert len([e for e in events if e.name]) == 1
+    assert [e.index for e in events if e.unfinished] == [0] and not stream.ok
 
 
 @pytest.mark.parametrize("output", [MALFORMED[i] for i in (0, 1, 3, 8, 9)])
