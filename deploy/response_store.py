@@ -119,9 +119,13 @@ class KeptResponses:
             raise server_error(exc, "response store") from exc
 
     def _missing(self, response_id: str, param: Optional[str]) -> None:
-        raise ApiError(404 if param is None else 400,
-                       f"{param + ': ' if param else ''}no stored response {response_id!r} (this server keeps the "
-                       f"last {self._capacity} responses made with store=true)", param, code="response_not_found")
+        """A 404; a 400 with OpenAI's code for `previous_response_id`, which clients read to send
+        the whole conversation again instead."""
+        kept = f"(this server keeps the last {self._capacity} responses made with store=true)"
+        if param is None:
+            raise ApiError(404, f"no stored response {response_id!r} {kept}", None, code="response_not_found")
+        raise ApiError(400, f"{param}: previous response with id {response_id!r} not found {kept}", param,
+                       code="previous_response_not_found")
 
 
 def input_item_list(items: list[dict[str, Any]], limit: int = 20, order: str = "desc",

@@ -173,7 +173,7 @@ class ResponsesRequest(RequestModel):
     model: str = Field(min_length=1)
     input: Union[Text, List[InputItem]]
     instructions: Optional[Text] = None
-    previous_response_id: Optional[str] = None
+    previous_response_id: Optional[str] = Field(None, min_length=1)
     store: bool = True
     stream: bool = False
     max_output_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
@@ -201,12 +201,17 @@ class ResponsesRequest(RequestModel):
 
     @field_validator("input")
     @classmethod
-    def _input(cls, value):
+    def _input(cls, value):  # (an id named twice: `repeated_id`, once references are resolved)
         if len(value) == 0:
             raise ValueError("must not be empty")
-        if repeated := repeated_id(value if isinstance(value, list) else []):
-            raise ValueError(": ".join(repeated))
         return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):  # as chat's
+            raise ValueError("only with stream=true")
+        return options
 
     @field_validator("tool_choice")
     @classmethod

@@ -221,6 +221,14 @@ BAD_INPUT = [
     ("responses: unknown include", "/v1/responses", respond(include=["output_audio"]), {}, 400, "include[0]"),
     ("responses: unknown previous response", "/v1/responses", respond(previous_response_id="resp_x"), {}, 400,
      "previous_response_id"),
+    ("responses: empty previous response id", "/v1/responses", respond(previous_response_id=""), {}, 400,
+     "previous_response_id"),
+    # the store keys items by id (listing them paged by it looped forever); the param was "input"
+    ("responses: one id twice", "/v1/responses", respond(input=[
+        {"role": "user", "content": "a", "id": "dup"}, {"role": "user", "content": "b"},
+        {"role": "user", "content": "c", "id": "dup"}]), {}, 400, "input[2].id"),
+    ("responses: stream_options without stream", "/v1/responses", respond(stream_options={}), {}, 400,
+     "stream_options"),
     ("responses: get an unknown one", "/v1/responses/resp_x", None, {}, 404, None),
     ("messages: no max_tokens", "/v1/messages", {"model": "fake", "messages": [{"role": "user", "content": "x"}]},
      {}, 400, "max_tokens"),

@@ -277,13 +277,6 @@ def test_an_engine_refusing_logprobs_names_the_field_a_responses_client_sent():
     assert ApiError(400, "logprobs: not supported", "logprobs").renamed(FIELDS).param == "include"
 
 
-def test_an_input_naming_one_id_twice_is_a_400_naming_the_second():
-    # the store keys items by id; listing them paged by it looped forever
-    with pytest.raises(ValueError, match=r"input\[2\]\.id: 'dup' is input\[0\]'s id too"):
-        ResponsesRequest(model="m", input=[{"role": "user", "content": "a", "id": "dup"},
-                                           {"role": "user", "content": "b"}, {"role": "user", "content": "c", "id": "dup"}])
-
-
 def test_an_items_own_status_is_listed():
     cut = {"type": "message", "role": "assistant", "id": "msg_1", "status": "incomplete",
            "content": [{"type": "output_text", "text": "Par"}]}

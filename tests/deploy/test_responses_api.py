@@ -200,7 +200,8 @@ def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
         agent_client.responses.retrieve(unkept.id)
     with pytest.raises(openai.BadRequestError) as err:
         agent_client.responses.create(model=MODEL, input="again", previous_response_id=unkept.id)
-    assert err.value.param == "previous_response_id"
+    # OpenAI's code, which clients (Codex's) read to send the whole conversation again
+    assert (err.value.param, err.value.code) == ("previous_response_id", "previous_response_not_found")
     kept = agent_client.responses.create(model=MODEL, input="Hi", max_output_tokens=4)
     agent_client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
