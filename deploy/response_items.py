@@ -115,5 +115,10 @@ def response_body(body: ResponsesRequest, response_id: str, created_at: int, mod
         "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump(),
         "tools": [t.model_dump() for t in body.tools], "text": text, "truncation": body.truncation,
         "store": body.store, "metadata": body.metadata or {}, "user": body.user, "usage": usage,
+        # what the request set, echoed as OpenAI's object does (a hint, or a neutral value, here)
+        "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls, "background": False,
+        "service_tier": "default", "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
+        "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
     }
 

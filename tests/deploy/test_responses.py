@@ -13,7 +13,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from deploy import response_store
 from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
-from deploy.response_items import OutputItems, input_items
+from deploy.response_items import OutputItems, input_items, response_body
 from deploy.responses import (
     ResponsesRequest, chat_request, continued, conversation, fitted, references, repeated_id, with_items,
 )
@@ -82,6 +82,21 @@ def test_a_call_the_output_leaves_unclosed_is_an_incomplete_item_streamed_or_not
         assert [(i["type"], i["status"]) for i in items.parts] == [("message", "completed"),
                                                                     ("function_call", "incomplete")]
     assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == "incomplete"
+
+
+def test_the_response_echoes_what_the_request_set():
+    """As OpenAI's object: the SDK's Response type has these fields (found by QA: not echoed)."""
+    body = ResponsesRequest(model="m", input="hi", top_logprobs=2, max_tool_calls=3, service_tier="auto",
+                            safety_identifier="u1", prompt_cache_key="k", prompt_cache_retention="24h",
+                            reasoning={"effort": "low"})
+    echoed = response_body(body, "resp_1", 0, "m")
+    assert {k: echoed[k] for k in ("top_logprobs", "max_tool_calls", "background", "service_tier", "safety_identifier",
+                                   "prompt_cache_key", "prompt_cache_retention")} == {
+        "top_logprobs": 2, "max_tool_calls": 3, "background": False, "service_tier": "default",
+        "safety_identifier": "u1", "prompt_cache_key": "k", "prompt_cache_retention": "24h"}
+    assert echoed["reasoning"]["effort"] == "low"
+    assert response_body(ResponsesRequest(model="m", input="hi"), "resp_2", 0, "m")["reasoning"] == {
+        "effort": None, "summary": None}
 
 
 def test_an_answer_cut_short_leaves_its_item_incomplete():
