@@ -29,12 +29,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
+from deploy.chat_protocol import ChatCompletionRequest
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
-from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.protocol import CompletionRequest
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel
 from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
 from deploy.response_store import KeptResponses, input_item_list

@@ -23,11 +23,14 @@ from pydantic import (
     AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator,
 )
 
+from deploy.chat_protocol import (
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedToolChoice, Tool,
+    ToolChoiceFunction,
+)
 from deploy.errors import validation_error
 from deploy.protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonObject,
-    NamedToolChoice, ParametersSchema, RequestModel, Text, Tool, ToolChoiceFunction, check_stops, check_tool_choice,
-    type_tag, unique_names,
+    FunctionName, JsonObject, ParametersSchema, RequestModel, Text, check_stops, check_tool_choice, type_tag,
+    unique_names,
 )
 from replicas.engine import RequestSpeculation
 

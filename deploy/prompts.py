@@ -17,9 +17,10 @@ import hashlib
 import json
 from typing import Any, Optional, Union
 
+from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
-from deploy.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from deploy.protocol import MAX_PROMPTS, CompletionRequest
 from deploy.tool_calls import (
     TOOL_CALL_CLOSE, format_tool_calls, json_loads, schema_error, tool_call_grammar, tools_system_prompt,
 )

@@ -1,6 +1,6 @@
-"""OpenAI-compatible request models (the HTTP edge's schema) and the parts the other APIs'
-requests share (`deploy/responses.py`, `deploy/messages.py` hold theirs; the response
-bodies' schema is `deploy/response_bodies.py`).
+"""OpenAI-compatible request models (the HTTP edge's schema): the completions request and the
+parts and rules every API's request shares (`deploy/chat_protocol.py`, `deploy/responses.py`
+and `deploy/messages.py` hold theirs; the response bodies' schema is `deploy/response_bodies.py`).
 
 Requests forbid unknown fields, so a typo is a 400 naming it rather than a silently ignored
 setting; a field we do not implement is accepted only at its neutral value (chat's `store:
@@ -144,6 +144,14 @@ def unique_names(tools: list) -> list:
 MAX_STOPS = 4  # OpenAI's; a validation context's "max_stops" overrides it (the Messages API's)
 
 
+def only_streamed(options: Any, info: ValidationInfo) -> Any:
+    """A `stream_options` validator: refused without `stream: true` (the field before it), as
+    OpenAI and vLLM refuse it."""
+    if options is not None and not info.data.get("stream"):
+        raise ValueError("only with stream=true")
+    return options
+
+
 def check_stops(stop: Union[str, List[str], None], limit: int = MAX_STOPS) -> Union[str, List[str], None]:
     stops = [stop] if isinstance(stop, str) else stop or []
     if any(not s for s in stops):
@@ -166,7 +174,7 @@ class StreamOptions(RequestModel):
     include_obfuscation: bool = True  # no obfuscation padding is sent either way
 
 
-class _Sampling(RequestModel):
+class SamplingRequest(RequestModel):
     model: str = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
     temperature: float = Field(1.0, ge=0, le=2)
@@ -199,12 +207,7 @@ class _Sampling(RequestModel):
     def _stop(cls, stop, info: ValidationInfo):
         return check_stops(stop, (info.context or {}).get("max_stops", MAX_STOPS))
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, options, info: ValidationInfo):
-        if options is not None and not info.data.get("stream"):  # as OpenAI and vLLM
-            raise ValueError("only with stream=true")
-        return options
+    _stream_options = field_validator("stream_options")(only_streamed)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -234,7 +237,7 @@ def _batch(prompt: Union[Prompt, List[Text], List[List[int]]]) -> list[Prompt]:
     return list(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: a raw prompt (text or token ids), continued as it is, or a batch
     of them (a list of texts or of token-id lists: `n` choices each, in the prompts' order)."""
 
@@ -271,182 +274,3 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[Prompt]:
         """The batch's prompts (one, unless a list of texts or of token-id lists came)."""
         return _batch(self.prompt)
-
-
-class TextPart(RequestModel):
-    type: Literal["text"]
-    text: Text
-
-
-def joined_text(content: Union[str, List[TextPart], None]) -> str:
-    """A message's content (text or text parts) as one text."""
-    if isinstance(content, list):
-        return "".join(part.text for part in content)
-    return content or ""
-
-
-class FunctionCall(RequestModel):
-    name: FunctionName
-    arguments: Text  # JSON text, as OpenAI sends it
-
-
-class AssistantToolCall(RequestModel):
-    id: str = Field(min_length=1)
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # only an assistant's may be left out (OpenAI's rule; its calls are in tool_calls)
-    content: Optional[Union[Text, List[TextPart]]] = Field(None, validate_default=True)
-    name: Optional[Text] = None
-    tool_calls: Optional[List[AssistantToolCall]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = Field(None, validate_default=True)  # a tool message: the call it answers
-    # what the SDK's dump of an answer carries back (`messages.append(message.model_dump())`):
-    # taken and not read (this server answers no refusal, annotation or audio)
-    refusal: Optional[Text] = None
-    annotations: Optional[List[Any]] = None
-    audio: None = None
-    function_call: None = None  # the legacy form of tool_calls: null only
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, content, info: ValidationInfo):
-        if isinstance(content, list) and not content:
-            raise ValueError("a list of content parts must not be empty")
-        if content is None and info.data.get("role", "assistant") != "assistant":
-            raise ValueError(f"a {info.data['role']} message needs content")
-        return content
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _tool_calls(cls, tool_calls, info: ValidationInfo):
-        if tool_calls is not None and info.data.get("role") != "assistant":
-            raise ValueError("only an assistant message has tool_calls")
-        return tool_calls
-
-    @field_validator("tool_call_id")
-    @classmethod
-    def _tool_call_id(cls, call_id, info: ValidationInfo):
-        if not call_id and info.data.get("role") == "tool":
-            raise ValueError("a tool message names the call it answers")
-        return call_id
-
-    @property
-    def text(self) -> str:
-        return joined_text(self.content)
-
-
-class Prediction(RequestModel):
-    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being edited)."""
-
-    type: Literal["content"]
-    content: Union[Text, List[TextPart]]
-
-    @property
-    def text(self) -> str:
-        return joined_text(self.content)
-
-
-class FunctionDefinition(RequestModel):
-    name: FunctionName
-    description: Optional[Text] = None
-    parameters: Optional[ParametersSchema] = None  # none: any object
-    strict: Optional[bool] = None
-
-
-class Tool(RequestModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class ToolChoiceFunction(RequestModel):
-    name: FunctionName
-
-
-class NamedToolChoice(RequestModel):
-    type: Literal["function"]
-    function: ToolChoiceFunction
-
-
-class ChatCompletionRequest(_Sampling):
-    """`POST /v1/chat/completions`, rendered with the model's chat template.
-
-    vLLM's `continue_final_message: true` + `add_generation_prompt: false` continue a
-    last assistant message (a prefilled answer) instead of opening a new turn.
-    """
-
-    messages: List[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Optional[List[Tool]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    prediction: Optional[Prediction] = None  # drafted from; never changes the output
-    metadata: Metadata = None
-    store: Literal[False] = False  # no chat completion is kept for later
-    service_tier: ServiceTier = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: PromptCacheRetention = None
-    reasoning_effort: ReasoningEffort = None
-    verbosity: Verbosity = None
-    modalities: Optional[List[Literal["text"]]] = None  # text is all this server answers
-    audio: None = None
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _one_limit(cls, value, info: ValidationInfo):
-        # the newer name of max_tokens: OpenAI refuses both, vLLM takes this one; two that agree
-        # are taken (clients that set both alike), two that disagree never silently lose one
-        max_tokens = info.data.get("max_tokens")
-        if value is not None and max_tokens is not None and value != max_tokens:
-            raise ValueError(f"{value} disagrees with max_tokens {max_tokens}: set one (the same limit)")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("needs logprobs=true")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, tools):
-        check_unique_names([t.function.name for t in tools or []])
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, choice, info: ValidationInfo):
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        check_tool_choice(choice not in (None, "none"), named, {t.function.name for t in info.data.get("tools") or []})
-        return choice
-
-    @property
-    def functions(self) -> list[dict[str, Any]]:
-        """The offered functions as OpenAI dicts; none when tool_choice is "none"."""
-        if not self.tools or self.tool_choice == "none":
-            return []
-        return [t.function.model_dump(exclude_none=True) for t in self.tools]
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continuation(cls, value: bool, info: ValidationInfo) -> bool:
-        # a field validator, so the error names this field; the fields it reads come first
-        if value:
-            if info.data.get("add_generation_prompt", True):
-                raise ValueError("needs add_generation_prompt=false")
-            messages = info.data.get("messages")
-            if messages and messages[-1].role != "assistant":
-                raise ValueError("the last message must be the assistant's")
-        return value
-
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens or self.max_tokens

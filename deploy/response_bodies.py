@@ -7,7 +7,7 @@ from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from deploy.protocol import AssistantToolCall
+from deploy.chat_protocol import AssistantToolCall
 
 
 class SpeculationUsage(BaseModel):

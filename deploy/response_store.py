@@ -16,8 +16,8 @@ import collections
 import logging
 from typing import Any, List, Optional
 
+from deploy.chat_protocol import ChatMessage
 from deploy.errors import RETRY_AFTER_S, ApiError, server_error
-from deploy.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
 # the response body, its conversation as chat messages, its input items (`response_items.input_items`)

@@ -23,12 +23,15 @@ from typing import Annotated, Any, Callable, Dict, Iterable, List, Literal, Opti
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
+from deploy.chat_protocol import (
+    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedToolChoice, Tool,
+    ToolChoiceFunction, joined_text,
+)
 from deploy.errors import ApiError
 from deploy.protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, FunctionName, JsonObject,
-    Metadata, NamedToolChoice, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel,
-    ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Tool, ToolChoiceFunction, Verbosity,
-    check_tool_choice, joined_text, type_tag, unique_names,
+    FunctionName, JsonObject, Metadata, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel,
+    ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Verbosity, check_tool_choice, only_streamed,
+    type_tag, unique_names,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
@@ -206,12 +209,7 @@ class ResponsesRequest(RequestModel):
             raise ValueError("must not be empty")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, options, info: ValidationInfo):
-        if options is not None and not info.data.get("stream"):  # as chat's
-            raise ValueError("only with stream=true")
-        return options
+    _stream_options = field_validator("stream_options")(only_streamed)
 
     @field_validator("tool_choice")
     @classmethod

@@ -19,9 +19,10 @@ from typing import Annotated, Any, List, Optional, Union
 from fastapi.exceptions import RequestValidationError
 from pydantic import Discriminator, Field, Tag, ValidationError
 
+from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, Tool
 from deploy.errors import validation_error
 from deploy.prompts import in_vocabulary, prompt_token_ids
-from deploy.protocol import ChatCompletionRequest, ChatMessage, RequestModel, Text, Tool
+from deploy.protocol import RequestModel, Text
 
 
 class TokenizeCompletion(RequestModel):

@@ -229,7 +229,7 @@ def test_labels_and_neutral_settings_are_taken_and_change_nothing(url, path, bod
 
 
 @pytest.mark.parametrize("path, body, model", [
-    ("/v1/chat/completions", chat(), "deploy.protocol.ChatCompletionRequest"),
+    ("/v1/chat/completions", chat(), "deploy.chat_protocol.ChatCompletionRequest"),
     ("/v1/completions", completion(), "deploy.protocol.CompletionRequest"),
     ("/v1/responses", respond(), "deploy.responses.ResponsesRequest"),
     ("/v1/messages", message(), "deploy.messages.MessagesRequest"),

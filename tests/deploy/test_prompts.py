@@ -14,7 +14,8 @@ from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
 from deploy.openai_format import Echo, TokenTexts, prediction_details, shown_logprobs, vllm_prompt_logprobs
 from deploy.prompts import generation_request, grammar_spec, render_chat, template_knows_tools
-from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.chat_protocol import ChatCompletionRequest
+from deploy.protocol import CompletionRequest
 from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
 from replicas.engine import TokenLogprob
 from tests.speculation.test_schema_depth import chain

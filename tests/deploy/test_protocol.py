@@ -1,4 +1,4 @@
-"""The request models of the HTTP edge (deploy/protocol.py), without a cluster: what a body
+"""The request models of the HTTP edge (deploy/protocol.py, deploy/chat_protocol.py), without a cluster: what a body
 means, and which field a bad one names."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.chat_protocol import ChatCompletionRequest
+from deploy.protocol import CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

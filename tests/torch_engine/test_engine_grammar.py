@@ -352,7 +352,7 @@ def test_the_next_turn_prompt_repeats_a_call_token_for_token(engine, loop):
     prompt as the very tokens the model emitted (its `1.50` not re-spelt 1.5), so that prompt
     begins with the first turn's prompt and output and the prefix cache holds through the call."""
     from deploy.prompts import grammar_spec, prompt_token_ids
-    from deploy.protocol import ChatCompletionRequest
+    from deploy.chat_protocol import ChatCompletionRequest
     from deploy.tool_calls import parse_tool_calls
 
     chat = [{"role": "user", "content": "Set the price of apples to 1.50 dollars."}]
