@@ -1,5 +1,5 @@
-"""The request models of the HTTP edge (deploy/protocol.py, deploy/chat_protocol.py), without a cluster: what a body
-means, and which field a bad one names."""
+"""The request models of the HTTP edge (deploy/protocol.py, deploy/chat_protocol.py), without a
+cluster: what a body means, and which field a bad one names."""
 
 from __future__ import annotations
 
