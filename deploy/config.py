@@ -8,6 +8,7 @@ at start and live. Importing this never loads torch.
 """
 
 import dataclasses
+import os
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -18,6 +19,9 @@ from replicas.speculation.ranking import GATE_HOLD_MIN_ACCEPTANCE, GATE_HOLD_S
 
 
 DEFAULT_MAX_TOKENS = 256  # a request's max_tokens when it gives none and the config says nothing
+
+
+MIN_GLOBAL_POOL_TOKENS, MAX_GLOBAL_POOL_TOKENS = 4, 1 << 29  # the suffix automaton's cross-request pool
 
 
 class _Strict(BaseModel):
@@ -44,6 +48,22 @@ class EngineArgs(_Strict):
         "window; at least one context window. Short of pages, the newest requests wait and resume exactly"))
     max_prefill_tokens: int = Field(512, ge=1, description=(
         "kind=torch: context positions one engine step prefills; a longer prompt goes in over several steps"))
+    @field_validator("sa_global_pool_tokens")
+    @classmethod
+    def _global_pool(cls, tokens: int) -> int:  # the native pool's range, checked before a replica starts
+        if tokens != 0 and not MIN_GLOBAL_POOL_TOKENS <= tokens <= MAX_GLOBAL_POOL_TOKENS:
+            raise ValueError(f"must be 0 (off) or in [{MIN_GLOBAL_POOL_TOKENS}, {MAX_GLOBAL_POOL_TOKENS}], got {tokens}")
+        return tokens
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, model: str, info: ValidationInfo) -> str:  # a typo of the default failed only at start
+        # (TensorRT-LLM also takes a Hub id, which may have no "/")
+        if (info.data.get("kind") == "torch" and model != DEFAULT_MODEL and "/" not in model
+                and not os.path.isdir(os.path.expanduser(model))):
+            raise ValueError(f"{model!r} is neither {DEFAULT_MODEL!r} nor a path to a checkpoint directory")
+        return model
+
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,
     # tensor_parallel_size, ...); checked by building the real config in AppArgs below
     trtllm: Optional[dict[str, Any]] = None

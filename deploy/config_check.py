@@ -90,6 +90,8 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
         return [f"serve schema: {exc}"]
     for i, app in enumerate(document.get("applications", [])):
         parsed = ServeApplicationSchema.model_validate(app)
+        if parsed.route_prefix is not None and not parsed.route_prefix.startswith("/"):  # Serve's rule at deploy
+            problems.append(f"applications[{i}].route_prefix: must start with '/', got {parsed.route_prefix!r}")
         if parsed.import_path != "deploy.app:build_app":
             problems.append(f"applications[{i}].import_path: expected deploy.app:build_app")
             continue
@@ -109,6 +111,10 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
             problems += _autoscaling_problems(deployment, where)
             if deployment.get("name") not in DEPLOYMENT_NAMES:
                 problems.append(f"{where}.name: {deployment.get('name')!r} is not one of {DEPLOYMENT_NAMES}")
+            elif "user_config" in deployment and deployment["user_config"] is None:
+                # Serve calls no reconfigure for it: running replicas keep theirs, new ones take the defaults
+                problems.append(f"{where}.user_config: null is not applied to running replicas; leave the key "
+                                "out, or give {} for the defaults")
             elif deployment.get("user_config") is not None:
                 if deployment["name"] != "Replica":
                     problems.append(f"{where}.user_config: only the Replica takes one")

@@ -99,6 +99,9 @@ BAD_VALUES = [
     ("engine.kv_cache_bytes", 1 << 20),
     ("engine.prefix_cache_bytes", 1 << 20),
     ("engine.mtp_weights", "/nonexistent/mtp-head"),  # the model is on this machine: its head must be too
+    ("engine.sa_global_pool_tokens", 2),  # the native pool's range: it failed at start, under its own name
+    ("engine.sa_global_pool_tokens", 10**13),
+    ("engine.model", "smollm2-135m"),  # neither the default nor a path: it failed only at start
     ("replica.num_replicas", "two"),
     ("replica.gate_hold_s", -1),
     ("replica.gate_hold_min_acceptance", 0.5),
@@ -144,6 +147,18 @@ def test_bad_values_in_args(document, dotted, value):
     doc["applications"][0]["args"][section][key] = value
     problems = check_serve_config(doc)
     assert problems and f"{key}:" in problems[0], problems  # the key named, not only quoted
+
+
+def test_a_null_user_config_and_a_route_prefix_without_a_slash_are_reported(document):
+    """Both passed the check: Serve applies no null user_config to running replicas (they kept
+    their settings while new ones took the defaults), and refuses the prefix only at deploy."""
+    doc = copy.deepcopy(document)
+    app = doc["applications"][0]
+    next(d for d in app["deployments"] if d["name"] == "Replica")["user_config"] = None
+    app["route_prefix"] = "v1"
+    problems = check_serve_config(doc)
+    assert any(p.startswith("applications[0].route_prefix: must start with '/'") for p in problems), problems
+    assert any(".user_config: null is not applied" in p for p in problems), problems
 
 
 def test_unknown_keys_walks_lists_and_unions():
