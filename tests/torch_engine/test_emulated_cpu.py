@@ -44,7 +44,10 @@ def probes(tmp_path_factory) -> dict:
     no run reproduced it: the README's "The embedded engine" says what was tried.)
     """
     tmp = tmp_path_factory.mktemp("probe")
-    env = {k: v for k, v in os.environ.items() if k not in ISA_CAPS}  # each picks its own paths
+    # each picks its own paths: no cap, and no OpenBLAS core named (some machines set
+    # OPENBLAS_CORETYPE=Haswell, whose AVX2 kernels an emulated Westmere cannot run: numpy's
+    # import-time dot product was SIGILL)
+    env = {k: v for k, v in os.environ.items() if k not in (*ISA_CAPS, "OPENBLAS_CORETYPE")}
 
     def start(cpu: str | None):
         out, log = tmp / f"{cpu or 'here'}.npz", tmp / f"{cpu or 'here'}.log"
