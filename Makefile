@@ -96,8 +96,8 @@ serve: install
 
 # Apply an edited deploy.yaml to the server `make serve` runs (another shell): the speculation
 # settings (the Replica's user_config) in place, other changes by restarting what they touch.
-# Checked strictly first: Serve drops unknown keys, and a user_config its replicas refuse
-# stops them (with one replica, the service) instead of leaving the old settings running.
+# Checked strictly first: Serve drops unknown keys, and replicas refuse a bad user_config only
+# once it is deployed (they keep the settings in force; a replica starting then fails to start).
 # RAY_DASHBOARD_ADDRESS=http://127.0.0.1:PORT where its Ray did not get the dashboard's 8265.
 .PHONY: redeploy
 redeploy: $(VENV)/.installed

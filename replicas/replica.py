@@ -31,7 +31,7 @@ from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
     METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_KV_USAGE, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST,
     METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS,
-    METRIC_SA_ACCEPTANCE, METRIC_TPOT, METRIC_TTFT, METRIC_WAITING, SOURCES, EngineStats,
+    METRIC_SA_ACCEPTANCE, METRIC_TPOT, METRIC_TTFT, METRIC_USER_CONFIG_REFUSED, METRIC_WAITING, SOURCES, EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class _Metrics:
         self.batch = metrics.Gauge(METRIC_BATCH_SIZE, "requests decoding in the engine")
         self.waiting = metrics.Gauge(METRIC_WAITING, "requests queued in the engine for a batch slot or KV pages")
         self.kv_usage = metrics.Gauge(METRIC_KV_USAGE, "share of the KV cache the requests hold (0 to 1)")
+        self.user_config_refused = metrics.Gauge(METRIC_USER_CONFIG_REFUSED, "1 while the last user_config is "
+                                                 "refused (the settings before it stay in force)")
         self.ttft = metrics.Histogram(METRIC_TTFT, "time to first token",
                                       boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64])
         self.tpot = metrics.Histogram(METRIC_TPOT, "time per output token after the first",
@@ -105,7 +107,8 @@ class _Metrics:
         self.sa_acceptance = metrics.Gauge(METRIC_SA_ACCEPTANCE, "chance an SA draft token is accepted, by match length "
                                            "(measured)", tag_keys=("match_len",))
 
-    def refresh(self, stats: EngineStats) -> None:
+    def refresh(self, stats: EngineStats, user_config_refused: bool) -> None:
+        self.user_config_refused.set(float(user_config_refused))
         for source in SOURCES:
             tags = {"source": source}
             last_draft, last_accepted = self._last[source]
@@ -145,6 +148,7 @@ class Replica:
         log_through_serve("replicas")
         self._engine_factory = engine_factory
         self._engine: Engine | None = None  # built by the first reconfigure
+        self._user_config_refused = False  # the last live reconfigure's settings were refused
         self._metrics = _Metrics() if metrics else None
         self._stats_task: asyncio.Task | None = None
         self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress, with steps
@@ -154,12 +158,24 @@ class Replica:
     # -- configuration and stats ------------------------------------------------------------
     async def reconfigure(self, user_config: Any) -> None:
         """Serve's `user_config` hook: the first call builds and starts the engine with these
-        settings; later calls change them (gate, threshold, draft length, mode) live."""
-        config = SpeculationConfig.from_user_config(user_config or {})
+        settings (settings it refuses fail the replica's start, naming the key); later calls
+        change them (gate, threshold, draft length, mode) live, or, refused, log the error and
+        keep the settings in force (`user_config_refused` in the stats and metrics)."""
         if self._engine is not None:
-            self._engine.configure(config)
+            try:
+                config = SpeculationConfig.from_user_config(user_config)
+                self._engine.configure(config)
+            except ValueError as exc:
+                # Raising would make Serve stop this replica and start new ones that fail on the
+                # same settings: with one replica, an outage until a good deploy.
+                self._user_config_refused = True
+                logger.error("user_config refused, the settings in force are kept (%s): %s",
+                             self._engine.speculation, exc)
+                return
+            self._user_config_refused = False
             logger.info("speculation reconfigured: %s (in force: %s)", config, self._engine.speculation)
             return
+        config = SpeculationConfig.from_user_config(user_config or {})  # refused: the replica does not start
         engine = self._engine_factory(config)
         await engine.start()
         self._engine = engine
@@ -181,6 +197,7 @@ class Replica:
         flat["max_draft_len"] = float(speculation.max_draft_len)
         flat["sa_threshold"] = float(speculation.sa_threshold)
         flat["live_requests"] = float(engine.num_live_requests)
+        flat["user_config_refused"] = float(self._user_config_refused)
         return flat
 
     async def record_routing_stats(self) -> dict[str, float]:
@@ -202,7 +219,7 @@ class Replica:
     async def _refresh_metrics_forever(self) -> None:
         while self._metrics is not None:
             try:
-                self._metrics.refresh(self.engine.stats())
+                self._metrics.refresh(self.engine.stats(), self._user_config_refused)
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 logger.exception("metrics refresh failed")
             await asyncio.sleep(STATS_PERIOD_S)

@@ -50,6 +50,7 @@ METRIC_PREFIX_EVICTIONS = "prefix_cache_evicted_blocks_total"
 METRIC_KV_PREEMPTIONS = "engine_kv_preemptions_total"
 METRIC_WAITING = "engine_waiting_requests"  # gauge: queued in the engine for a batch slot or KV pages
 METRIC_KV_USAGE = "engine_kv_cache_usage"  # gauge: EngineStats.kv_cache_usage
+METRIC_USER_CONFIG_REFUSED = "replica_user_config_refused"  # gauge: 1 while the last user_config is refused
 # gauges: what the measured draft rule (speculation.draft_length) weighs drafts against
 METRIC_DRAFT_ROW_COST = "spec_draft_row_cost"
 METRIC_MTP_ASK_COST = "spec_mtp_ask_cost"

@@ -286,6 +286,38 @@ def test_reconfigure_moves_the_gate_live(client, replica_handle):
     assert reopened.choices[0].text == closed.choices[0].text, (reopened.choices[0].text, closed.choices[0].text)
 
 
+def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_handle):
+    """A bare `serve deploy` of settings the replica refuses: it keeps the settings in force and
+    serves on (raising would make Serve stop it), reports the refusal in its stats, log and
+    metrics, and takes the next good deploy."""
+    def stat(name: str) -> float:
+        return replica_handle.stats.remote().result()[name]
+
+    def refused_gauge() -> float | None:
+        found = re.search(r"^ray_replica_user_config_refused(?:\{[^}]*\})? (\S+)$",
+                          httpx.get(metrics_url(), timeout=10).text, re.M)
+        return float(found.group(1)) if found else None
+
+    assert stat("batch_gate") == 4 and stat("user_config_refused") == 0
+    pid = replica_handle.pid.remote().result()
+    deploy(serving_config(batch_gate=-1))
+    assert wait_until(lambda: stat("user_config_refused") == 1, timeout_s=60, interval_s=0.2)
+    assert wait_until(lambda: re.search(r"user_config refused, the settings in force are kept .*user_config\.batch_gate",
+                                        _replica_log()), timeout_s=30, interval_s=0.2), _replica_log()[-2000:]
+    assert wait_until(lambda: refused_gauge() == 1, timeout_s=30, interval_s=1)
+    assert replica_handle.pid.remote().result() == pid and stat("batch_gate") == 4
+    from ray import serve
+
+    assert serve.status().applications[APP].status == "RUNNING"
+    answer = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason == "length" and answer.usage.model_extra["speculation"]["steps"] > 0
+
+    deploy(serving_config(batch_gate=4))
+    assert wait_until(lambda: stat("user_config_refused") == 0, timeout_s=60, interval_s=0.2)
+    assert wait_until(lambda: refused_gauge() == 0, timeout_s=30, interval_s=1)
+    assert replica_handle.pid.remote().result() == pid
+
+
 def test_engine_errors_are_400s_naming_the_field(url):
     body = {"model": MODEL, "prompt": "hello " * 50, "max_tokens": 1000}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

@@ -57,6 +57,44 @@ def test_reconfigure_changes_the_engine_and_the_stats():
     run(scenario())
 
 
+def test_a_refused_first_user_config_fails_the_start_naming_the_key():
+    async def scenario():
+        replica = Replica(FakeEngine, metrics=False)
+        with pytest.raises(ValueError, match=r"user_config\.batch_gate"):
+            await replica.reconfigure({"batch_gate": -1})
+        with pytest.raises(RuntimeError, match="no user_config"):
+            replica.engine
+    run(scenario())
+
+
+class RefusingEngine(FakeEngine):
+    """Refuses settings it cannot run, as TensorRT-LLM refuses EAGLE-3 without a draft model."""
+
+    def configure(self, speculation: SpeculationConfig) -> None:
+        if speculation.mode == "mtp":
+            raise ValueError("user_config.mode: this engine has no MTP head")
+        super().configure(speculation)
+
+
+@pytest.mark.parametrize("refused", [{"batch_gate": -1}, {"no_such_key": 1}, {"mode": "mtp"}])
+def test_a_refused_live_user_config_keeps_the_settings_in_force(refused, caplog):
+    async def scenario():
+        replica = await make_replica({"batch_gate": 2}, engine_cls=RefusingEngine)
+        engine = replica.engine
+        assert (await replica.stats())["user_config_refused"] == 0
+        await replica.reconfigure(refused)  # no raise: Serve would stop the replica for it
+        stats = await replica.stats()
+        assert replica.engine is engine and engine.speculation == SpeculationConfig(batch_gate=2)
+        assert stats["user_config_refused"] == 1 and stats["batch_gate"] == 2
+        assert any(r.levelname == "ERROR" and "user_config refused" in r.getMessage() and "user_config." in r.getMessage()
+                   for r in caplog.records), caplog.text
+        await replica.check_health()
+        await replica.reconfigure({"batch_gate": 6})  # a good one clears the flag
+        stats = await replica.stats()
+        assert stats["user_config_refused"] == 0 and stats["batch_gate"] == 6
+    run(scenario())
+
+
 def test_autoscaling_stats_are_empty_until_the_engine_is_built():
     async def scenario():
         replica = Replica(FakeEngine, metrics=False)
