@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "numpy_order.hpp"
 #include "sa_errors.hpp"
 #include "sa_host_automaton.hpp"
 #include "sa_pool.hpp"
@@ -71,9 +72,7 @@ py::array_t<T> exact_array(py::handle obj, int ndim, const char* name) {
   }
   auto arr = py::reinterpret_borrow<py::array>(obj);
   // By type number, not identity: numpy's longlong is an int64 other than its long.
-  const char order = arr.dtype().byteorder(), native = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
-  if (arr.dtype().normalized_num() != py::dtype::of<T>().normalized_num() ||
-      (order != '=' && order != '|' && order != native)) {
+  if (arr.dtype().normalized_num() != py::dtype::of<T>().normalized_num() || !native_byte_order(arr)) {
     throw std::invalid_argument(std::string(name) + " must have dtype " + want() + ", got " +
                                 py::str(arr.dtype()).cast<std::string>());
   }

@@ -18,6 +18,7 @@
 #include "cpu/llama_forward.hpp"
 #include "cpu/numerics.hpp"
 #include "cpu/thread_pool.hpp"
+#include "numpy_order.hpp"
 
 namespace py = pybind11;
 
@@ -49,8 +50,7 @@ T* checked(py::array& a, const char* name, char dtype, std::vector<py::ssize_t> 
            std::to_string(a.shape(i)));
     }
   }
-  const char order = a.dtype().byteorder(), native = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
-  if (order != '=' && order != '|' && order != native) fail("must be in this machine's byte order");
+  if (!native_byte_order(a)) fail("must be in this machine's byte order");
   if ((a.flags() & py::array::c_style) == 0) fail("must be C-contiguous");
   if (writable && !a.writeable()) fail("must be writable");
   return static_cast<T*>(writable ? a.mutable_data() : const_cast<void*>(a.data()));
