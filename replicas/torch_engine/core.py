@@ -155,25 +155,28 @@ class EngineCore:
                     self._fail(seq, exc)
                 else:
                     prefilled.remove(seq)
-                    self._preempt(seq)
+                    self._preempt(seq, admitting=True)
                     break
             except Exception as exc:  # noqa: BLE001
                 self._fail(seq, exc)
         return prefilled
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, admitting: bool = False) -> None:
         """Take a running request's KV pages (and every per-request resource) back; it waits
         first in line and resumes where it was, as a `Resume` does: its output goes back in with
         the prompt (from the prefix cache where its blocks are still there), and it produces
-        exactly what it would have without the pause."""
+        exactly what it would have without the pause. One `admitting` found no pages before its
+        first step: it goes back to wait, no preemption."""
         self.running.remove(seq)
         self._release(seq)
         seq.num_cached = seq.prefix_offered = 0
         seq.prefilling = False
         seq.prompt_logprobs = []  # not sent yet: scored again from the start
         self.waiting.insert(0, seq)
-        self.preemptions += 1
         self._room_freed = False
+        if admitting:
+            return
+        self.preemptions += 1
         logger.info("request %s back in the queue until KV pages free up (%d output tokens kept)",
                     seq.request_id, len(seq.output_ids))
 

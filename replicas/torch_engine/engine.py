@@ -119,8 +119,11 @@ class TorchEngine:
         # the sizes and the MTP head against the model's config, before its weights load (as
         # config_check does)
         target_cfg = model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir))
+        memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                  else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         problems = size_problems(cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes,
-                                 cfg.mtp_weights is not None, target_cfg, cuda=device.type == "cuda")
+                                 cfg.mtp_weights is not None, target_cfg, cuda=device.type == "cuda",
+                                 max_batch_size=cfg.max_batch_size, memory_bytes=memory)
         problems += setting_problems(cfg.mtp_weights, target_cfg)
         if problems:
             raise ValueError("; ".join(problems))

@@ -61,13 +61,30 @@ def prefix_block_bytes(page: int, hidden_size: int) -> int:
     return page + PAGE_TOKENS * hidden_size * 4
 
 
+def check_memory(max_batch_size: int, max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int,
+                 page: int, memory_bytes: int) -> None:
+    """The KV cache (`kv_cache_bytes`, or 0: every slot's whole window) and the prefix cache
+    within `memory_bytes`, the memory of the device that holds them: past it, the replica
+    would run out of memory, and Serve restart it to run out again."""
+    kv = kv_cache_bytes or max_batch_size * (whole_pages(max_seq_len) // PAGE_TOKENS) * page
+    if kv + prefix_cache_bytes > memory_bytes:
+        kv_keys = "kv_cache_bytes" if kv_cache_bytes else "max_batch_size x max_seq_len (kv_cache_bytes 0)"
+        raise ValueError(f"{kv_keys}: the KV cache's {kv / 2**30:.1f} GiB and prefix_cache_bytes' "
+                         f"{prefix_cache_bytes / 2**30:.1f} GiB are more than this device's {memory_bytes / 2**30:.1f} "
+                         f"GiB of memory")
+
+
 def size_problems(max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int, with_mtp: bool,
-                  model: ModelConfig, cuda: bool = False) -> list[str]:
+                  model: ModelConfig, cuda: bool = False, max_batch_size: int = 1,
+                  memory_bytes: int | None = None) -> list[str]:
     """What the checks above say of the engine's sizes, every one: on CPU its fp16 pages within
     `kv_cache_bytes`; on CUDA (`cuda`) fp32 KV in whole windows per slot, and `kv_cache_bytes`
-    not read."""
+    not read; both caches within `memory_bytes` where it is given."""
     page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 4 if cuda else 2)
     checks = [lambda: check_context(max_seq_len, model)]
+    if memory_bytes is not None:
+        checks.append(lambda: check_memory(max_batch_size, max_seq_len, 0 if cuda else kv_cache_bytes,
+                                           prefix_cache_bytes, page, memory_bytes))
     if not cuda:
         checks.append(lambda: kv_pages(max_seq_len, kv_cache_bytes, model))
     if prefix_cache_bytes:

@@ -228,6 +228,36 @@ def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, l
         loop.run_until_complete(tight.shutdown())
 
 
+def test_a_request_with_no_pages_at_admission_waits_and_is_no_preemption(engines, loop):
+    """Pages for one window and 2 more: a long prompt holds nearly all of them, so a short one
+    sent beside it finds none at admission. It waits for the first to end (counted waiting, not
+    preempted: it had never run) and then runs as it would alone."""
+    warm, cold = engines
+    if not isinstance(warm.core.cache, PagedKVCache):
+        pytest.skip("the paged KV cache is the native CPU forward's")
+    tight = _engine("cpu", kv_cache_bytes=(MAX_SEQ_LEN // BLOCK_TOKENS + 2) * warm.core.cache.page_bytes,
+                    prefix_cache_bytes=0)
+    loop.run_until_complete(tight.start())
+    try:
+        long_prompt, short_prompt = _ids(500, MAX_SEQ_LEN - 100), _ids(501, 300)
+        waiting = []
+
+        async def both():
+            first = asyncio.ensure_future(collect_logprobs(tight, request(long_prompt, max_tokens=16)))
+            await async_wait_until(lambda: tight.core.running, timeout_s=30)
+            second = asyncio.ensure_future(collect_logprobs(tight, request(short_prompt, max_tokens=16)))
+            while not second.done():
+                waiting.append(tight.stats().waiting)
+                await asyncio.sleep(0.01)
+            return await first, await second
+
+        _, (tokens, _, logprobs, _) = loop.run_until_complete(both())
+        assert max(waiting) == 1 and tight.core.preemptions == 0
+        assert (tokens, logprobs) == _run(loop, cold, short_prompt, max_tokens=16)[:2]
+    finally:
+        loop.run_until_complete(tight.shutdown())
+
+
 def test_aborting_during_prefill_leaves_the_cache_consistent(engines, loop, monkeypatch):
     """An abort takes effect between two chunks of a long prompt's prefill (not once the whole
     prompt is in); the whole blocks that went in before it were stored, and they are sound."""
@@ -267,6 +297,15 @@ def test_sizes_short_of_one_context_window_are_refused_naming_the_key(loop):
     with pytest.raises(ValueError, match=r"kv_cache_bytes: 1048576 bytes hold 1 pages .* needs 8"):
         loop.run_until_complete(engine.start())
     loop.run_until_complete(engine.shutdown())
+    for sizes, named in [(dict(max_batch_size=10**9), r"max_batch_size x max_seq_len \(kv_cache_bytes 0\): the KV "),
+                         (dict(kv_cache_bytes=1 << 50), r"kv_cache_bytes: the KV cache's 1048576\.0 GiB"),
+                         (dict(prefix_cache_bytes=1 << 50), r"prefix_cache_bytes' 1048576\.0 GiB are more than")]:
+        # more than this machine's memory: refused before any of it is allocated
+        engine = TorchEngine(TorchEngineConfig(**{"max_batch_size": 1, "max_seq_len": 256, "device": "cpu",
+                                                  "prefix_cache_bytes": 0, **sizes}))
+        with pytest.raises(ValueError, match=named):
+            loop.run_until_complete(engine.start())
+        loop.run_until_complete(engine.shutdown())
     positions = model_config(DEFAULT_MODEL).max_position_embeddings  # RoPE has no angle past the last
     engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=positions + 32, prefix_cache_bytes=0))
     with pytest.raises(ValueError, match=f"max_seq_len: {positions + 32} is past the model's {positions} positions"):
