@@ -1,6 +1,7 @@
 """Typed arguments of the Serve application: what `deploy.yaml`'s `args:` may say.
 
-Every model forbids unknown keys (Serve's own schema drops them silently) and is frozen.
+Every model forbids unknown keys (Serve's own schema drops them silently), takes no value of
+another type (a quoted "8" or YAML's `true` for a number) and is frozen.
 Each component is handed its own sub-config: the engine factory gets `EngineArgs`, the
 ingress `IngressConfig`. The speculation settings are not here: they are the Replica's
 `user_config` (`replicas.engine.SpeculationConfig`), the one way they reach a replica,
@@ -25,7 +26,7 @@ MIN_GLOBAL_POOL_TOKENS, MAX_GLOBAL_POOL_TOKENS = 4, 1 << 29  # the suffix automa
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class EngineArgs(_Strict):

@@ -82,12 +82,19 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
                 problems += _runtime_env_problems(app["runtime_env"], f"applications[{i}].runtime_env")
     except (AttributeError, TypeError):  # a value of another shape than the schema's: its check says where
         problems = []
+    problems += _policy_import_problems(document)
     if problems:
         return problems
     try:
         ServeDeploySchema.model_validate(document)
+    except ValidationError as exc:
+        return _validation_lines(exc)
     except Exception as exc:  # noqa: BLE001 - report, don't raise
         return [f"serve schema: {exc}"]
+    for section in ("http_options", "grpc_options"):  # Serve's schema takes any int; binding fails at start
+        port = (document.get(section) or {}).get("port")
+        if isinstance(port, int) and not 0 < port < 65536:
+            problems.append(f"{section}.port: must be in [1, 65535], got {port}")
     for i, app in enumerate(document.get("applications", [])):
         parsed = ServeApplicationSchema.model_validate(app)
         if parsed.route_prefix is not None and not parsed.route_prefix.startswith("/"):  # Serve's rule at deploy
@@ -126,10 +133,37 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _validation_lines(exc: ValidationError, where: str) -> list[str]:
-    """One line per failed field, named by its path under `where`."""
-    return [".".join([where, *map(str, error["loc"])]) + ": " + error["msg"].removeprefix("Value error, ")
+def _validation_lines(exc: ValidationError, where: str = "") -> list[str]:
+    """One line per failed field, named by its path under `where` (list items as `[i]`)."""
+    def path(loc: tuple) -> str:
+        return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+    return [(where + path(error["loc"])).removeprefix(".") + ": " + error["msg"].removeprefix("Value error, ")
             for error in exc.errors()]
+
+
+def _policy_import_problems(document: dict[str, Any]) -> list[str]:
+    """Each deployment's `autoscaling_config.policy.policy_function` that does not import:
+    Serve's schema imports it while validating and raises the bare ImportError, no key named."""
+    from ray._common.utils import import_module_and_attr
+
+    def items(node: Any, key: str) -> list:
+        found = node.get(key) if isinstance(node, dict) else None
+        return found if isinstance(found, list) else []
+
+    problems = []
+    for i, app in enumerate(items(document, "applications")):
+        for j, deployment in enumerate(items(app, "deployments")):
+            config = deployment.get("autoscaling_config") if isinstance(deployment, dict) else None
+            policy = config.get("policy") if isinstance(config, dict) else None
+            function = policy.get("policy_function") if isinstance(policy, dict) else None
+            if isinstance(function, str):
+                try:
+                    import_module_and_attr(function)
+                except (ImportError, AttributeError, ValueError) as exc:
+                    problems.append(f"applications[{i}].deployments[{j}].autoscaling_config.policy.policy_function: "
+                                    f"cannot import {function!r}: {exc}")
+    return problems
 
 
 def _runtime_env_problems(runtime_env: Any, where: str) -> list[str]:

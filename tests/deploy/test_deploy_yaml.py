@@ -89,6 +89,8 @@ def test_deployment_overrides(document, name, override, ok):
 BAD_VALUES = [
     ("engine.kind", "tensorflow"),
     ("engine.max_batch_size", 0),
+    ("engine.max_batch_size", True),  # strict types: YAML's `true` or a quoted "8" was taken as a number
+    ("limits.stream_idle_timeout_s", "300"),
     ("engine.max_seq_len", 4),
     ("engine.max_prefill_tokens", 0),
     ("limits.max_tokens", 0),
@@ -161,6 +163,23 @@ def test_a_null_user_config_and_a_route_prefix_without_a_slash_are_reported(docu
     assert any(".user_config: null is not applied" in p for p in problems), problems
 
 
+def test_serve_schema_problems_name_the_key(document):
+    """Serve's own checks: a value of the wrong type, a policy_function that does not import
+    (Serve's schema raised the bare ImportError) and a port no socket takes."""
+    doc = copy.deepcopy(document)
+    replica = next(j for j, d in enumerate(doc["applications"][0]["deployments"]) if d["name"] == "Replica")
+    doc["applications"][0]["deployments"][replica]["max_ongoing_requests"] = "many"
+    assert check_serve_config(doc) == [f"applications[0].deployments[{replica}].max_ongoing_requests: Input should "
+                                       "be a valid integer, unable to parse string as an integer"]
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["deployments"][replica]["autoscaling_config"]["policy"]["policy_function"] = "nosuch:fn"
+    assert check_serve_config(doc) == [f"applications[0].deployments[{replica}].autoscaling_config.policy."
+                                       "policy_function: cannot import 'nosuch:fn': No module named 'nosuch'"]
+    doc = copy.deepcopy(document)
+    doc["http_options"]["port"] = 70000
+    assert check_serve_config(doc) == ["http_options.port: must be in [1, 65535], got 70000"]
+
+
 def test_unknown_keys_walks_lists_and_unions():
     from ray.serve.schema import ServeDeploySchema
 
@@ -225,6 +244,6 @@ def test_a_file_that_is_no_serve_config_is_reported_and_the_next_is_still_checke
     assert main(paths) == 1
     out = capsys.readouterr().out
     assert "empty.yaml: the file must be a mapping" in out and "list.yaml: the file must be a mapping" in out
-    assert "int.yaml: serve schema:" in out and "applications" in out
+    assert "int.yaml: applications: Input should be a valid list" in out
     assert "broken.yaml: cannot read it:" in out and "missing.yaml: cannot read it:" in out
     assert out.rstrip().endswith("deploy.yaml: OK")
