@@ -194,3 +194,25 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+
+def misplaced_tool_message(messages: List[ChatMessage]) -> Optional[tuple[str, str]]:
+    """(the field, what is wrong) where a tool message answers no call of the assistant message
+    its run of tool messages follows, or a call it already answered, or where an assistant
+    message names one call id twice (OpenAI's rule: the chat template would render a result
+    with no call, or two calls the model cannot tell apart); None where none does."""
+    open_calls: set[str] = set()  # the last assistant message's calls not answered yet
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id not in open_calls:
+                return f"messages[{i}].tool_call_id", (
+                    f"{message.tool_call_id!r} is no call of the assistant message before it, or was answered "
+                    "already (tool messages follow the assistant message whose tool_calls they answer, one each)")
+            open_calls.remove(message.tool_call_id)
+            continue
+        open_calls = set()
+        for j, call in enumerate(message.tool_calls or []):
+            if call.id in open_calls:
+                return f"messages[{i}].tool_calls[{j}].id", f"{call.id!r} is the id of an earlier call of this message"
+            open_calls.add(call.id)
+    return None

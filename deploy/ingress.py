@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
-from deploy.chat_protocol import ChatCompletionRequest
+from deploy.chat_protocol import ChatCompletionRequest, misplaced_tool_message
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
@@ -110,6 +110,8 @@ class Ingress:
 
     async def handle(self, kind: fmt.Kind, body: Union[CompletionRequest, ChatCompletionRequest]):
         self._served(body.model)
+        if kind == "chat" and (misplaced := misplaced_tool_message(body.messages)):
+            raise ApiError(400, ": ".join(misplaced), misplaced[0])
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = await self.tokenizer()
         requests = await self._off_loop(engine_requests, request_id, tokenizer, body, self.config)
@@ -159,7 +161,8 @@ class Ingress:
         previous = await self.stored.get(body.previous_response_id, "previous_response_id") \
             if body.previous_response_id else None
         taken = [item["id"] for item in (*previous[0]["output"], *previous[2])] if previous else []
-        if repeated := responses.repeated_id(body.items, taken):
+        if repeated := responses.repeated_id(body.items, taken) or responses.unmatched_call(
+                body.items, previous[1] if previous else []):
             raise ApiError(400, ": ".join(repeated), repeated[0])
         conversation = responses.conversation(body, previous[1] if previous else [])
         chat = responses.chat_request(body, conversation)

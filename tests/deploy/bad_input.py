@@ -23,6 +23,11 @@ def message(**kw):
     return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
 
 
+_USER = {"role": "user", "content": "x"}
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+_CALLED = {"role": "assistant", "tool_calls": [_CALL]}
+_FUNCTION_CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+
 _REF_CHAIN = {"$defs": {f"a{i}": {"items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(150)}, "$ref": "#/$defs/a0"}
 
 BAD_INPUT = [
@@ -44,8 +49,20 @@ BAD_INPUT = [
     ("empty messages", "/v1/chat/completions", chat(messages=[]), {}, 400, "messages"),
     ("bad role", "/v1/chat/completions", chat(messages=[{"role": "robot", "content": "x"}]), {}, 400,
      "messages[0].role"),
-    ("template refuses", "/v1/chat/completions",
-     chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "c1"}]), {}, 400, "messages"),
+    ("a tool message first", "/v1/chat/completions",
+     chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "c1"}]), {}, 400, "messages[0].tool_call_id"),
+    ("a tool message answering a call of another id", "/v1/chat/completions",
+     chat(messages=[_USER, _CALLED, {"role": "tool", "content": "18", "tool_call_id": "c2"}]), {}, 400,
+     "messages[2].tool_call_id"),
+    ("a call answered twice", "/v1/chat/completions",
+     chat(messages=[_USER, _CALLED, *[{"role": "tool", "content": "18", "tool_call_id": "c1"}] * 2]), {}, 400,
+     "messages[3].tool_call_id"),
+    ("a tool message after a user message", "/v1/chat/completions",
+     chat(messages=[_USER, _CALLED, {"role": "tool", "content": "18", "tool_call_id": "c1"}, _USER,
+                    {"role": "tool", "content": "18", "tool_call_id": "c1"}]), {}, 400, "messages[4].tool_call_id"),
+    ("two calls of one id", "/v1/chat/completions",
+     chat(messages=[_USER, {"role": "assistant", "tool_calls": [_CALL, _CALL]}]), {}, 400,
+     "messages[1].tool_calls[1].id"),
     ("negative max_tokens", "/v1/completions", completion(max_tokens=-5), {}, 400, "max_tokens"),
     ("zero max_tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "max_tokens"),
     ("huge max_tokens", "/v1/completions", completion(max_tokens=10**9), {}, 400, "max_tokens"),
@@ -189,8 +206,13 @@ BAD_INPUT = [
      400, "input[0].content[0]"),
     ("responses: reasoning item", "/v1/responses", respond(input=[{"type": "reasoning", "summary": []}]), {}, 400,
      "input[0]"),
-    ("responses: call output the template refuses", "/v1/responses",
-     respond(input=[{"type": "function_call_output", "call_id": "c1", "output": "18"}]), {}, 400, "input"),
+    ("responses: a call output answering no call", "/v1/responses",
+     respond(input=[{"type": "function_call_output", "call_id": "c1", "output": "18"}]), {}, 400, "input[0].call_id"),
+    ("responses: a call answered twice", "/v1/responses",
+     respond(input=[_USER, _FUNCTION_CALL, *[{"type": "function_call_output", "call_id": "c1", "output": "18"}] * 2]),
+     {}, 400, "input[3].call_id"),
+    ("responses: two calls of one call_id", "/v1/responses", respond(input=[_USER, _FUNCTION_CALL, _FUNCTION_CALL]),
+     {}, 400, "input[2].call_id"),
     ("responses: hosted tool", "/v1/responses", respond(tools=[{"type": "web_search"}]), {}, 400, "tools[0].type"),
     ("responses: a function whose parameters are no object", "/v1/responses",
      respond(tools=[{"type": "function", "name": "f", "parameters": {"type": "array"}}]), {}, 400,
