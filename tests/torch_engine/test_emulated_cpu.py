@@ -1,8 +1,8 @@
 """The native forward on CPUs this machine is not, emulated by QEMU's user mode.
 
-CI runs on whichever machine a session has, an AVX2-only AMD EPYC Zen 3 or an Intel Xeon with
-AVX-512 and AMX; a kernel path that picks, or an instruction that slips into, code one of them
-cannot run shows only on the other. `qemu-x86_64 -cpu MODEL` runs a process with that CPU's
+CI runs on whichever machine a session has: an AVX2-only AMD EPYC Zen 3, an AMD EPYC with
+AVX-512 (Zen 4, Zen 5) or an Intel Xeon with AVX-512 and AMX; a kernel path that picks, or an
+instruction that slips into, code one of them cannot run shows only on another. `qemu-x86_64 -cpu MODEL` runs a process with that CPU's
 CPUID and instruction set (an instruction it lacks is SIGILL), so here the same fixed forward
 (forward_probe.py) runs on this machine and on an emulated Zen 3 (EPYC-Milan: AVX2 + FMA + F16C,
 AMD's CPUID, which MKL and torch dispatch on too) and a pre-AVX Westmere. Each must pick the
