@@ -193,6 +193,9 @@ def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str)
             args.engine.trtllm_config(speculation)
         except ValueError as exc:
             return [f"{where}.user_config: {exc}"]
+    if args is not None and args.engine.kind == "torch" and speculation.mode == "mtp" and not args.engine.mtp_weights:
+        return [f"{where}.user_config.mode: mtp drafts with the MTP head, and engine.mtp_weights is null: "
+                "nothing would be drafted (hybrid drafts with the suffix automaton alone there)"]
     return []
 
 

@@ -163,9 +163,10 @@ def test_a_null_user_config_and_a_route_prefix_without_a_slash_are_reported(docu
     assert any(".user_config: null is not applied" in p for p in problems), problems
 
 
-def test_serve_schema_problems_name_the_key(document):
+def test_values_that_fail_only_at_deploy_or_do_nothing_are_reported(document):
     """Serve's own checks: a value of the wrong type, a policy_function that does not import
-    (Serve's schema raised the bare ImportError) and a port no socket takes."""
+    (Serve's schema raised the bare ImportError) and a port no socket takes; and mode mtp with
+    no MTP head, which drafts nothing."""
     doc = copy.deepcopy(document)
     replica = next(j for j, d in enumerate(doc["applications"][0]["deployments"]) if d["name"] == "Replica")
     doc["applications"][0]["deployments"][replica]["max_ongoing_requests"] = "many"
@@ -175,6 +176,12 @@ def test_serve_schema_problems_name_the_key(document):
     doc["applications"][0]["deployments"][replica]["autoscaling_config"]["policy"]["policy_function"] = "nosuch:fn"
     assert check_serve_config(doc) == [f"applications[0].deployments[{replica}].autoscaling_config.policy."
                                        "policy_function: cannot import 'nosuch:fn': No module named 'nosuch'"]
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["args"]["engine"]["mtp_weights"] = None
+    doc["applications"][0]["deployments"][replica]["user_config"]["mode"] = "mtp"
+    assert check_serve_config(doc) == [f"applications[0].deployments[{replica}].user_config.mode: mtp drafts with "
+                                       "the MTP head, and engine.mtp_weights is null: nothing would be drafted "
+                                       "(hybrid drafts with the suffix automaton alone there)"]
     doc = copy.deepcopy(document)
     doc["http_options"]["port"] = 70000
     assert check_serve_config(doc) == ["http_options.port: must be in [1, 65535], got 70000"]
