@@ -104,6 +104,12 @@ redeploy: $(VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(PY) -m deploy.config_check deploy.yaml
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve deploy deploy.yaml
 
+# `serve status` of that server: Serve's CLI imports the deployments' router class
+# (deploy.router), so it needs the repository on PYTHONPATH too (bare, a ModuleNotFoundError).
+.PHONY: status
+status: $(VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve status
+
 # One GPU with TensorRT-LLM (inside the pinned container, docs/trtllm.md): start deploy-gpu.yaml,
 # check greedy output with speculation on == off, acceptance and the gate from /metrics; prints a
 # table, writes benchmarks/results/gpu_check.json, fails on a mismatch. The container's Python,
