@@ -218,7 +218,8 @@ def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
             return []  # its package is not installed here
         return [f"{where}.engine.model: {exc}"]
     problems = size_problems(engine.max_seq_len, engine.kv_cache_bytes, engine.prefix_cache_bytes,
-                             engine.mtp_weights is not None, model, cuda=engine.device == "cuda")
+                             engine.mtp_weights is not None, model, cuda=engine.device == "cuda",
+                             max_batch_size=engine.max_batch_size)
     return [f"{where}.engine.{problem}" for problem in problems + setting_problems(engine.mtp_weights, model)]
 
 

@@ -254,23 +254,25 @@ def repeated_id(items: list, taken: Iterable[str] = ()) -> Optional[tuple[str, s
 
 
 def unmatched_call(items: list, history: List[ChatMessage]) -> Optional[tuple[str, str]]:
-    """(the field, what is wrong) where a function_call_output answers no function_call before
-    it, in `items` or in `history` (the conversation `previous_response_id` names), or one
-    answered already, or where a function_call takes an earlier call's call_id; None where
-    none does."""
-    calls = {call.id for message in history for call in message.tool_calls or []}
-    answered = {message.tool_call_id for message in history if message.role == "tool"}
+    """(the field, what is wrong) where a function_call_output answers no unanswered
+    function_call before it, in `items` or in `history` (the conversation
+    `previous_response_id` names), or where a function_call takes the call_id of one not yet
+    answered; None where none does. (A message may come between a call and its output, as
+    OpenAI's Responses allow; chat's tool messages follow their calls.)"""
+    unanswered: set[str] = set()
+    for message in history:
+        unanswered |= {call.id for call in message.tool_calls or []}
+        unanswered.discard(message.tool_call_id)
     for i, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
-            if item.call_id in calls:
-                return f"input[{i}].call_id", f"{item.call_id!r} is the call_id of an earlier function_call"
-            calls.add(item.call_id)
+            if item.call_id in unanswered:
+                return f"input[{i}].call_id", f"{item.call_id!r} is the call_id of an earlier call not answered yet"
+            unanswered.add(item.call_id)
         elif isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in calls:
-                return f"input[{i}].call_id", f"no function_call with call_id {item.call_id!r} comes before it"
-            if item.call_id in answered:
-                return f"input[{i}].call_id", f"the call {item.call_id!r} was answered already"
-            answered.add(item.call_id)
+            if item.call_id not in unanswered:
+                return f"input[{i}].call_id", (f"no function_call with call_id {item.call_id!r} comes before it, "
+                                               "or it was answered already")
+            unanswered.remove(item.call_id)
     return None
 
 

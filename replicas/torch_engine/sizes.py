@@ -61,6 +61,15 @@ def prefix_block_bytes(page: int, hidden_size: int) -> int:
     return page + PAGE_TOKENS * hidden_size * 4
 
 
+def check_slots(max_batch_size: int, pages: int | None) -> None:
+    """No more request slots than the paged KV cache's `pages` (None: a whole window per slot)
+    can run: each running request holds a page at least, so slots past them only cost memory
+    (a slot's page table and bookkeeping: 10^9 of them ran a replica out of memory)."""
+    if pages is not None and max_batch_size > pages:
+        raise ValueError(f"max_batch_size: {max_batch_size} requests at once, but kv_cache_bytes buys {pages} pages "
+                         f"of {PAGE_TOKENS} tokens, and a running request holds one at least")
+
+
 def check_memory(max_batch_size: int, max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int,
                  page: int, memory_bytes: int) -> None:
     """The KV cache (`kv_cache_bytes`, or 0: every slot's whole window) and the prefix cache
@@ -78,15 +87,15 @@ def size_problems(max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int
                   model: ModelConfig, cuda: bool = False, max_batch_size: int = 1,
                   memory_bytes: int | None = None) -> list[str]:
     """What the checks above say of the engine's sizes, every one: on CPU its fp16 pages within
-    `kv_cache_bytes`; on CUDA (`cuda`) fp32 KV in whole windows per slot, and `kv_cache_bytes`
-    not read; both caches within `memory_bytes` where it is given."""
+    `kv_cache_bytes`, and no more slots than pages; on CUDA (`cuda`) fp32 KV in whole windows
+    per slot, and `kv_cache_bytes` not read; both caches within `memory_bytes` where it is given."""
     page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 4 if cuda else 2)
     checks = [lambda: check_context(max_seq_len, model)]
+    if not cuda:
+        checks.append(lambda: check_slots(max_batch_size, kv_pages(max_seq_len, kv_cache_bytes, model)))
     if memory_bytes is not None:
         checks.append(lambda: check_memory(max_batch_size, max_seq_len, 0 if cuda else kv_cache_bytes,
                                            prefix_cache_bytes, page, memory_bytes))
-    if not cuda:
-        checks.append(lambda: kv_pages(max_seq_len, kv_cache_bytes, model))
     if prefix_cache_bytes:
         hidden = model.hidden_size if with_mtp else 0
         checks.append(lambda: prefix_blocks(max_seq_len, prefix_cache_bytes, prefix_block_bytes(page, hidden)))

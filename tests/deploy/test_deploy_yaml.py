@@ -89,6 +89,7 @@ def test_deployment_overrides(document, name, override, ok):
 BAD_VALUES = [
     ("engine.kind", "tensorflow"),
     ("engine.max_batch_size", 0),
+    ("engine.max_batch_size", 10**9),  # more slots than kv_cache_bytes' pages: ran the replica out of memory
     ("engine.max_batch_size", True),  # strict types: YAML's `true` or a quoted "8" was taken as a number
     ("limits.stream_idle_timeout_s", "300"),
     ("engine.max_seq_len", 4),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from deploy.chat_protocol import ChatCompletionRequest
+from deploy.chat_protocol import ChatCompletionRequest, misplaced_tool_message
 from deploy.protocol import CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -42,3 +42,27 @@ def test_a_bad_prompt_in_a_batch_is_named_by_its_place(prompt, says):
     (error,) = info.value.errors()
     assert error["loc"][0] == "prompt" and says in error["msg"]
     assert ("of the batch" in error["msg"]) == ("of the batch" in says)  # a lone prompt is the prompt
+
+
+def test_tool_messages_answer_the_calls_of_the_assistant_message_before_them():
+    """What the ingress checks (the 400s are in test_http_edges): each of a run of tool messages
+    answers one call of the assistant message it follows, in any order; a call id may come back
+    in a later turn."""
+    def messages(*turns):
+        return ChatCompletionRequest(model="m", messages=list(turns)).messages
+
+    def called(*ids):
+        return {"role": "assistant", "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]}
+
+    def result(call_id):
+        return {"role": "tool", "content": "18", "tool_call_id": call_id}
+
+    user = {"role": "user", "content": "x"}
+    assert misplaced_tool_message(messages(user, called("a", "b"), result("b"), result("a"), user, called("a"),
+                                           result("a"), {"role": "assistant", "content": "done"})) is None
+    assert misplaced_tool_message(messages(user, called("a", "b"), result("a"), user)) is None  # b left unanswered
+    assert misplaced_tool_message(messages(user, called("a"), result("a"), result("a")))[0] == "messages[3].tool_call_id"
+    assert misplaced_tool_message(messages(user, called("a"), user, result("a")))[0] == "messages[3].tool_call_id"
+    assert misplaced_tool_message(messages(user, called("a", "a")))[0] == "messages[1].tool_calls[1].id"
+

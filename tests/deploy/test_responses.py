@@ -15,7 +15,8 @@ from deploy.errors import ApiError
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
 from deploy.response_items import OutputItems, input_items, response_body
 from deploy.responses import (
-    ResponsesRequest, chat_request, continued, conversation, fitted, references, repeated_id, with_items,
+    ResponsesRequest, chat_request, continued, conversation, fitted, references, repeated_id, unmatched_call,
+    with_items,
 )
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -40,6 +41,32 @@ def test_calls_after_an_answer_join_its_assistant_message_and_outputs_become_too
     assert [m.tool_call_id for m in messages[2:]] == ["c1", "c2"]
     chat = chat_request(body, messages)
     assert chat.messages[0].role == "system" and chat.messages[0].text == "Be brief." and chat.messages[1:] == messages
+
+
+def _call(call_id: str) -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}
+
+
+def _output(call_id: str) -> dict:
+    return {"type": "function_call_output", "call_id": call_id, "output": "18"}
+
+
+def test_each_call_output_answers_an_open_call_of_the_conversation():
+    """What the ingress checks (the 400s are in test_http_edges): an output answers a call not
+    yet answered, before it here or in the previous response's conversation; a call_id may be
+    given again once answered, and a message may come between a call and its output."""
+    user = {"role": "user", "content": "x"}
+
+    def check(items, history=()):
+        return unmatched_call(ResponsesRequest(model="m", input=items).items, list(history))
+
+    assert check([user, _call("a"), _call("b"), _output("b"), user, _output("a"), _call("a"), _output("a")]) is None
+    earlier = conversation(ResponsesRequest(model="m", input=[user, _call("a"), _call("b"), _output("b")]), [])
+    assert check([_output("a")], earlier) is None
+    assert check([_output("b")], earlier) == ("input[0].call_id", "no function_call with call_id 'b' comes before "
+                                                                  "it, or it was answered already")
+    assert check([_call("a")], earlier) == ("input[0].call_id", "'a' is the call_id of an earlier call not answered yet")
+    assert check([_output("c")]) is not None and check([_call("a"), _output("a"), _output("a")]) is not None
 
 
 @pytest.mark.parametrize("piece", [1, 7, 1000])
