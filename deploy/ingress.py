@@ -36,7 +36,7 @@ from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
 from deploy.protocol import CompletionRequest
-from deploy.replica_streams import ReplicaStreams, all_choices, cancel
+from deploy.replica_streams import ReplicaStreams, all_choices, cancel, no_engine_replica
 from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
 from deploy.response_store import KeptResponses, input_item_list
 from deploy.responses import ResponsesRequest
@@ -46,7 +46,6 @@ from replicas.replica import log_through_serve
 
 logger = logging.getLogger(__name__)
 
-HEALTH_STATUS_TIMEOUT_S = 10.0  # a controller slower than this to say what runs: not healthy
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 _STREAM_DOC = {"content": {"text/event-stream": {}}, "description": "SSE chunks ending with data: [DONE]"}
 
@@ -81,26 +80,23 @@ class Ingress:
     async def tokenizer(self) -> Any:
         if self._tokenizer is None:
             try:
-                self._tokenizer = await self._replica.tokenizer.remote()
+                self._tokenizer = await self._replicas.answered(self._replica.tokenizer.remote())
+            except ApiError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 raise server_error(exc) from exc
         return self._tokenizer
 
     async def check_engine_replicas(self) -> None:
         """ApiError(503) unless Serve's controller counts an engine replica running: the ingress
-        answering alone is no server that can generate (a failed deploy, every replica lost).
-        Asked of the controller, not of a replica: a replica busy with a full batch is healthy."""
-        from ray import serve
-
-        handle = self._replica
+        answering alone is no server that can generate (a failed deploy, every replica lost)."""
         try:
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_STATUS_TIMEOUT_S)
-            running = status.applications[handle.app_name].deployments[handle.deployment_name].replica_states
+            running = await self._replicas.engine_running()
         except Exception as exc:  # noqa: BLE001 - the controller unreachable: nothing can be said to serve
             raise ApiError(503, f"cannot tell whether an engine replica runs: {type(exc).__name__}",
                            retry_after_s=RETRY_AFTER_S) from exc
-        if not running.get("RUNNING"):
-            raise ApiError(503, "no engine replica is running, retry later", retry_after_s=RETRY_AFTER_S)
+        if not running:
+            raise no_engine_replica()
 
     # -- generation -----------------------------------------------------------------------------
     def _served(self, model: str) -> None:

@@ -26,6 +26,9 @@ from replicas.stats import METRIC_RETRIES
 
 logger = logging.getLogger(__name__)
 
+STATUS_TIMEOUT_S = 10.0  # a controller slower than this to say what runs: not healthy
+REPLICA_POLL_S = 5.0  # how often a call still unanswered asks whether any Replica runs
+
 
 async def all_choices(coroutines: list) -> list:
     """Run a request's choices together; when one fails (or the request is cancelled), cancel
@@ -48,13 +51,58 @@ def cancel(stream) -> None:
         pass
 
 
+def no_engine_replica() -> ApiError:
+    return ApiError(503, "no engine replica is running, retry later", retry_after_s=RETRY_AFTER_S)
+
+
 class ReplicaStreams:
     """Streams of engine requests from the Replica deployment behind `replica` (a handle)."""
 
     def __init__(self, replica: Any, config: IngressConfig) -> None:
+        self._replica = replica
         self._streams = replica.options(stream=True)
         self._config = config
         self._retries = None  # the retry counter, made on first use (a metric needs a live Serve)
+        self._running: tuple[float, bool] = (0.0, True)  # (when asked, whether a Replica ran)
+
+    async def engine_running(self, max_age_s: float = 0.0) -> bool:
+        """Whether Serve's controller counts a Replica running: asked of the controller, not of
+        a replica (a replica busy with a full batch is healthy), or its answer of the last
+        `max_age_s`. Raises what asking raises (the controller unreachable or slow)."""
+        from ray import serve
+
+        asked_at, running = self._running
+        if time.monotonic() - asked_at > max_age_s:
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+            states = status.applications[self._replica.app_name].deployments[self._replica.deployment_name]
+            running = bool(states.replica_states.get("RUNNING"))
+            self._running = (time.monotonic(), running)
+        return running
+
+    async def answered(self, call: Any) -> Any:
+        """What `call` (to an engine replica) returns, or ApiError(503) once Serve's controller
+        has counted no Replica running for `replica_loss_retry_s`: a call waits in Serve's
+        router as long as none runs, and with every start failing (a refused user_config
+        deployed, then the replica lost) Serve tries on until a good deploy."""
+        task = asyncio.ensure_future(call)
+        none_since = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=REPLICA_POLL_S)
+                if done:
+                    return task.result()
+                try:
+                    running = await self.engine_running(max_age_s=REPLICA_POLL_S / 2)
+                except Exception:  # noqa: BLE001 - the controller cannot say: keep waiting
+                    running = True
+                if running:
+                    none_since = None
+                elif none_since is None:
+                    none_since = time.monotonic()
+                elif time.monotonic() - none_since >= self._config.replica_loss_retry_s:
+                    raise no_engine_replica()
+        finally:
+            task.cancel()
 
     async def open(self, request: GenerationRequest, routing: asyncio.Lock):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses).
@@ -72,11 +120,13 @@ class ReplicaStreams:
                     stream = self._streams.generate.remote(request)  # may raise BackPressureError here
                     # no idle timeout yet: a request waiting for a batch slot is not idle, and a
                     # replica whose engine stalls fails its health check and is replaced
-                    first = await stream.__anext__()
+                    first = await self.answered(stream.__anext__())
                     break
                 except BaseException as exc:
                     if stream is not None:
                         cancel(stream)
+                    if isinstance(exc, ApiError):
+                        raise
                     if isinstance(exc, StopAsyncIteration):
                         raise ApiError(500, "the engine stream ended before any output") from None
                     if replica_lost(exc) and time.monotonic() < deadline:

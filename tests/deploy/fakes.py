@@ -161,6 +161,14 @@ ENGINE_WINDOW = 100  # the fake engine's own window, smaller than the ingress's,
 small_window_engine = partial(FakeEngine, max_seq_len=ENGINE_WINDOW)
 
 
+def engine_unless(marker: str, speculation: SpeculationConfig) -> FakeEngine:
+    """A FakeEngine, unless the file `marker` exists: then a replica that cannot start (as one
+    started with a user_config it refuses)."""
+    if Path(marker).exists():
+        raise RuntimeError(f"this replica cannot start while {marker} exists")
+    return FakeEngine(speculation)
+
+
 def fake_args(limits: dict | None = None, **replica) -> AppArgs:
     """An app of fakes with small limits, whose API keys are in $SPECSERVE_TEST_KEYS."""
     return AppArgs(

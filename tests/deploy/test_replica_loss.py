@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import time
+from functools import partial
 
 import httpx
 import openai
@@ -16,7 +17,7 @@ import pytest
 
 from deploy.app import compose_app
 from tests.deploy.bad_input import AUTH, KEY, completion, message, respond
-from tests.deploy.fakes import fake_args, small_window_engine
+from tests.deploy.fakes import engine_unless, fake_args, small_window_engine
 from tests.polling import wait_until
 from tests.serve_support import metrics_url
 
@@ -206,6 +207,41 @@ def test_the_idle_timeout_does_not_count_the_wait_for_a_slot(url):
     status, rest, second, waited = asyncio.run(both())
     assert status == second.status_code == 200 and "data: [DONE]" in rest, (rest[-3:], second.text)
     assert waited > 1  # more than the idle timeout, most of it waiting for the slot
+
+
+def test_with_no_replica_able_to_start_a_request_is_a_503_not_a_wait_without_end(url, tmp_path):
+    """Its replica lost, and every new one failing to start (as with a refused user_config
+    deployed: Serve tries on until a good deploy), a request waited in Serve's router with no
+    end. Now it is a 503 once no replica has run for replica_loss_retry_s (2 s here); once one
+    can start again, requests are served."""
+    import os
+    import signal
+
+    from ray import serve
+
+    marker = tmp_path / "no-start"
+    serve.run(compose_app(fake_args({"replica_loss_retry_s": 2}), partial(engine_unless, str(marker))),
+              name="stuck", route_prefix="/stuck")
+
+    def running() -> int:
+        return serve.status().applications["stuck"].deployments["Replica"].replica_states.get("RUNNING", 0)
+
+    def generate() -> httpx.Response:
+        return httpx.post(f"{url}/stuck/v1/completions", headers=AUTH, json=completion(max_tokens=3), timeout=120)
+
+    try:
+        assert generate().status_code == 200
+        marker.touch()
+        os.kill(serve.get_deployment_handle("Replica", "stuck").pid.remote().result(), signal.SIGKILL)
+        assert wait_until(lambda: running() == 0, timeout_s=30, interval_s=0.2)
+        started = time.monotonic()
+        response = generate()
+        assert response.status_code == 503 and "no engine replica is running" in response.text, response.text
+        assert int(response.headers["Retry-After"]) >= 1 and time.monotonic() - started < 60
+        marker.unlink()
+        assert wait_until(lambda: generate().status_code == 200, timeout_s=120, interval_s=1)
+    finally:
+        serve.delete("stuck")
 
 
 def test_replica_failure_without_stream_is_a_500(url):
