@@ -216,7 +216,8 @@ def test_a_tight_kv_budget_preempts_and_every_request_resumes_exactly(engines, l
             assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=100, **kw)[:2]
             assert last.cached_tokens == 0  # unlike prompts, prefilled cold: a readmission's own blocks are no hit
         # one sent back waits for a request to end: no sending back the same one step after step
-        assert 0 < tight.core.preemptions <= len(prompts)
+        # (whether a running one is sent back at all depends on timing: most wait at admission)
+        assert tight.core.preemptions <= len(prompts)
         stats = tight.core.prefix.stats  # each request's prompt counted once, when first admitted
         assert (stats.prompt_tokens, stats.hit_tokens) == (sum(map(len, prompts)), 0)
         assert wait_until(lambda: _idle(tight), timeout_s=10)
@@ -254,6 +255,28 @@ def test_a_request_with_no_pages_at_admission_waits_and_is_no_preemption(engines
         _, (tokens, _, logprobs, _) = loop.run_until_complete(both())
         assert max(waiting) == 1 and tight.core.preemptions == 0
         assert (tokens, logprobs) == _run(loop, cold, short_prompt, max_tokens=16)[:2]
+    finally:
+        loop.run_until_complete(tight.shutdown())
+
+
+def test_a_running_request_short_of_pages_is_preempted_and_resumes_exactly(engines, loop):
+    """Pages for exactly two 1,000-token prompts and a block each: both run, and the first to
+    need another page takes the newer one's, which is sent back (a preemption) and resumes,
+    once the other has ended, with what it would have produced alone."""
+    warm, cold = engines
+    if not isinstance(warm.core.cache, PagedKVCache):
+        pytest.skip("the paged KV cache is the native CPU forward's")
+    prompts = [_ids(510, 1000), _ids(511, 1000)]
+    pages = 2 * -(-(1000 + BLOCK_TOKENS) // BLOCK_TOKENS)
+    tight = _engine("cpu", kv_cache_bytes=pages * warm.core.cache.page_bytes, prefix_cache_bytes=0)
+    loop.run_until_complete(tight.start())
+    try:
+        async def both():
+            return await asyncio.gather(*(collect_logprobs(tight, request(p, max_tokens=96)) for p in prompts))
+
+        for prompt, (tokens, _, logprobs, _) in zip(prompts, loop.run_until_complete(both())):
+            assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=96)[:2]
+        assert tight.core.preemptions == 1
     finally:
         loop.run_until_complete(tight.shutdown())
 
