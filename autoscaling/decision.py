@@ -26,9 +26,17 @@ Mode = Literal["latency", "throughput"]
 MODES = ("latency", "throughput")
 
 
+class PolicySettingError(ValueError):
+    """A `policy_kwargs` value the policy refuses; `key` is "policy_kwargs" for unknown keys."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"autoscaling policy {key}: {message}")
+        self.key, self.message = key, message
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"autoscaling policy {name}: {message}")
+        raise PolicySettingError(name, message)
 
 
 @dataclass(frozen=True)

@@ -249,12 +249,15 @@ def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
     policy = config.get("policy") or {}
     if not str(policy.get("policy_function", "")).startswith("autoscaling.policy:"):
         return []
-    from autoscaling.decision import PolicyConfig
+    from autoscaling.decision import PolicyConfig, PolicySettingError
 
+    where = f"{where}.autoscaling_config.policy.policy_kwargs"
     try:
         PolicyConfig.from_kwargs(policy.get("policy_kwargs") or {})
+    except PolicySettingError as exc:
+        return [f"{where}: {exc.message}" if exc.key == "policy_kwargs" else f"{where}.{exc.key}: {exc.message}"]
     except (TypeError, ValueError) as exc:
-        return [f"{where}.autoscaling_config.policy.policy_kwargs: {exc}"]
+        return [f"{where}: {exc}"]
     return []
 
 

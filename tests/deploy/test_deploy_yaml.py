@@ -79,6 +79,18 @@ OVERRIDES = [
 ]
 
 
+def test_a_bad_policy_kwarg_is_named_by_its_path(document):
+    doc = copy.deepcopy(document)
+    replica = next(d for d in doc["applications"][0]["deployments"] if d["name"] == "Replica")
+    kwargs = replica["autoscaling_config"]["policy"]["policy_kwargs"]
+    where = "applications[0].deployments[0].autoscaling_config.policy.policy_kwargs"
+    kwargs["gate_fill"] = 2
+    assert check_serve_config(doc) == [f"{where}.gate_fill: must be in (0, 1], got 2"]
+    kwargs["gate_fill"], kwargs["gate_fil"] = 0.5, 0.5
+    [problem] = check_serve_config(doc)
+    assert problem.startswith(f"{where}: unknown keys ['gate_fil']")
+
+
 @pytest.mark.parametrize("name,override,ok", OVERRIDES, ids=[row[0] for row in OVERRIDES])
 def test_deployment_overrides(document, name, override, ok):
     doc = copy.deepcopy(document)
