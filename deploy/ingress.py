@@ -196,7 +196,7 @@ class Ingress:
                        items.event("response.in_progress", response=begun)]
             return self._typed_events(request, opened, routing, items, opening, completed, failed)
         acc = await self._replicas.collect(request, *opened, routing)
-        items.feed(acc.text, acc.finish_reason, acc.logprobs)
+        items.feed(acc.text, acc.finish_reason, acc.logprobs, acc.cut)
         return JSONResponse(await finished(acc))
 
     async def message(self, body: MessagesRequest):
@@ -219,7 +219,7 @@ class Ingress:
                 request, opened, routing, blocks, [{"type": "message_start", "message": begun}], closing,
                 lambda err: [{"type": "error", **err.body(anthropic=True)}])
         acc = await self._replicas.collect(request, *opened, routing)
-        blocks.feed(acc.text, acc.finish_reason)
+        blocks.feed(acc.text, acc.finish_reason, cut=acc.cut)
         return message_blocks.MessageResponse(message_blocks.message_body(request.request_id, model, blocks, acc))
 
     async def tokenize(self, body: Union[TokenizeCompletion, TokenizeChat]) -> dict[str, Any]:
@@ -275,7 +275,7 @@ class Ingress:
             try:
                 async with contextlib.aclosing(self._replicas.deltas(request, *opened, acc, routing)) as deltas:
                     async for delta in deltas:
-                        for event in parts.feed(delta.text, delta.finish_reason, delta.logprobs):
+                        for event in parts.feed(delta.text, delta.finish_reason, delta.logprobs, acc.cut):
                             yield fmt.typed_sse(event)
                 last = await closing(acc)
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
@@ -301,14 +301,14 @@ class Ingress:
                 async with contextlib.aclosing(self._replicas.deltas(requests[index], *opened[index], accs[index],
                                                                      routing)) as deltas:
                     async for delta in deltas:
-                        text, tool_calls, logprobs = pieces.of(delta)
+                        text, tool_calls, logprobs = pieces.of(delta, accs[index].cut)
                         if text or tool_calls or logprobs:
                             events.put_nowait(fmt.chunk(kind, response_id, created, model, text, logprobs=logprobs,
                                                         tool_calls=tool_calls, index=index))
                         if delta.finish_reason is not None:
                             events.put_nowait(fmt.chunk(kind, response_id, created, model,
                                                         None if kind == "chat" else "",
-                                                        pieces.finish_reason(delta.finish_reason), index=index,
+                                                        pieces.finish_reason(accs[index]), index=index,
                                                         stop_reason=accs[index].stop_reason))
                             events.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
+from pydantic_core import from_json
 
 from deploy.openai_format import Accumulated
 from deploy.output_parts import OutputParts
@@ -51,10 +52,7 @@ class ContentBlocks(OutputParts):
     def on_close(self, block: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
         if block["type"] == "tool_use":
             self._whole_calls += finish_reason == "stop"
-            try:  # a call cut by max_tokens leaves its input as far as it parsed: none
-                block["input"] = parsed_input(self._arguments[block["id"]] or "{}")
-            except ValueError:
-                pass
+            block["input"] = call_input(self._arguments[block["id"]])
         return [{"type": "content_block_stop", "index": self.index}]  # the block closed is the last begun
 
     def stop_reason(self, acc: Accumulated) -> str:
@@ -95,6 +93,23 @@ def parsed_input(text: str) -> Any:
 
     value = json_loads(text, parse_float=number(float), parse_int=number(int), parse_constant=_no_constant)
     return RawJson(text) if lossy else value
+
+
+def call_input(text: str) -> Any:
+    """A tool_use block's input from its JSON text: `parsed_input`'s; where the text is cut
+    short, the object its streamed `partial_json` gives as the anthropic client reads it (jiter's
+    partial mode: an unfinished string or literal left out), so the answer is the same streamed
+    or not; {} where that is no object JSON can write."""
+    try:
+        return parsed_input(text or "{}")
+    except ValueError:
+        pass
+    try:
+        value = from_json(text, allow_partial=True)
+        json.dumps(value, allow_nan=False)  # 1e999 reads as inf; an integer past Python's digit limit
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _no_constant(name: str) -> Any:

@@ -54,6 +54,12 @@ class Accumulated:
             return self.token_ids[-1]
         return None
 
+    @property
+    def cut(self) -> bool:
+        """Did something other than the model end the output (max_tokens, or the client's stop
+        string or stop token)? A call it ended inside is cut short, not malformed."""
+        return self.finish_reason == "length" or self.stop_reason is not None
+
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
         self.logprobs += delta.logprobs
@@ -240,15 +246,15 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
     if tool_calls is not None and tool_calls[1]:
         message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls[1]]
-        if finish_reason != "length":  # a cut answer says so, whatever calls it holds (as OpenAI's)
+        if not acc.cut:  # a cut answer says so, whatever calls it holds (as OpenAI's)
             finish_reason = "tool_calls"
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
 def answer_tool_calls(acc: Accumulated, one_call: bool) -> tuple[Optional[str], list[ToolCall]]:
-    """A finished chat answer as (content, calls); one that max_tokens cut as its stream sent it."""
-    return (parse_cut_output if acc.finish_reason == "length" else parse_tool_calls)(acc.text, one_call)
+    """A finished chat answer as (content, calls); a cut one (`Accumulated.cut`) as its stream sent it."""
+    return (parse_cut_output if acc.cut else parse_tool_calls)(acc.text, one_call)
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -327,7 +333,9 @@ class StreamPieces:
         self._call_ids: list[str] = []
         self._text_offset = 0  # completions: characters of token text so far
 
-    def of(self, delta: GenerationDelta) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
+    def of(self, delta: GenerationDelta, cut: bool = False
+           ) -> tuple[Optional[str], list[dict[str, Any]], Optional[dict[str, Any]]]:
+        """The delta's (text, tool-call fragments, logprobs); `cut`: the output ends here, cut (`Accumulated.cut`)."""
         out, echo, self._echo = self._output, self._echo, None
         logprobs, text = None, delta.text if echo is None else echo.text + delta.text
         entries, unscored = shown_logprobs(echo, delta.prompt_logprobs, delta.logprobs)
@@ -338,7 +346,7 @@ class StreamPieces:
             return text, [], logprobs
         events = self._tools.feed(delta.text)
         if delta.finish_reason:
-            events += self._tools.finish(cut=delta.finish_reason == "length")
+            events += self._tools.finish(cut=cut)
         text = "".join(e.content for e in events if e.content is not None)
         fragments: list[dict[str, Any]] = []  # one per call in a chunk (OpenAI's): a call's pieces joined
         for e in events:
@@ -354,6 +362,6 @@ class StreamPieces:
                 fragments.append({"index": e.index, "function": {"arguments": e.arguments}})
         return text or None, fragments, logprobs
 
-    def finish_reason(self, reason: str) -> str:
+    def finish_reason(self, acc: Accumulated) -> str:
         tools = self._tools
-        return "tool_calls" if tools is not None and tools.ok and tools.num_calls and reason != "length" else reason
+        return "tool_calls" if tools is not None and tools.ok and tools.num_calls and not acc.cut else acc.finish_reason

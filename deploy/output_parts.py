@@ -30,14 +30,16 @@ class OutputParts:
         self._open: Optional[Part] = None  # the part being written
         self._open_is_text = False
 
-    def feed(self, text: str, finish_reason: Optional[str], logprobs: Sequence[TokenLogprob] = ()) -> list[Event]:
-        """The events of the output's next delta (`finish_reason` set: its last)."""
+    def feed(self, text: str, finish_reason: Optional[str], logprobs: Sequence[TokenLogprob] = (),
+             cut: bool = False) -> list[Event]:
+        """The events of the output's next delta (`finish_reason` set: its last; `cut`: something
+        other than the model ended it there, `Accumulated.cut`)."""
         if self._calls is None:
             pieces = [StreamEvent(content=text)] if text or logprobs else []
         else:
             pieces = self._calls.feed(text)
             if finish_reason:
-                pieces += self._calls.finish(cut=finish_reason == "length")
+                pieces += self._calls.finish(cut=cut)
         events: list[Event] = []
         for piece in pieces:
             if piece.content is not None:
@@ -52,8 +54,8 @@ class OutputParts:
             if piece.arguments:
                 events += self.on_arguments(self._open, piece.arguments)
         if finish_reason is not None:  # a call the cut did not fall in is whole
-            whole_call = not self._open_is_text and self._calls is not None and not self._calls.cut
-            events += self._close("stop" if whole_call else finish_reason)
+            call_cut = self._calls is not None and self._calls.cut
+            events += self._close(finish_reason if self._open_is_text else "length" if call_cut else "stop")
         return events
 
     @property

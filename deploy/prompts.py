@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any, Optional, Union
 
-from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, joined_text
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
 from deploy.protocol import MAX_PROMPTS, CompletionRequest
@@ -104,9 +104,13 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
             return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, optional=True),
                                "tools", optional=True)
         return None
+    # a prefilled answer (continue_final_message) is the output's start: held to the format too
+    continued = isinstance(request, ChatCompletionRequest) and request.continue_final_message
+    prefix = joined_text(request.messages[-1].content) if continued else ""
     if fmt.type == "json_object":
-        return GrammarSpec("json_object")
-    return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
+        return GrammarSpec("json_object", prefix=prefix)
+    return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema",
+                       prefix=prefix)
 
 
 def conversation_key(tokenizer: Any, request: ChatCompletionRequest, rendered: str) -> Optional[bytes]:

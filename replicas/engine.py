@@ -197,12 +197,16 @@ class GrammarSpec:
     An `optional` grammar is a guide, not a promise (the calls a model may make under
     tool_choice auto): an engine that cannot apply it, or cannot compile it, runs the request
     unconstrained (then `SamplingParams.stop_after` is matched) instead of refusing it.
+
+    `prefix` is text the output continues (a prefilled answer, which the prompt ends with):
+    the grammar holds prefix + output, so the output starts where the prefix leaves it.
     """
 
     kind: GrammarKind
     text: str = ""
     param: str = "response_format"
     optional: bool = False
+    prefix: str = ""
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema of a json_object / json_schema spec; RequestError naming `param` if

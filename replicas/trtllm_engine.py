@@ -144,7 +144,8 @@ class TrtllmEngine:
         kwargs = sampling_kwargs(request.sampling, self.api.sampling_fields)
         kept = request.sampling.stop_after  # matched by our tracker in unconstrained output only
         if request.grammar is not None:  # constrained, or refused (an optional grammar: unconstrained)
-            refusal = guided_decoding_refusal(self.config, self.speculation, self.api.guided_decoding_cls is not None)
+            refusal = guided_decoding_refusal(self.config, self.speculation, self.api.guided_decoding_cls is not None,
+                                              request.grammar)
             if refusal and not request.grammar.optional:
                 raise RequestError(request.grammar.param, refusal)
             if not refusal:

@@ -144,8 +144,11 @@ def sampling_kwargs(sampling: SamplingParams, have: frozenset[str]) -> dict[str,
     return kwargs
 
 
-def guided_decoding_refusal(config: TrtllmEngineConfig, spec: SpeculationConfig, has_guides: bool) -> str | None:
+def guided_decoding_refusal(config: TrtllmEngineConfig, spec: SpeculationConfig, has_guides: bool,
+                            grammar: GrammarSpec) -> str | None:
     """Why this deployment cannot constrain a request's output, or None if it can."""
+    if grammar.prefix:  # upstream's guide holds the output alone
+        return "the TensorRT-LLM engine cannot hold a prefilled answer to a format (the embedded engine can)"
     if config.guided_decoding_backend == "none" or not has_guides:
         return "this TensorRT-LLM deployment has no guided decoding (guided_decoding_backend: none, or a release without it)"
     if spec.mode in ("sa", "hybrid") and spec.batch_gate > 0:

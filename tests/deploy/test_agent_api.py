@@ -187,6 +187,22 @@ def test_calls_cut_by_max_tokens_are_one_answer_streamed_or_not(agent_client):
             json.loads(call.function.arguments)
 
 
+def test_a_call_cut_by_a_stop_string_is_one_answer_streamed_or_not(agent_client):
+    """A stop string that ends the output inside a call cuts it as max_tokens does: not
+    streamed, the answer once was the call's raw markup as content, while the stream had sent
+    the call (found by QA). The answer says it was cut: finish_reason stop, stop_reason the string."""
+    kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    whole = agent_client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0].function.arguments
+    stop = whole[whole.index('"') + 1:][:4]  # inside the arguments: the start of the first key
+    plain = agent_client.chat.completions.create(**kwargs, stop=[stop]).choices[0]
+    content, names, arguments, finish = _streamed_calls(agent_client, dict(kwargs, stop=[stop]))
+    assert plain.message.content is None and content is None
+    assert [c.function.name for c in plain.message.tool_calls] == names == ["get_weather"]
+    assert [c.function.arguments for c in plain.message.tool_calls] == arguments == [whole[:whole.index(stop)].rstrip()]
+    assert plain.finish_reason == finish == "stop" and plain.model_extra["stop_reason"] == stop
+
+
 def test_chat_logprobs_shapes_and_streaming(agent_client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
                   temperature=0, logprobs=True, top_logprobs=3)

@@ -89,6 +89,19 @@ def test_output_config_format_gives_json_valid_against_the_schema(claude):
         output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
     assert message.stop_reason == "end_turn"
     jsonschema.validate(json.loads(message.content[0].text), schema)
+    # a prefilled answer is the JSON's start: prefill + answer validates (the answer once began
+    # the object again); one the format cannot begin with is a 400 naming the format
+    prefill = '{"city": "Paris", "country":'
+    message = claude.messages.create(model=MODEL, max_tokens=60, messages=[
+        {"role": "user", "content": "Name a large city and its country as JSON."},
+        {"role": "assistant", "content": prefill}],
+        output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+    jsonschema.validate(json.loads(prefill + message.content[0].text), schema)
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        claude.messages.create(model=MODEL, max_tokens=60, messages=[
+            {"role": "user", "content": "Name a large city and its country as JSON."},
+            {"role": "assistant", "content": '{"town":'}],
+            output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
 
 
 def test_a_stop_sequence_is_named(claude):
@@ -100,6 +113,30 @@ def test_a_stop_sequence_is_named(claude):
     message = claude.messages.create(**kwargs, stop_sequences=[*never, stop])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert message.content[0].text == whole[:whole.find(stop)]
+
+
+def test_a_tool_use_cut_short_is_one_answer_streamed_or_not(claude):
+    """A forced call that max_tokens or a stop sequence cuts: its input is what the stream's
+    partial_json gives the client's stream helper (not streamed it was {}; found by QA)."""
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                  extra_body=GREEDY)
+
+    def both(**more):
+        plain = claude.messages.create(**kwargs, **more)
+        with claude.messages.stream(**kwargs, **more) as stream:
+            final = stream.get_final_message()
+        assert plain.stop_reason == final.stop_reason
+        blocks = [b.model_dump(exclude={"id"}) for b in plain.content]
+        assert blocks == [b.model_dump(exclude={"id"}) for b in final.content]
+        return plain.stop_reason, blocks[0]["input"] if blocks else None  # none: cut before its name
+
+    whole = both(max_tokens=60)
+    assert whole[0] == "tool_use" and whole[1]["city"]
+    assert both(max_tokens=60, stop_sequences=["}"]) == ("stop_sequence", whole[1])  # cut before its close
+    cut = [both(max_tokens=n) for n in range(2, 40, 3)]  # before its name, in its city, after it, whole
+    assert [i for r, i in cut if r == "max_tokens"][:1] == [None] and cut[-1] == whole
+    assert {} in [i for _, i in cut] and whole[1] in [i for r, i in cut if r == "max_tokens"]
 
 
 def test_max_tokens_stops_the_message(claude):

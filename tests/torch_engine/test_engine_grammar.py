@@ -81,6 +81,23 @@ def test_json_object_is_an_object(engine, loop, prompts):
         assert text.startswith("{")
 
 
+def test_a_prefilled_answer_is_held_to_the_format_with_the_output(engine, loop):
+    """The output continues a prefilled answer the prompt ends with: the grammar holds prefix +
+    output (once it held the output alone, which began the object again after the prefix)."""
+    prefill = '{"name": "Ada", "age":'
+    prompt = chat_prompt(engine, "Describe a software engineer as JSON: name, age, languages, employed.", prefill)
+    req = dataclasses.replace(constrained(prompt, max_tokens=120), grammar=dataclasses.replace(
+        constrained(prompt).grammar, prefix=prefill))
+    _, text, _, last = run(engine, loop, req)
+    assert last.finish_reason == "stop", text
+    jsonschema.validate(json.loads(prefill + text), PERSON)
+    for refused in ('{"name":"Ada"', '["Ada"', '{"nickname": "'):  # not our layout, not an object, no such key
+        bad = dataclasses.replace(req, grammar=dataclasses.replace(req.grammar, prefix=refused))
+        with pytest.raises(RequestError, match="prefilled answer") as info:
+            engine.generate(bad)
+        assert info.value.param == req.grammar.param
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"])
 def test_constrained_output_and_logprobs_identical_in_every_mode(engine, loop, prompts, grammar_drafts, sampling):
     for prompt in prompts[:2]:

@@ -81,3 +81,19 @@ def test_no_guided_decoding_backend_refuses_grammars():
             await engine.shutdown()
 
     run(go())
+
+
+def test_a_prefilled_answer_under_a_format_is_refused_naming_the_field():
+    """Upstream's guide holds the output alone: a prefix the output must continue is refused."""
+    grammar = GrammarSpec("json_object", prefix='{"a":')
+
+    async def go():
+        engine = await started(engine_config("mtp", drafter="mtp"))
+        try:
+            with pytest.raises(RequestError, match="prefilled answer") as info:
+                engine.generate(dataclasses.replace(request(PROMPT), grammar=grammar))
+            assert info.value.param == grammar.param
+        finally:
+            await engine.shutdown()
+
+    run(go())
