@@ -80,7 +80,8 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
 
 def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[GrammarSpec]:
     """The request's constraint: its response_format, the call a forced tool choice makes, or
-    (tools offered under auto, no format) an optional grammar over any call the model makes."""
+    (tools offered under auto) an optional grammar over any call the model makes, or, under a
+    format, the answer in it or the calls."""
     fmt = request.response_format
     functions = request.functions if isinstance(request, ChatCompletionRequest) else []
     forced_tool = functions and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
@@ -107,6 +108,13 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     # a prefilled answer (continue_final_message) is the output's start: held to the format too
     continued = isinstance(request, ChatCompletionRequest) and request.continue_final_message
     prefix = joined_text(request.messages[-1].content) if continued else ""
+    if functions:  # auto: an answer in the format, or calls (as OpenAI's: the model picks)
+        schema = {"type": "object"} if fmt.type == "json_object" else fmt.json_schema.schema_
+        if (error := schema_error(schema)) is not None:
+            param = "response_format.json_schema.schema"
+            raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
+        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, answer=schema),
+                           "response_format", prefix=prefix)
     if fmt.type == "json_object":
         return GrammarSpec("json_object", prefix=prefix)
     return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema",

@@ -114,14 +114,18 @@ def format_tool_calls(calls: list[tuple[str, str]]) -> str:
     return "\n".join(blocks)
 
 
-def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = False) -> str:
+def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = False,
+                      answer: dict | None = None) -> str:
     """An llguidance Lark grammar admitting exactly one call (or, if `parallel`, calls joined
     by "\\n") to one of `functions`. Fixed whitespace makes every fixed part a forced token.
 
     `optional` (tool_choice auto): any text, until the model writes an open tag; from there
     the call is held to the grammar (the text before it is a lazy lexeme, ended by the first
     open tag), so a call made is well-formed and its arguments match their schema. One call
-    ends the answer; parallel calls may have text between and after them."""
+    ends the answer; parallel calls may have text between and after them.
+
+    `answer` (tool_choice auto under a response format): the answer is JSON valid against this
+    schema, or the calls."""
     if not functions:
         raise ValueError("tool_call_grammar needs at least one function")
     if len(functions) == 1:
@@ -135,9 +139,12 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
         start = "start: call* TEXT" if parallel else "start: TEXT | call"
         return (f"{start}\nTEXT: /(.|\\n)*/\nopen[lazy]: TEXT {json.dumps(TOOL_CALL_OPEN)}\n"
                 f'call: open "\\n" body {close_tag}\n{body}')
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    calls = 'call ("\\n" call)*' if parallel else "call"
     open_tag = json.dumps(TOOL_CALL_OPEN + "\n")
-    return f"{start}\ncall: {open_tag} body {close_tag}\n{body}"
+    rules = f"call: {open_tag} body {close_tag}\n{body}"
+    if answer is not None:
+        return f"start: answer | {calls}\nanswer: %json {json.dumps({**answer, 'x-guidance': JSON_LAYOUT})}\n{rules}"
+    return f"start: {calls}\n{rules}"
 
 
 def object_schema(schema: dict) -> dict:

@@ -137,6 +137,24 @@ def test_a_call_made_under_auto_is_held_to_its_schema_as_with_speculation_off(ag
     assert choice.logprobs == off.choices[0].logprobs
 
 
+def test_under_a_format_auto_answers_in_it_or_calls(agent_client):
+    """Tools under auto beside a response format (an agent SDK's tools and output type): the
+    model may call, or answers in the format. The format alone once held every answer to it, so
+    no tool was ever called (found by QA)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    calling = agent_client.chat.completions.create(
+        model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME],
+        response_format=fmt, parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert calling.choices[0].finish_reason == "tool_calls" and calling.choices[0].message.content is None
+    (call,) = calling.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    answering = agent_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a pet dog as JSON."}], tools=[WEATHER, TIME],
+        response_format=fmt, parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert answering.choices[0].finish_reason == "stop" and not answering.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(answering.choices[0].message.content), PET_SCHEMA)
+
+
 def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):
     # one call: with parallel calls allowed, this 135M model repeats its call until max_tokens
     kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=80, temperature=0,

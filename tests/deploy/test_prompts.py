@@ -120,8 +120,10 @@ def test_tools_under_auto_are_an_optional_grammar_over_the_offered_calls(choice,
     spec = grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel))
     assert (spec.kind, spec.param, spec.optional) == ("lark", "tools", True)
     assert spec.text == tool_call_grammar([WEATHER, TIME], parallel, optional=True)
+    # under a format: its answer or the calls, a promise (not optional)
     fmt = grammar_spec(chat(tools=tools(WEATHER), tool_choice=choice, response_format={"type": "json_object"}))
-    assert (fmt.kind, fmt.optional) == ("json_object", False)  # a format asked for is the constraint
+    assert (fmt.kind, fmt.param, fmt.optional) == ("lark", "response_format", False)
+    assert fmt.text == tool_call_grammar([WEATHER], True, answer={"type": "object"})
     assert grammar_spec(chat(tools=tools(WEATHER), tool_choice=choice, min_tokens=5)) is None  # unconstrained
 
 

@@ -80,6 +80,28 @@ def test_an_optional_grammar_admits_any_text_and_holds_a_call_begun_to_the_forma
         assert _accepts(lark, grammar, text) is accepted, (allow_parallel, text)
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("text,one_call,parallel", [
+    ('{"city": "Oslo"}', True, True),  # the answer, in the format
+    (PARIS, True, True),
+    (PARIS + "\n" + SUM, False, True),
+    ('{"town": "Oslo"}', False, False),  # not the format
+    ('{"city":"Oslo"}', False, False),  # nor its layout
+    ("Oslo", False, False),  # no free text
+    ("Sure " + PARIS, False, False),
+    ('{"city": "Oslo"}' + PARIS, False, False),  # the answer, or calls
+])
+def test_under_a_format_auto_admits_the_answer_in_it_or_calls(lark, text, one_call, parallel):
+    """tool_choice auto with a response format (an agent with tools and an output type): the
+    model answers in the format or calls; the format alone once left it no call to make."""
+    for allow_parallel, accepted in ((False, one_call), (True, parallel)):
+        grammar = tool_call_grammar([WEATHER, ADD], allow_parallel, answer=CITY)
+        assert _accepts(lark, grammar, text) is accepted, (allow_parallel, text)
+
+
 @pytest.mark.parametrize("functions,at_least", [
     ([WEATHER], '<tool_call>\n{"name": "get_weather", "arguments":'),
     ([NOW], '<tool_call>\n{"name": "now", "arguments":'),
