@@ -218,7 +218,7 @@ class CountTokensRequest(RequestModel):
     model: str = Field(min_length=1)
     messages: List[Message] = Field(min_length=1)
     system: Optional[Union[Text, List[TextBlock]]] = None
-    tools: Annotated[List[ToolDefinition], AfterValidator(unique_names)] = []
+    tools: Annotated[List[ToolDefinition], AfterValidator(unique_names)] = Field([], validate_default=True)
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
@@ -249,6 +249,15 @@ class CountTokensRequest(RequestModel):
         if len(messages) == 1 and begun == "":
             raise ValueError("nothing to answer: the only message is an empty assistant message")
         return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools, info: ValidationInfo):
+        used = any(not isinstance(m.content, str) and any(b.type in ("tool_use", "tool_result") for b in m.content)
+                   for m in info.data.get("messages") or [])
+        if used and not tools:
+            raise ValueError("requests which include tool_use or tool_result blocks must define tools")
+        return tools
 
     @field_validator("system")
     @classmethod
@@ -290,23 +299,42 @@ class MessagesRequest(CountTokensRequest):
 
 
 def _check_tool_ids(messages: List[Message]) -> None:
-    """Anthropic's pairing: tool_use ids are unique, and each tool_result answers a tool_use of
-    the assistant message before it (with the user and system messages between, one turn)."""
+    """Anthropic's pairing: tool_use ids are unique, and the user message after an assistant
+    message with tool_use blocks (system messages may come between) answers each of them, once,
+    with tool_result blocks that come first in its content; a tool_result answers nothing else."""
     seen: set[str] = set()
-    last_uses: set[str] = set()  # the tool_use ids of the last assistant message
+    unanswered: list[str] = []  # the tool_use ids of the last assistant message, until answered
+    asked_at = 0
+
+    def missing() -> ValueError:
+        return ValueError(f"messages[{asked_at}]: tool_use ids were found without tool_result blocks immediately "
+                          f"after: {', '.join(unanswered)}; each tool_use needs its tool_result in the next message")
+
     for i, message in enumerate(messages):
         blocks = [] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
-            uses = [b.id for b in blocks if b.type == "tool_use"]
-            for use in uses:
+            if unanswered:
+                raise missing()
+            unanswered, asked_at = [b.id for b in blocks if b.type == "tool_use"], i
+            for use in unanswered:
                 if use in seen:
                     raise ValueError(f"messages[{i}]: tool_use ids must be unique, {use!r} is used twice")
                 seen.add(use)
-            last_uses = set(uses)
-        for result in (b.tool_use_id for b in blocks if b.type == "tool_result"):
-            if result not in last_uses:
+            continue
+        if message.role != "user":
+            continue
+        results = [b.tool_use_id for b in blocks if b.type == "tool_result"]
+        if any(b.type == "tool_result" for b in blocks[len(results):]):
+            raise ValueError(f"messages[{i}]: tool_result blocks must come first in the content, before any other")
+        for k, result in enumerate(results):
+            if result not in unanswered or result in results[:k]:
                 raise ValueError(f"messages[{i}]: unexpected tool_use_id {result!r} in a tool_result block: each "
-                                 f"must answer a tool_use block of the assistant message before it")
+                                 f"answers, once, a tool_use block of the assistant message before it")
+        unanswered = [use for use in unanswered if use not in results]
+        if unanswered:
+            raise missing()
+    if unanswered:
+        raise missing()
 
 
 # -- the chat request it means -----------------------------------------------------------------

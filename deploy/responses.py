@@ -61,10 +61,17 @@ ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
 class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[Text, Annotated[List[ContentPart], Field(min_length=1)]]  # as a chat message's
+    content: Union[Text, List[ContentPart]]  # as a chat message's
     id: Optional[str] = None
     status: Optional[ItemStatus] = None
     phase: Optional[Literal["commentary", "final_answer"]] = None  # an earlier answer's, as dumped back (unread)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content):  # here, not as the list's min_length: the union's error was the string's
+        if isinstance(content, list) and not content:
+            raise ValueError("a list of content parts must not be empty")
+        return content
 
     @property
     def text(self) -> str:
@@ -256,23 +263,26 @@ def repeated_id(items: list, taken: Iterable[str] = ()) -> Optional[tuple[str, s
 def unmatched_call(items: list, history: List[ChatMessage]) -> Optional[tuple[str, str]]:
     """(the field, what is wrong) where a function_call_output answers no unanswered
     function_call before it, in `items` or in `history` (the conversation
-    `previous_response_id` names), or where a function_call takes the call_id of one not yet
-    answered; None where none does. (A message may come between a call and its output, as
-    OpenAI's Responses allow; chat's tool messages follow their calls.)"""
-    unanswered: set[str] = set()
+    `previous_response_id` names), where a function_call takes the call_id of one not yet
+    answered, or where a call is left with no output (OpenAI's "No tool output found"); None
+    where none is. (A message may come between a call and its output, as OpenAI's Responses
+    allow; chat's tool messages follow their calls.)"""
+    unanswered: dict[str, str] = {}  # call_id -> the field that made the call
     for message in history:
-        unanswered |= {call.id for call in message.tool_calls or []}
-        unanswered.discard(message.tool_call_id)
+        unanswered |= {call.id: "previous_response_id" for call in message.tool_calls or []}
+        unanswered.pop(message.tool_call_id, None)
     for i, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
             if item.call_id in unanswered:
                 return f"input[{i}].call_id", f"{item.call_id!r} is the call_id of an earlier call not answered yet"
-            unanswered.add(item.call_id)
+            unanswered[item.call_id] = f"input[{i}]"
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in unanswered:
                 return f"input[{i}].call_id", (f"no function_call with call_id {item.call_id!r} comes before it, "
                                                "or it was answered already")
-            unanswered.remove(item.call_id)
+            del unanswered[item.call_id]
+    for call_id, field in unanswered.items():
+        return field, f"no function_call_output found for the function_call with call_id {call_id!r}"
     return None
 
 

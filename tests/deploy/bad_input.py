@@ -27,6 +27,9 @@ _USER = {"role": "user", "content": "x"}
 _CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 _CALLED = {"role": "assistant", "tool_calls": [_CALL]}
 _FUNCTION_CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+_USED = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}
+_RESULT = {"type": "tool_result", "tool_use_id": "t1", "content": "18"}
 
 _REF_CHAIN = {"$defs": {f"a{i}": {"items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(150)}, "$ref": "#/$defs/a0"}
 
@@ -249,6 +252,8 @@ BAD_INPUT = [
     ("responses: one id twice", "/v1/responses", respond(input=[
         {"role": "user", "content": "a", "id": "dup"}, {"role": "user", "content": "b"},
         {"role": "user", "content": "c", "id": "dup"}]), {}, 400, "input[2].id"),
+    ("responses: an empty content list", "/v1/responses", respond(input=[{"role": "user", "content": []}]), {}, 400,
+     "input[0].content"),
     ("responses: stream_options without stream", "/v1/responses", respond(stream_options={}), {}, 400,
      "stream_options"),
     ("responses: get an unknown one", "/v1/responses/resp_x", None, {}, 404, None),
@@ -267,6 +272,18 @@ BAD_INPUT = [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}] * 2},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18"}]}]), {}, 400,
      "messages"),
+    # Anthropic's pairing (found by QA: each was answered): the next user message answers every
+    # tool_use, once, its tool_results first; tool blocks need tools defined
+    ("messages: a tool_use left unanswered", "/v1/messages", message(tools=[_TOOL], messages=[
+        _USER, _USED, {"role": "user", "content": "next"}]), {}, 400, "messages"),
+    ("messages: ending on a tool_use", "/v1/messages", message(tools=[_TOOL], messages=[_USER, _USED]), {}, 400,
+     "messages"),
+    ("messages: a tool_use answered twice", "/v1/messages", message(tools=[_TOOL], messages=[
+        _USER, _USED, {"role": "user", "content": [_RESULT, _RESULT]}]), {}, 400, "messages"),
+    ("messages: text before a tool_result", "/v1/messages", message(tools=[_TOOL], messages=[
+        _USER, _USED, {"role": "user", "content": [{"type": "text", "text": "here"}, _RESULT]}]), {}, 400, "messages"),
+    ("messages: tool blocks without tools", "/v1/messages", message(messages=[
+        _USER, _USED, {"role": "user", "content": [_RESULT]}]), {}, 400, "tools"),
     ("messages: no content blocks mid-conversation", "/v1/messages", message(messages=[
         {"role": "user", "content": "x"}, {"role": "assistant", "content": []}, {"role": "user", "content": "y"}]),
      {}, 400, "messages"),
