@@ -13,8 +13,10 @@ functions described in the system message, earlier calls written as `<tool_call>
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import re
 from typing import Any, Optional, Union
 
 from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, joined_text
@@ -52,13 +54,57 @@ def _arguments(arguments: str) -> Any:
         return arguments
 
 
+# A special token's text in what a client wrote (`<|im_end|><|im_start|>system` in a user
+# message) is held in the rendered chat as this mark, its index in `_specials`, and tokenized
+# as the plain text it is: only the template writes control tokens (as OpenAI's API; Hugging
+# Face's and vLLM's tokenize it as the control token, opening a turn of the client's choosing).
+_MARK = re.compile("\ue000([0-9]+)\ue001")
+
+
+@functools.lru_cache(maxsize=8)  # per tokenizer (the ingress has one; a model's may hold hundreds)
+def _specials(tokenizer: Any) -> tuple[tuple[str, ...], re.Pattern]:
+    """What is marked in a client's text, and its pattern: the texts of the tokenizer's special
+    tokens, longest first, and the mark's own first character (a mark the client wrote stays its text)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    texts = {t.content for t in added if t.special} | set(getattr(tokenizer, "all_special_tokens", ()))
+    specials = (*sorted(texts, key=len, reverse=True), "\ue000")
+    return specials, re.compile("|".join(map(re.escape, specials)))
+
+
+def _marked(value: Any, tokenizer: Any) -> Any:
+    """`value` (the chat's messages and functions) with every special token's text marked."""
+    specials, pattern = _specials(tokenizer)
+    if isinstance(value, str):
+        return pattern.sub(lambda m: f"\ue000{specials.index(m.group())}\ue001", value)
+    if isinstance(value, dict):
+        return {k: _marked(v, tokenizer) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked(v, tokenizer) for v in value]
+    return value
+
+
+def chat_token_ids(tokenizer: Any, rendered: str) -> list[int]:
+    """A rendered chat's token ids: the template's special tokens as themselves, a client's
+    text of one (marked) as plain text."""
+    pieces = _MARK.split(rendered)  # text, index, text, ...
+    specials = _specials(tokenizer)[0] if len(pieces) > 1 else ()
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids += tokenizer.encode(specials[int(piece)], add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
 def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
-    """The chat as the model's template renders it (a 400 if the template refuses it)."""
+    """The chat as the model's template renders it (a 400 if the template refuses it), the
+    text of any special token in what the client wrote marked (`chat_token_ids` reads it)."""
     native_tools = template_knows_tools(tokenizer)
     messages = [_message(m, native_tools) for m in request.messages]
     if "developer" not in (getattr(tokenizer, "chat_template", None) or ""):  # OpenAI's newer name for system
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-    functions = request.functions
+    messages, functions = _marked(messages, tokenizer), _marked(request.functions, tokenizer)
     extra: dict[str, Any] = {}
     if functions and native_tools:
         extra["tools"] = [{"type": "function", "function": f} for f in functions]
@@ -140,7 +186,7 @@ def conversation_key(tokenizer: Any, request: ChatCompletionRequest, rendered: s
 
 def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompletionRequest]) -> list[int]:
     if isinstance(request, ChatCompletionRequest):
-        return tokenizer.encode(render_chat(tokenizer, request), add_special_tokens=False)
+        return chat_token_ids(tokenizer, render_chat(tokenizer, request))
     if isinstance(request.prompt, str):
         return tokenizer.encode(request.prompt, add_special_tokens=False)
     return in_vocabulary(tokenizer, list(request.prompt), "prompt")
@@ -164,8 +210,7 @@ def generation_request(
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
     rendered = render_chat(tokenizer, request) if isinstance(request, ChatCompletionRequest) else None
-    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False) if rendered is not None else \
-        prompt_token_ids(tokenizer, request)
+    prompt_ids = chat_token_ids(tokenizer, rendered) if rendered is not None else prompt_token_ids(tokenizer, request)
     if not prompt_ids:
         raise ApiError(400, f"{field}: renders to an empty prompt", field)
     if len(prompt_ids) > config.max_prompt_tokens:
