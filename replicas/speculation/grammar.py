@@ -76,14 +76,12 @@ class GrammarCompiler:
         if matcher.is_error():     # reference to itself) fails here, not at its build: "" came out
             reason = (matcher.get_error().splitlines() or [""])[0]  # then the parser's whole state
             raise RequestError(spec.param, f"the grammar admits no output at all ({reason})")
-        constraint = Constraint(matcher, self.vocab_size)
-        try:
-            constraint.advance(self._tokenizer.tokenize_str(spec.prefix) if spec.prefix else ())
-        except RuntimeError:
-            layout = " (JSON written with ', ' and ': ' and no other whitespace)" if spec.kind != "lark" else ""
-            raise RequestError(spec.param, f"the prefilled answer {spec.prefix!r} does not begin an output "
-                                           f"this format admits{layout}") from None
-        return constraint
+        for token in self._tokenizer.tokenize_str(spec.prefix) if spec.prefix else ():
+            if matcher.is_stopped() or not matcher.consume_token(token):  # stopped: text past a whole output
+                layout = " (JSON written with ', ' and ': ' and no other whitespace)" if spec.kind != "lark" else ""
+                raise RequestError(spec.param, f"the prefilled answer {spec.prefix!r} does not begin an output "
+                                               f"this format admits{layout}")
+        return Constraint(matcher, self.vocab_size)
 
 
 class Constraint:

@@ -91,7 +91,12 @@ def test_a_prefilled_answer_is_held_to_the_format_with_the_output(engine, loop):
     _, text, _, last = run(engine, loop, req)
     assert last.finish_reason == "stop", text
     jsonschema.validate(json.loads(prefill + text), PERSON)
-    for refused in ('{"name":"Ada"', '["Ada"', '{"nickname": "'):  # not our layout, not an object, no such key
+    whole = '{"name": "Ada", "age": 36, "languages": ["c"], "employed": true}'
+    done = dataclasses.replace(req, grammar=dataclasses.replace(req.grammar, prefix=whole))
+    _, text, _, last = run(engine, loop, done)
+    assert (text, last.finish_reason) == ("", "stop")  # a whole output prefilled: the end alone follows
+    # not our layout, not an object, no such key, text past a whole output
+    for refused in ('{"name":"Ada"', '["Ada"', '{"nickname": "', whole + " and more"):
         bad = dataclasses.replace(req, grammar=dataclasses.replace(req.grammar, prefix=refused))
         with pytest.raises(RequestError, match="prefilled answer") as info:
             engine.generate(bad)
