@@ -115,7 +115,7 @@ class Ingress:
         num_top = requests[0].sampling.logprobs
         output = fmt.Output(kind, num_top is not None, chat and bool(body.functions),
                             fmt.TokenTexts.for_tokenizer(tokenizer), chat and not body.parallel_tool_calls,
-                            body.prompt_logprobs)
+                            body.prompt_logprobs, chat and body.continue_final_message)
         echoes = [None] * len(requests)
         if not chat and body.echo:  # each choice's prompt: prompt-major, n choices each
             echoes = [fmt.Echo(p if isinstance(p, str) else tokenizer.decode(p), r.prompt[0], num_top or 0)
@@ -143,7 +143,7 @@ class Ingress:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
         choices = [fmt.full_choice(kind, i, acc, output,
-                                   fmt.answer_tool_calls(acc, output.one_call) if output.tools else None, echoes[i])
+                                   fmt.answer_tool_calls(acc, output) if output.tools else None, echoes[i])
                    for i, acc in enumerate(accs)]
         return JSONResponse(fmt.full_response(kind, request_id, created, self.config.model_name, choices, accs, output,
                                               body.n))
@@ -206,7 +206,8 @@ class Ingress:
         chat = messages.chat_request(body)
         request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
         model = self.config.model_name
-        blocks = message_blocks.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls)
+        blocks = message_blocks.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls,
+                                              chat.continue_final_message)
         if body.stream:
             begun = message_blocks.message_body(request.request_id, model, blocks, first=opened[1])
 

@@ -24,8 +24,8 @@ class ContentBlocks(OutputParts):
     """The answer's content blocks (`parts`) and the stream events each delta makes: a `text`
     block per run of text, a `tool_use` block per call, its input streamed as JSON text."""
 
-    def __init__(self, tools: bool, one_call: bool = False) -> None:
-        super().__init__(tools, one_call=one_call)
+    def __init__(self, tools: bool, one_call: bool = False, continues: bool = False) -> None:
+        super().__init__(tools, one_call=one_call, continues=continues)
         self._arguments: dict[str, str] = {}  # a tool_use block's id -> its input as JSON text so far
         self._whole_calls = 0  # tool_use blocks closed whole (not cut, nor left malformed)
 

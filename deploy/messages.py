@@ -142,7 +142,7 @@ class Message(RequestModel):
                    "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}.get(role, {"text"})
         misplaced = sorted({block.type for block in content} - allowed) if isinstance(content, list) else []
         if misplaced:
-            raise ValueError(f"a {role} message has no {misplaced[0]} blocks")
+            raise ValueError(f"{'an' if role == 'assistant' else 'a'} {role} message has no {misplaced[0]} blocks")
         return content
 
 

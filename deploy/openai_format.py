@@ -252,9 +252,9 @@ def full_choice(kind: Kind, index: int, acc: Accumulated, output: Output,
             "stop_reason": stop_reason}
 
 
-def answer_tool_calls(acc: Accumulated, one_call: bool) -> tuple[Optional[str], list[ToolCall]]:
+def answer_tool_calls(acc: Accumulated, output: Output) -> tuple[Optional[str], list[ToolCall]]:
     """A finished chat answer as (content, calls); a cut one (`Accumulated.cut`) as its stream sent it."""
-    return (parse_cut_output if acc.cut else parse_tool_calls)(acc.text, one_call)
+    return (parse_cut_output if acc.cut else parse_tool_calls)(acc.text, output.one_call, output.continues)
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -312,7 +312,8 @@ def typed_sse(event: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class Output:
     """What a response shows besides text: logprobs (when asked), tool calls (chat with tools;
-    `one_call` when parallel calls are not allowed: the output ends at its first), vLLM's
+    `one_call` when parallel calls are not allowed: the output ends at its first; `continues`
+    when it continues a prefilled answer: its leading whitespace is content), vLLM's
     `prompt_logprobs` with this many alternatives (when asked)."""
 
     kind: Kind
@@ -321,6 +322,7 @@ class Output:
     token_texts: TokenTexts
     one_call: bool = False
     prompt_logprobs: Optional[int] = None
+    continues: bool = False
 
 
 class StreamPieces:
@@ -329,7 +331,7 @@ class StreamPieces:
     def __init__(self, output: Output, echo: Optional[Echo] = None) -> None:
         self._output = output
         self._echo = echo  # goes out with the first delta
-        self._tools = ToolCallStream(output.one_call) if output.tools else None
+        self._tools = ToolCallStream(output.one_call, output.continues) if output.tools else None
         self._call_ids: list[str] = []
         self._text_offset = 0  # completions: characters of token text so far
 

@@ -21,11 +21,13 @@ Event = dict[str, Any]
 
 
 class OutputParts:
-    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None, one_call: bool = False) -> None:
+    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None, one_call: bool = False,
+                 continues: bool = False) -> None:
         """`logprobs`, given when the request asks for them (never beside tools): what they show;
-        `one_call`: parallel calls are not allowed, so the output ends at its first call."""
+        `one_call`: parallel calls are not allowed, so the output ends at its first call;
+        `continues`: it continues a prefilled answer, its leading whitespace is text."""
         self.parts: list[Part] = []
-        self._calls = ToolCallStream(one_call) if tools else None
+        self._calls = ToolCallStream(one_call, continues) if tools else None
         self._token_texts = logprobs
         self._open: Optional[Part] = None  # the part being written
         self._open_is_text = False

@@ -264,12 +264,13 @@ def unmatched_call(items: list, history: List[ChatMessage]) -> Optional[tuple[st
     """(the field, what is wrong) where a function_call_output answers no unanswered
     function_call before it, in `items` or in `history` (the conversation
     `previous_response_id` names), where a function_call takes the call_id of one not yet
-    answered, or where a call is left with no output (OpenAI's "No tool output found"); None
-    where none is. (A message may come between a call and its output, as OpenAI's Responses
-    allow; chat's tool messages follow their calls.)"""
-    unanswered: dict[str, str] = {}  # call_id -> the field that made the call
+    answered, or where a call of the input is left with no output (OpenAI's "No tool output
+    found"; a stored response's call may be: one cut by max_output_tokens has nothing to run);
+    None where none is. (A message may come between a call and its output, as OpenAI's
+    Responses allow; chat's tool messages follow their calls.)"""
+    unanswered: dict[str, Optional[str]] = {}  # call_id -> the input item that made the call (None: stored)
     for message in history:
-        unanswered |= {call.id: "previous_response_id" for call in message.tool_calls or []}
+        unanswered |= {call.id: None for call in message.tool_calls or []}
         unanswered.pop(message.tool_call_id, None)
     for i, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
@@ -282,7 +283,8 @@ def unmatched_call(items: list, history: List[ChatMessage]) -> Optional[tuple[st
                                                "or it was answered already")
             del unanswered[item.call_id]
     for call_id, field in unanswered.items():
-        return field, f"no function_call_output found for the function_call with call_id {call_id!r}"
+        if field is not None:
+            return field, f"no function_call_output found for the function_call with call_id {call_id!r}"
     return None
 
 

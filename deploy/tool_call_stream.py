@@ -51,10 +51,11 @@ class ToolCallStream:
     sent whole, re-serialised, at the close tag, as `parse_tool_calls` gives them.
     Content equals `parse_tool_calls`' for well-formed output. A block found malformed
     before any of it was sent passes through as content; otherwise `ok` turns False. With
-    `one_call`, as `parse_tool_calls`', the output ends at its first call's close tag.
+    `one_call`, as `parse_tool_calls`', the output ends at its first call's close tag;
+    `continues` (the output continues a prefilled answer), its leading whitespace is content.
     """
 
-    def __init__(self, one_call: bool = False) -> None:
+    def __init__(self, one_call: bool = False, continues: bool = False) -> None:
         self._one_call = one_call
         self._ended = False  # one_call: the first call closed; the rest is dropped
         self._pending = ""  # content mode: held whitespace and a possible partial open tag
@@ -64,7 +65,7 @@ class ToolCallStream:
         self._args_start: int | None = None  # where raw arguments begin in _block, if streamed
         self._args_sent = 0
         self._scan_from = 0  # close tags before this cannot end the body
-        self._started = False  # some content sent: later leading whitespace is content
+        self._started = continues  # some content sent (or a prefill's): later leading whitespace is content
         self._failed = False
         self._num_calls = 0
         self._cut = False
@@ -210,12 +211,12 @@ class ToolCallStream:
         return events + self._feed_content()
 
 
-def parse_cut_output(text: str, one_call: bool = False) -> tuple[str | None, list[ToolCall]]:
+def parse_cut_output(text: str, one_call: bool = False, continues: bool = False) -> tuple[str | None, list[ToolCall]]:
     """`parse_tool_calls` for an output that max_tokens cut: what its stream sends with
     `finish(cut=True)`, so the answer is the same streamed or not. The calls made before the
     cut, then the call being written when the cut came, if its name was: its arguments as far
     as written (not valid JSON); a call cut before its name is dropped."""
-    stream = ToolCallStream(one_call)
+    stream = ToolCallStream(one_call, continues)
     events = stream.feed(text) + stream.finish(cut=True)
     names: list[str] = []
     arguments: list[str] = []

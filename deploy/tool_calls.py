@@ -249,16 +249,17 @@ def find_close(block: str, start: int = 0) -> tuple[int, ToolCall | None] | None
     return None
 
 
-def parse_tool_calls(text: str, one_call: bool = False) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, one_call: bool = False, continues: bool = False) -> tuple[str | None, list[ToolCall]]:
     """A finished output as (content, calls). Content is the text outside the calls' blocks,
-    each piece right-stripped, then left-stripped as a whole (None if empty): what a stream
-    of the output sends (`ToolCallStream`), whose calls' fragments went out as each closed.
+    each piece right-stripped, then left-stripped as a whole unless the output `continues` a
+    prefilled answer (None if empty): what a stream of the output sends (`ToolCallStream`),
+    whose calls' fragments went out as each closed.
     Any malformed or unclosed block makes the whole output plain content: `(text, [])`,
     verbatim. With `one_call` (parallel calls not allowed) the output ends at its first
     call: what follows a well-formed first block is dropped."""
     i = text.find(TOOL_CALL_OPEN)
     if i < 0:
-        return text.strip() or None, []
+        return (text.rstrip() if continues else text.strip()) or None, []
     if one_call:
         found = find_close(text[i + len(TOOL_CALL_OPEN):])
         if found is not None and found[1] is not None:
@@ -274,4 +275,5 @@ def parse_tool_calls(text: str, one_call: bool = False) -> tuple[str | None, lis
         j = rest.find(TOOL_CALL_OPEN)
         pieces.append(rest if j < 0 else rest[:j])
         rest = "" if j < 0 else rest[j:]
-    return "".join(p.rstrip() for p in pieces).lstrip() or None, calls
+    content = "".join(p.rstrip() for p in pieces)
+    return (content if continues else content.lstrip()) or None, calls

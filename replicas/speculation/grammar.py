@@ -64,6 +64,7 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
+        self._hf_tokenizer = hf_tokenizer
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                        eos_token=sorted(eos_ids))
 
@@ -76,9 +77,13 @@ class GrammarCompiler:
         if matcher.is_error():     # reference to itself) fails here, not at its build: "" came out
             reason = (matcher.get_error().splitlines() or [""])[0]  # then the parser's whole state
             raise RequestError(spec.param, f"the grammar admits no output at all ({reason})")
-        for token in self._tokenizer.tokenize_str(spec.prefix) if spec.prefix else ():
+        # the prefix as text, a special token's text included (as the prompt holds it: deploy/prompts.py)
+        prefix = self._hf_tokenizer.encode(spec.prefix, add_special_tokens=False, split_special_tokens=True) \
+            if spec.prefix else []
+        for token in prefix:
             if matcher.is_stopped() or not matcher.consume_token(token):  # stopped: text past a whole output
-                layout = " (JSON written with ', ' and ': ' and no other whitespace)" if spec.kind != "lark" else ""
+                layout = (" (JSON written with ', ' and ': ', no other whitespace, and no \\u or \\/ escapes)"
+                          if spec.kind != "lark" or "%json" in spec.text else "")
                 raise RequestError(spec.param, f"the prefilled answer {spec.prefix!r} does not begin an output "
                                                f"this format admits{layout}")
         return Constraint(matcher, self.vocab_size)

@@ -155,6 +155,20 @@ def test_under_a_format_auto_answers_in_it_or_calls(agent_client):
     jsonschema.validate(json.loads(answering.choices[0].message.content), PET_SCHEMA)
 
 
+def test_a_continued_answer_keeps_its_leading_space_beside_tools(agent_client):
+    """A prefilled answer's continuation (` is ...` after `The weather in Paris`) keeps its
+    leading whitespace with tools offered, streamed or not: the tool-call parser once dropped
+    it as it does a fresh answer's (found by QA)."""
+    kwargs = dict(model=MODEL, tools=[WEATHER], max_tokens=8, temperature=0, logprobs=True,
+                  messages=[{"role": "user", "content": "Describe Paris"},
+                            {"role": "assistant", "content": "The weather in Paris"}],
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    plain = agent_client.chat.completions.create(**kwargs).choices[0]
+    content, _, _, _ = _streamed_calls(agent_client, kwargs)
+    assert plain.message.content == content == "".join(t.token for t in plain.logprobs.content)
+    assert content[0].isspace()
+
+
 def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):
     # one call: with parallel calls allowed, this 135M model repeats its call until max_tokens
     kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=80, temperature=0,

@@ -194,8 +194,8 @@ def test_the_example_call_takes_whatever_the_parameters_say(parameters, example)
 
 # ---- streaming ---------------------------------------------------------------------------
 
-def _stream(pieces, one_call=False, cut=False):
-    stream, events = ToolCallStream(one_call), []
+def _stream(pieces, one_call=False, cut=False, continues=False):
+    stream, events = ToolCallStream(one_call, continues), []
     for piece in pieces:
         events += stream.feed(piece)
     events += stream.finish(cut)
@@ -224,6 +224,20 @@ def _splits(text):
     for _ in range(20):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("output,content", [
+    (" is sunny.", " is sunny."), (" is sunny.\n" + PARIS, " is sunny."), ("\n\n" + PARIS + " done", " done"),
+])
+def test_a_continued_answer_keeps_its_leading_whitespace_streamed_or_not(output, content):
+    """The output continues a prefilled answer (`The weather in Paris` + ` is sunny.`): its
+    leading whitespace is the answer's, where a fresh answer's is dropped (it was, found by QA)."""
+    calls = [ToolCall("get_weather", '{"city": "Paris"}')] if PARIS in output else []
+    assert parse_tool_calls(output, continues=True) == (content, calls)
+    assert parse_tool_calls(output) == (content.lstrip(), calls)
+    for pieces in list(_splits(output))[::5]:
+        got_content, got_calls, _ = _stream(pieces, continues=True)
+        assert (got_content, got_calls) == (content, calls), pieces
 
 
 @pytest.mark.parametrize("output,content,calls", WELL_FORMED)

@@ -95,6 +95,10 @@ def test_a_prefilled_answer_is_held_to_the_format_with_the_output(engine, loop):
     done = dataclasses.replace(req, grammar=dataclasses.replace(req.grammar, prefix=whole))
     _, text, _, last = run(engine, loop, done)
     assert (text, last.finish_reason) == ("", "stop")  # a whole output prefilled: the end alone follows
+    special = '{"name": "<|im_end|>'  # a special token's text is text here too (it was the control token)
+    _, text, _, last = run(engine, loop, dataclasses.replace(req, grammar=dataclasses.replace(req.grammar,
+                                                                                              prefix=special)))
+    jsonschema.validate(json.loads(special + text), PERSON)
     # not our layout, not an object, no such key, text past a whole output
     for refused in ('{"name":"Ada"', '["Ada"', '{"nickname": "', whole + " and more"):
         bad = dataclasses.replace(req, grammar=dataclasses.replace(req.grammar, prefix=refused))
