@@ -104,8 +104,9 @@ redeploy: $(VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(PY) -m deploy.config_check deploy.yaml
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve deploy deploy.yaml
 
-# `serve status` of that server: Serve's CLI imports the deployments' router class
-# (deploy.router), so it needs the repository on PYTHONPATH too (bare, a ModuleNotFoundError).
+# `serve status` of that server: Serve's CLI imports the Replica's autoscaling policy and router
+# class (autoscaling.policy, deploy.router), so it needs the repository on PYTHONPATH too (bare,
+# a ModuleNotFoundError).
 .PHONY: status
 status: $(VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve status

@@ -280,4 +280,8 @@ def main(paths: Iterable[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["deploy.yaml"]))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deploy.config_check", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", default=["deploy.yaml"], help="Serve config files (default: deploy.yaml)")
+    sys.exit(main(parser.parse_args().files))

@@ -79,8 +79,10 @@ class ReplicaStreams:
         asked_at, running = self._running
         if time.monotonic() - asked_at > max_age_s:
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
-            states = status.applications[self._replica.app_name].deployments[self._replica.deployment_name]
-            running = bool(states.replica_states.get("RUNNING"))
+            app = status.applications.get(self._replica.app_name)
+            # none listed: a redeploy that replaces the application has not listed its new ones yet
+            states = app.deployments.get(self._replica.deployment_name) if app is not None else None
+            running = states is not None and bool(states.replica_states.get("RUNNING"))
             self._running = (time.monotonic(), running)
         return running
 

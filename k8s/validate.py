@@ -201,7 +201,10 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser.add_argument("--crd-dir", type=Path, default=DEFAULT_CRD_DIR, help="where the KubeRay CRDs are")
     parser.add_argument("--crd", type=Path, action="append", default=[], help="another CRD file to check against")
     options = parser.parse_args(list(argv) if argv is not None else None)
-    validator = ManifestValidator(options.crd_dir, options.crd)
+    try:
+        validator = ManifestValidator(options.crd_dir, options.crd)
+    except OSError as exc:  # a CRD file or directory that is not there: said, not a traceback
+        parser.error(str(exc))
     failed = 0
     for path in options.files:
         problems = validator.check_file(path)

@@ -1,17 +1,20 @@
-"""`ReplicaStreams.answered` on its own (no Serve): a call given up, because the client left,
-ends without asyncio logging an outcome nobody read."""
+"""`ReplicaStreams` on its own (no Serve): a call given up, because the client left, ends
+without asyncio logging an outcome nobody read; a redeploy's status is read, never a KeyError."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
+from types import SimpleNamespace
 
 from deploy.config import AppArgs, IngressConfig
 from deploy.replica_streams import ReplicaStreams
 
 
 class _Replica:  # what ReplicaStreams reads of a deployment handle before a call
+    app_name, deployment_name = "specserve", "Replica"
+
     def options(self, **_):
         return self
 
@@ -45,3 +48,21 @@ def test_a_call_given_up_leaves_no_unread_outcome():
 
     asyncio.run(go())
     assert unread == []
+
+
+def test_a_redeploy_that_lists_no_replica_yet_is_none_running(monkeypatch):
+    """Serve's status during a redeploy that replaces the application lists its deployments
+    empty for a moment: that is no replica running (the health check said "cannot tell ...:
+    KeyError"; found by QA), and one listed RUNNING is."""
+    from ray import serve
+
+    def status(deployments):
+        return SimpleNamespace(applications={"specserve": SimpleNamespace(deployments=deployments)})
+
+    streams = ReplicaStreams(_Replica(), IngressConfig.from_args(AppArgs()))
+    for listed, running in (({}, False), ({"Replica": SimpleNamespace(replica_states={"STARTING": 1})}, False),
+                            ({"Replica": SimpleNamespace(replica_states={"RUNNING": 1})}, True)):
+        monkeypatch.setattr(serve, "status", lambda: status(listed))
+        assert asyncio.run(streams.engine_running()) is running
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    assert asyncio.run(streams.engine_running()) is False
