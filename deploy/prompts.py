@@ -74,13 +74,17 @@ def _specials(tokenizer: Any) -> tuple[tuple[str, ...], re.Pattern]:
 def _marked(value: Any, tokenizer: Any) -> Any:
     """`value` (the chat's messages and functions) with every special token's text marked."""
     specials, pattern = _specials(tokenizer)
-    if isinstance(value, str):
-        return pattern.sub(lambda m: f"\ue000{specials.index(m.group())}\ue001", value)
-    if isinstance(value, dict):
-        return {k: _marked(v, tokenizer) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_marked(v, tokenizer) for v in value]
-    return value
+
+    def mark(node: Any) -> Any:
+        if isinstance(node, str):
+            return pattern.sub(lambda m: f"\ue000{specials.index(m.group())}\ue001", node)
+        if isinstance(node, dict):
+            return {k: mark(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [mark(v) for v in node]
+        return node
+
+    return mark(value)
 
 
 def chat_token_ids(tokenizer: Any, rendered: str) -> list[int]:
@@ -135,10 +139,8 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
         functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
     callable_names = {f["name"] for f in functions}
     for i, tool in enumerate(request.tools if functions else ()):  # each call it may make keeps to its schema
-        error = schema_error(tool.function.parameters) if tool.function.name in callable_names else None
-        if error is not None:
-            param = f"tools[{i}].function.parameters"
-            raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
+        if tool.function.name in callable_names:
+            _check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     if forced_tool:
         if fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format: cannot constrain the output while tool_choice forces a call",
@@ -156,15 +158,19 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     prefix = joined_text(request.messages[-1].content) if continued else ""
     if functions:  # auto: an answer in the format, or calls (as OpenAI's: the model picks)
         schema = {"type": "object"} if fmt.type == "json_object" else fmt.json_schema.schema_
-        if (error := schema_error(schema)) is not None:
-            param = "response_format.json_schema.schema"
-            raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
+        _check_schema(schema, "response_format.json_schema.schema")
         return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, answer=schema),
                            "response_format", prefix=prefix)
     if fmt.type == "json_object":
         return GrammarSpec("json_object", prefix=prefix)
     return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema",
                        prefix=prefix)
+
+
+def _check_schema(schema: Optional[dict], param: str) -> None:
+    """ApiError(400) naming `param` where the grammar engine refuses the JSON schema."""
+    if (error := schema_error(schema)) is not None:
+        raise ApiError(400, f"{param}: the JSON schema was refused: {error}", param)
 
 
 def conversation_key(tokenizer: Any, request: ChatCompletionRequest, rendered: str) -> Optional[bytes]:
