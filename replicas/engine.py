@@ -255,6 +255,9 @@ class GenerationRequest:
     # routed while every replica was over its gate (deploy/router): for its whole life it drafts
     # as behind a closed gate (a grammar's forced tokens still go, no SA or MTP draft)
     over_gate: bool = False
+    # a health probe (Replica.check_health): served like any request, left out of the
+    # prefix-cache figures, which a quiet replica's probes would otherwise dilute
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if self.grammar is not None and self.sampling.min_tokens:  # it may allow only the end there

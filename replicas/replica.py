@@ -274,7 +274,7 @@ class Replica:
             return
         probe = GenerationRequest(
             request_id=f"health-{uuid.uuid4().hex}", prompt="ok",
-            sampling=SamplingParams(max_tokens=1), speculation=RequestSpeculation(mode="off"),
+            sampling=SamplingParams(max_tokens=1), speculation=RequestSpeculation(mode="off"), probe=True,
         )
         async for delta in engine.generate(probe):
             if delta.finish_reason == "error":

@@ -156,7 +156,7 @@ class TrtllmEngine:
         except (TypeError, ValueError) as exc:
             raise RequestError("sampling", str(exc)) from exc
         tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, kept)
-        return self._stream(tracker, prompt_ids, sampling)
+        return self._stream(tracker, prompt_ids, sampling, request.probe)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, str):
@@ -173,8 +173,8 @@ class TrtllmEngine:
                                              f"the context window of {window}")
         return ids
 
-    async def _stream(self, tracker: OutputTracker, prompt_ids: list[int], sampling: Any):
-        live = _Live(tracker)
+    async def _stream(self, tracker: OutputTracker, prompt_ids: list[int], sampling: Any, probe: bool):
+        live = _Live(tracker, prefilled=probe)  # a health probe is never counted
         self._live[tracker.request_id] = live
         try:
             try:

@@ -205,7 +205,8 @@ class EngineCore:
             raise KVCacheFull(f"KV cache: no pages for a {len(context)}-token context")
         if self.prefix is not None and not seq.admitted:  # a readmission finds its own blocks: not a hit
             seq.cached_tokens = min(reused, len(seq.prompt_ids))
-            self.prefix.count(len(seq.prompt_ids), seq.cached_tokens)
+            if not seq.probe:
+                self.prefix.count(len(seq.prompt_ids), seq.cached_tokens)
         seq.admitted = True
         seq.num_cached, seq.prefilling = reused, True
         return reused_hidden

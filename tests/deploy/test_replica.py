@@ -192,9 +192,19 @@ class BrokenEngine(FakeEngine):
         yield GenerationDelta(request.request_id, (), "", "error", "no device")
 
 
+class ProbedEngine(FakeEngine):
+    probes: list[GenerationRequest] = []
+
+    def generate(self, request):
+        self.probes.append(request)
+        return super().generate(request)
+
+
 def test_health_check_probes_an_idle_engine():
     async def scenario():
-        await (await make_replica()).check_health()
+        await (await make_replica(engine_cls=ProbedEngine)).check_health()
+        [probe] = ProbedEngine.probes
+        assert probe.probe and probe.sampling.max_tokens == 1  # left out of the engine's figures
         broken = await make_replica(engine_cls=BrokenEngine)
         with pytest.raises(RuntimeError, match="health probe failed"):
             await broken.check_health()

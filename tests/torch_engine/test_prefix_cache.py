@@ -414,3 +414,21 @@ def test_a_resumed_request_counts_its_prompt_not_its_output_in_the_hit_rate(engi
     after = warm.stats()
     assert after.prefix_prompt_tokens - before.prefix_prompt_tokens == len(prompt)
     assert after.prefix_hit_tokens - before.prefix_hit_tokens == last.cached_tokens == len(prompt)  # +63 before
+
+
+def test_a_health_probe_stays_out_of_the_hit_rate(engines, loop):
+    """A quiet replica's health checks (GenerationRequest.probe) would dilute it with misses."""
+    import dataclasses
+
+    warm, _ = engines
+    prompt = _ids(953, 40)
+    _run(loop, warm, prompt, max_tokens=2)
+    before = warm.stats()
+    probe = dataclasses.replace(request(prompt, max_tokens=1), probe=True)
+    tokens, _, _, last = loop.run_until_complete(collect_logprobs(warm, probe))
+    assert len(tokens) == 1 and last.cached_tokens > 0  # served from the cache all the same
+    after = warm.stats()
+    assert (after.prefix_prompt_tokens, after.prefix_hit_tokens) == (before.prefix_prompt_tokens,
+                                                                      before.prefix_hit_tokens)
+    _run(loop, warm, prompt, max_tokens=2)
+    assert warm.stats().prefix_prompt_tokens - before.prefix_prompt_tokens == len(prompt)

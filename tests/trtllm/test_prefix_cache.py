@@ -76,6 +76,20 @@ def test_without_block_reuse_nothing_is_cached_and_prompts_still_count():
     assert (stats.prefix_hit_tokens, stats.prefix_prompt_tokens, stats.prefix_hit_rate) == (0, 2 * N, 0.0)
 
 
+def test_a_health_probe_stays_out_of_the_totals():
+    async def go():
+        engine = await started(engine_config())
+        await final_deltas(engine, LONG)
+        probe = await collect(engine, dataclasses.replace(request(LONG, max_tokens=1, rid="probe"), probe=True))
+        stats = engine.stats()
+        await engine.shutdown()
+        return probe[-1], stats
+
+    probe, stats = run(go())
+    assert probe.finish_reason == "length" and probe.prompt_tokens == N
+    assert (stats.prefix_hit_tokens, stats.prefix_prompt_tokens) == (0, N)
+
+
 def test_totals_survive_a_restart():
     async def go():
         engine = await started(engine_config("mtp"))
