@@ -22,10 +22,15 @@ class TextPart(RequestModel):
     text: Text
 
 
+# What goes between a message's text parts (or blocks) in its one text: a newline, as vLLM's and
+# TensorRT-LLM's servers join them ("Summarize:" and "The text..." stay two lines, not one word)
+PART_SEPARATOR = "\n"
+
+
 def joined_text(content: Union[str, List[TextPart], None]) -> str:
     """A message's content (text or text parts) as one text."""
     if isinstance(content, list):
-        return "".join(part.text for part in content)
+        return PART_SEPARATOR.join(part.text for part in content)
     return content or ""
 
 
@@ -89,8 +94,8 @@ class Prediction(RequestModel):
     content: Union[Text, List[TextPart]]
 
     @property
-    def text(self) -> str:
-        return joined_text(self.content)
+    def text(self) -> str:  # parts of one expected output, not a message's parts: nothing between them
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class FunctionDefinition(RequestModel):

@@ -24,8 +24,8 @@ from pydantic import (
 )
 
 from deploy.chat_protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedToolChoice, Tool,
-    ToolChoiceFunction,
+    PART_SEPARATOR, AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition,
+    NamedToolChoice, Tool, ToolChoiceFunction,
 )
 from deploy.errors import validation_error
 from deploy.protocol import (
@@ -106,7 +106,7 @@ class ToolResultBlock(RequestModel):
 
     @property
     def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "".join(
+        text = self.content if isinstance(self.content, str) else PART_SEPARATOR.join(
             b.text for b in self.content if b.type != "tool_reference")
         return f"Error: {text}" if self.is_error else text
 
@@ -344,7 +344,7 @@ def _answer_begun(messages: List[Message]) -> Optional[str]:
     last = messages[-1]
     if last.role != "assistant" or (not isinstance(last.content, str) and any(b.type != "text" for b in last.content)):
         return None
-    return last.content if isinstance(last.content, str) else "".join(b.text for b in last.content)
+    return last.content if isinstance(last.content, str) else PART_SEPARATOR.join(b.text for b in last.content)
 
 
 # Claude Code leads its system prompt with a block of its own that changes with every request
@@ -354,6 +354,8 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
+    # the request's system blocks are one text, as vLLM's Messages API joins them (Claude Code's
+    # own begin with their newline); a message's blocks are parts (PART_SEPARATOR)
     system = body.system if isinstance(body.system, str) else "".join(
         b.text for b in body.system or [] if not b.text.startswith(BILLING_HEADER))
     messages = [ChatMessage(role="system", content=system)] if system else []
@@ -361,10 +363,10 @@ def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
         if m is body.messages[-1] and _answer_begun(body.messages) == "":
             continue  # an empty last answer: no prefill
         if isinstance(m.content, str) or m.role == "system":
-            messages.append(ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else "".join(
-                b.text for b in m.content)))
+            messages.append(ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else
+                                        PART_SEPARATOR.join(b.text for b in m.content)))
         elif m.role == "assistant":
-            text = "".join(b.text for b in m.content if b.type == "text")
+            text = PART_SEPARATOR.join(b.text for b in m.content if b.type == "text")
             calls = [AssistantToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(
                 b.input, ensure_ascii=False))) for b in m.content if b.type == "tool_use"]
             messages.append(ChatMessage(role="assistant", content=(text or None) if calls else text,
@@ -379,7 +381,7 @@ def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                     text = ChatMessage(role="user", content=b.text)
                     messages.append(text)
                 else:
-                    messages[-1] = text = text.model_copy(update={"content": text.text + b.text})
+                    messages[-1] = text = text.model_copy(update={"content": text.text + PART_SEPARATOR + b.text})
     return messages
 
 

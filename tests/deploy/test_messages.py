@@ -110,13 +110,33 @@ def test_what_a_claude_code_session_sends_is_taken_and_a_tools_picture_reads_as_
         [{"type": "text", "text": "Here it is: "}, image, pdf]))
     [*_, tool] = chat_request(body).messages
     assert (tool.role, tool.tool_call_id) == ("tool", "toolu_1")
-    assert tool.text == ("Here it is: [image omitted: this model reads text only]"
+    assert tool.text == ("Here it is: \n[image omitted: this model reads text only]\n"
                          "[document omitted: this model reads text only]")
     # count_tokens takes what a message takes
     CountTokensRequest(model="m", messages=_session("18 C"), tools=[TOOL], cache_control={"type": "ephemeral"},
                        output_config={"effort": "low"}, speed="standard", context_management={"edits": []})
     with pytest.raises(pydantic.ValidationError, match="messages.0.content"):  # a user's own picture: a 400
         MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": [image]}])
+
+
+def test_a_messages_text_blocks_are_lines_and_the_system_blocks_one_text():
+    """As vLLM's Messages API reads them: a message's blocks are parts, each on its own line
+    (chat's PART_SEPARATOR); the request's system blocks one text (Claude Code's begin with
+    their own newline), its billing block dropped; a prefill's blocks are the answer's start."""
+    body = MessagesRequest(model="m", max_tokens=8, tools=[TOOL], system=[
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=2;"},
+        {"type": "text", "text": "You are a CLI."}, {"type": "text", "text": "\nBe brief."}], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Fix this:"}, {"type": "text", "text": "x = 1 +"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18 C"},
+                                     {"type": "text", "text": "Thanks."}, {"type": "text", "text": "Now Rome?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Rome"}, {"type": "text", "text": "is"}]}])
+    chat = chat_request(body)
+    assert [(m.role, m.text) for m in chat.messages] == [
+        ("system", "You are a CLI.\nBe brief."), ("user", "Fix this:\nx = 1 +"), ("assistant", "Let me look."),
+        ("tool", "18 C"), ("user", "Thanks.\nNow Rome?"), ("assistant", "Rome\nis")]
+    assert chat.continue_final_message
 
 
 @pytest.mark.parametrize("status, anthropic_type", [

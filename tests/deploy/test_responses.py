@@ -23,6 +23,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def test_calls_after_an_answer_join_its_assistant_message_and_outputs_become_tool_messages():
+    """(A message's parts are joined by a newline, as vLLM's, TensorRT-LLM's and llama.cpp's
+    servers join them.)"""
     body = ResponsesRequest(model="m", instructions="Be brief.", input=[
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text",
                                                                                     "text": "Paris and Rome?"}]},
@@ -35,7 +37,7 @@ def test_calls_after_an_answer_join_its_assistant_message_and_outputs_become_too
     ])
     messages = conversation(body, [])
     assert [(m.role, m.text) for m in messages] == [
-        ("user", "Weather in Paris and Rome?"), ("assistant", "Let me look."), ("tool", "18 C"), ("tool", "21 C")]
+        ("user", "Weather in \nParis and Rome?"), ("assistant", "Let me look."), ("tool", "18 C"), ("tool", "21 C")]
     assert [(c.id, c.function.arguments) for c in messages[1].tool_calls] == [
         ("c1", '{"city": "Paris"}'), ("c2", '{"city": "Rome"}')]
     assert [m.tool_call_id for m in messages[2:]] == ["c1", "c2"]
