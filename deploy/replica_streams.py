@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 10.0  # a controller slower than this to say what runs: not healthy
 REPLICA_POLL_S = 5.0  # how often a call still unanswered asks whether any Replica runs
+# Serve's replica states that answer calls: a user_config being applied (UPDATING), a replica on
+# a draining node (PENDING_MIGRATION) and one a restarted controller finds again (RECOVERING) too
+SERVING_STATES = ("RUNNING", "UPDATING", "PENDING_MIGRATION", "RECOVERING")
 
 
 async def all_choices(coroutines: list) -> list:
@@ -80,9 +83,12 @@ class ReplicaStreams:
         if time.monotonic() - asked_at > max_age_s:
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
             app = status.applications.get(self._replica.app_name)
-            # none listed: a redeploy that replaces the application has not listed its new ones yet
             states = app.deployments.get(self._replica.deployment_name) if app is not None else None
-            running = states is not None and bool(states.replica_states.get("RUNNING"))
+            if states is not None:
+                running = any(states.replica_states.get(state) for state in SERVING_STATES)
+            else:  # a deploy whose build failed lists none while the version before it serves on;
+                # otherwise a redeploy that replaces the application has not listed its new ones yet
+                running = app is not None and app.status == "DEPLOY_FAILED"
             self._running = (time.monotonic(), running)
         return running
 
@@ -156,8 +162,8 @@ class ReplicaStreams:
         if self._retries is None:
             from ray.serve import metrics
 
-            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died: whole "
-                                            "(kind=retry) or as a continuation mid-stream (kind=resume)",
+            self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died, each "
+                                            "send: whole (kind=retry) or as a continuation mid-stream (kind=resume)",
                                             tag_keys=("kind",))
         self._retries.inc(tags={"kind": kind})
 

@@ -318,6 +318,28 @@ def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_hand
     assert replica_handle.pid.remote().result() == pid
 
 
+def test_a_deploy_whose_build_fails_leaves_the_version_before_it_serving_and_healthy(url, client, replica_handle):
+    """A bare `serve deploy` whose build fails (here an args key the config check refuses)
+    leaves the application DEPLOY_FAILED, its status listing no deployments, while the version
+    before it serves on: /healthz said no engine replica ran, and requests whose first token
+    waited past replica_loss_retry_s were given up as 503s (found by QA)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    pid = replica_handle.pid.remote().result()
+    bad = serving_config()
+    bad["applications"][0]["args"]["no_such_key"] = 1
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(bad), _blocking=False)
+    assert wait_until(lambda: serve.status().applications[APP].status == "DEPLOY_FAILED", timeout_s=60, interval_s=0.2)
+    assert "no_such_key" in serve.status().applications[APP].message
+    health = httpx.get(f"{url}/healthz", timeout=30)
+    assert health.status_code == 200, health.text
+    answer = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason == "length" and replica_handle.pid.remote().result() == pid
+    deploy(serving_config())
+
+
 def test_engine_errors_are_400s_naming_the_field(url):
     body = {"model": MODEL, "prompt": "hello " * 50, "max_tokens": 1000}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

@@ -50,19 +50,28 @@ def test_a_call_given_up_leaves_no_unread_outcome():
     assert unread == []
 
 
-def test_a_redeploy_that_lists_no_replica_yet_is_none_running(monkeypatch):
+def test_what_serves_is_read_from_a_redeploys_status(monkeypatch):
     """Serve's status during a redeploy that replaces the application lists its deployments
     empty for a moment: that is no replica running (the health check said "cannot tell ...:
-    KeyError"; found by QA), and one listed RUNNING is."""
+    KeyError"; found by QA). A deploy whose build failed lists none either, while the version
+    before it serves on: running (requests waiting were given up as 503s, found by QA); so is
+    a replica applying a user_config (UPDATING: /healthz was a 503 at every change of one)."""
     from ray import serve
 
-    def status(deployments):
-        return SimpleNamespace(applications={"specserve": SimpleNamespace(deployments=deployments)})
+    def status(deployments, app_status="DEPLOYING"):
+        return SimpleNamespace(applications={"specserve": SimpleNamespace(status=app_status,
+                                                                          deployments=deployments)})
+
+    def replicas(**states):
+        return {"Replica": SimpleNamespace(replica_states=states)}
 
     streams = ReplicaStreams(_Replica(), IngressConfig.from_args(AppArgs()))
-    for listed, running in (({}, False), ({"Replica": SimpleNamespace(replica_states={"STARTING": 1})}, False),
-                            ({"Replica": SimpleNamespace(replica_states={"RUNNING": 1})}, True)):
-        monkeypatch.setattr(serve, "status", lambda: status(listed))
-        assert asyncio.run(streams.engine_running()) is running
-    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
-    assert asyncio.run(streams.engine_running()) is False
+    for shown, running in ((status({}), False), (status(replicas(STARTING=1)), False),
+                           (status(replicas(STOPPING=1, STARTING=1)), False),
+                           (status(replicas(STARTING=1), "DEPLOY_FAILED"), False),
+                           (status({}, "DEPLOY_FAILED"), True), (status(replicas(RUNNING=1), "RUNNING"), True),
+                           (status(replicas(UPDATING=1), "RUNNING"), True),
+                           (status(replicas(PENDING_MIGRATION=1, STARTING=1)), True),
+                           (SimpleNamespace(applications={}), False)):
+        monkeypatch.setattr(serve, "status", lambda: shown)
+        assert asyncio.run(streams.engine_running()) is running, shown
