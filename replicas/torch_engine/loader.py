@@ -78,9 +78,13 @@ def load_tokenizer(model_dir: Path):
         named = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         named = None
-    if named in ("TokenizersBackend", "PreTrainedTokenizerFast") and (model_dir / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        if named in ("TokenizersBackend", "PreTrainedTokenizerFast") and (model_dir / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:  # none there, or one transformers cannot read
+        first_line = str(exc).strip().splitlines()[0].rstrip(": ") if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model: {model_dir} has no tokenizer transformers can load ({first_line})") from None
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:

@@ -373,7 +373,10 @@ def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
         raise ValueError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
     raw: dict[str, Tensor] = {}
     for name in files:
-        raw.update(load_file(model_dir / name))
+        try:
+            raw.update(load_file(model_dir / name))
+        except Exception as exc:  # noqa: BLE001 - SafetensorError (a truncated file) or OSError
+            raise ValueError(f"{model_dir / name}: not a readable safetensors file ({exc})") from None
     return raw
 
 

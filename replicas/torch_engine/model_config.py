@@ -61,19 +61,25 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ValueError(f"{path}: no config.json")
-        return cls.from_hf_dict(json.loads(config_path.read_text()))
+        try:
+            raw = json.loads(config_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config_path}: not a JSON document ({exc})") from None
+        return cls.from_hf_dict(raw)
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> "ModelConfig":
         _reject(isinstance(raw, dict), f"config.json: an object expected, got {type(raw).__name__}")
-        missing = [key for key in _REQUIRED if key not in raw]
-        _reject(not missing, f"config.json: {', '.join(missing)} missing")
-        # Converted GGUFs carry architectures=null, so model_type is the primary check.
+        # Converted GGUFs carry architectures=null, so model_type is the primary check; before
+        # the keys a Llama needs (a GPT-2 lacks them: its architecture is what is wrong)
         archs = raw.get("architectures") or []
         _reject(raw.get("model_type") == "llama" or any(a in _LLAMA_ARCHS for a in archs),
-                f"unsupported architecture: model_type={raw.get('model_type')!r}, architectures={archs}")
+                f"unsupported architecture: model_type={raw.get('model_type')!r}, architectures={archs} "
+                f"(only Llama's)")
         _reject(not archs or all(a in _LLAMA_ARCHS for a in archs),
                 f"unsupported architectures {archs}: only {_LLAMA_ARCHS}")
+        missing = [key for key in _REQUIRED if key not in raw]
+        _reject(not missing, f"config.json: {', '.join(missing)} missing")
         _reject(raw.get("hidden_act", "silu") == "silu", f"hidden_act: only 'silu', got {raw.get('hidden_act')!r}")
         _reject(not raw.get("attention_bias", False), "attention_bias: biased projections are not supported")
         _reject(not raw.get("mlp_bias", False), "mlp_bias: biased MLP is not supported")
@@ -81,10 +87,12 @@ class ModelConfig:
 
         # transformers 5 moved rope settings into rope_parameters; 4.x had rope_theta and
         # rope_scaling at the top level. Accept both, refuse any scaling we don't implement.
+        # Each is read: one naming a scaling is refused whatever the other says (transformers reads
+        # rope_scaling's over a default rope_parameters).
         rope = dict(raw.get("rope_parameters") or {})
-        scaling = raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-        _reject(rope_type == "default", f"rope scaling {rope_type!r} is not supported (only 'default')")
+        for key, settings in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {})):
+            rope_type = settings.get("rope_type", settings.get("type")) or "default"
+            _reject(rope_type == "default", f"{key}: rope scaling {rope_type!r} is not supported (only 'default')")
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
 
         hidden_size = int(raw["hidden_size"])

@@ -244,11 +244,16 @@ def test_config_from_checkpoint(model_dir):
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "architecture"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope scaling"),
     ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling"),
+    # beside a default rope_parameters, which transformers reads under it (passed, found by QA)
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling: rope scaling 'llama3'"),
+    # a GPT-2 has no Llama sizes: its architecture is named, not the keys it lacks
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "hidden_size": None}, "architecture.*gpt2"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_key_value_heads": 4}, "multiple"),
 ])
 def test_config_rejects_what_the_forward_cannot_compute(model_dir, change, message):
-    raw = json.loads((model_dir / "config.json").read_text()) | change
+    raw = {key: value for key, value in (json.loads((model_dir / "config.json").read_text()) | change).items()
+           if value is not None or key.startswith("rope")}
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(raw)
 
@@ -303,6 +308,23 @@ def test_checkpoint_key_mismatch_is_a_clear_error(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*unexpected \['model.layers.1.mlp.extra.weight'\]"):
         LlamaModel.from_pretrained(tmp_path)
+
+
+def test_a_broken_checkpoint_is_a_value_error_naming_its_file(tmp_path):
+    """Not a JSON config.json, a truncated safetensors file, no tokenizer: each named (they were
+    JSONDecodeError, SafetensorError and transformers' own words; found by QA)."""
+    from replicas.torch_engine.loader import load_tokenizer
+
+    _tiny_hf_llama(tmp_path, tie=True, shard=False)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        LlamaModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model: .* has no tokenizer transformers can load"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{'vocab_size': 97}")
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON document"):
+        ModelConfig.from_hf_dir(tmp_path)
 
 
 def test_prepacked_and_plain_weights_agree(tmp_path):
