@@ -95,8 +95,8 @@ class ReplicaStreams:
     async def answered(self, call: Any) -> Any:
         """What `call` (to an engine replica) returns, or ApiError(503) once Serve's controller
         has counted no Replica running for `replica_loss_retry_s`: a call waits in Serve's
-        router as long as none runs, and with every start failing (a refused user_config
-        deployed, then the replica lost) Serve tries on until a good deploy."""
+        router as long as none runs, and with every start failing (an engine that cannot load
+        its model) Serve tries on until a good deploy."""
         task = asyncio.ensure_future(call)
         none_since = None
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -140,15 +141,47 @@ class _Metrics:
             self.tpot.observe(tpot_s)
 
 
+class LastSettings:
+    """The last `user_config` a replica of this deployment took, kept in Ray's internal KV store
+    (the GCS: it outlives every replica). A replica that starts while a refused user_config is
+    deployed (a restart, a scale-out) starts with it, as the running ones keep it, instead of
+    failing to start until a good deploy. Outside a Serve replica: nothing is kept."""
+
+    def __init__(self) -> None:
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            context = serve.get_replica_context()
+        except RayServeException:
+            self._key = None
+        else:
+            self._key = f"specserve/user_config/{context.app_name}/{context.deployment}".encode()
+
+    def get(self) -> Any:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(self._key) if self._key is not None else None
+        return None if value is None else json.loads(value)
+
+    def put(self, user_config: Any) -> None:
+        from ray.experimental import internal_kv
+
+        if self._key is not None:
+            internal_kv._internal_kv_put(self._key, json.dumps(user_config).encode(), overwrite=True)
+
+
 class Replica:
     """Owns one engine: builds it with the first `user_config`, streams requests through it
     and reports its stats."""
 
-    def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine], metrics: bool = True) -> None:
+    def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine], metrics: bool = True,
+                 last_settings: LastSettings | None = None) -> None:
         log_through_serve("replicas")
         self._engine_factory = engine_factory
+        self._last_settings = last_settings or LastSettings()
         self._engine: Engine | None = None  # built by the first reconfigure
-        self._user_config_refused = False  # the last live reconfigure's settings were refused
+        self._user_config_refused = False  # the last user_config was refused
         self._metrics = _Metrics() if metrics else None
         self._stats_task: asyncio.Task | None = None
         self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress, with steps
@@ -158,9 +191,11 @@ class Replica:
     # -- configuration and stats ------------------------------------------------------------
     async def reconfigure(self, user_config: Any) -> None:
         """Serve's `user_config` hook: the first call builds and starts the engine with these
-        settings (settings it refuses fail the replica's start, naming the key); later calls
-        change them (gate, threshold, draft length, mode) live, or, refused, log the error and
-        keep the settings in force (`user_config_refused` in the stats and metrics)."""
+        settings; later calls change them (gate, threshold, draft length, mode) live. Settings
+        refused are logged, naming the key, and `user_config_refused` is 1 in the stats and
+        metrics: a running replica keeps the settings in force, a starting one takes those its
+        deployment's replicas last took (LastSettings), and with none taken yet it fails to
+        start."""
         if self._engine is not None:
             try:
                 config = SpeculationConfig.from_user_config(user_config)
@@ -173,9 +208,20 @@ class Replica:
                              self._engine.speculation, exc)
                 return
             self._user_config_refused = False
+            self._last_settings.put(user_config)
             logger.info("speculation reconfigured: %s (in force: %s)", config, self._engine.speculation)
             return
-        config = SpeculationConfig.from_user_config(user_config or {})  # refused: the replica does not start
+        try:
+            config = SpeculationConfig.from_user_config(user_config or {})
+        except ValueError as exc:
+            last = self._last_settings.get()
+            if last is None:  # no replica of the deployment ever took one: it does not start
+                raise
+            config = SpeculationConfig.from_user_config(last)
+            self._user_config_refused = True
+            logger.error("user_config refused, starting with the settings last taken (%s): %s", config, exc)
+        else:
+            self._last_settings.put(user_config or {})
         engine = self._engine_factory(config)
         await engine.start()
         self._engine = engine

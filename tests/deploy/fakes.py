@@ -163,7 +163,7 @@ small_window_engine = partial(FakeEngine, max_seq_len=ENGINE_WINDOW)
 
 def engine_unless(marker: str, speculation: SpeculationConfig) -> FakeEngine:
     """A FakeEngine, unless the file `marker` exists: then a replica that cannot start (as one
-    started with a user_config it refuses)."""
+    whose engine cannot load its model)."""
     if Path(marker).exists():
         raise RuntimeError(f"this replica cannot start while {marker} exists")
     return FakeEngine(speculation)

@@ -4,7 +4,9 @@ Serve's config path, driven over HTTP with the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -289,7 +291,8 @@ def test_reconfigure_moves_the_gate_live(client, replica_handle):
 def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_handle):
     """A bare `serve deploy` of settings the replica refuses: it keeps the settings in force and
     serves on (raising would make Serve stop it), reports the refusal in its stats, log and
-    metrics, and takes the next good deploy."""
+    metrics, a replica started meanwhile takes the settings in force too, and the next good
+    deploy is taken."""
     def stat(name: str) -> float:
         return replica_handle.stats.remote().result()[name]
 
@@ -311,6 +314,24 @@ def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_hand
     assert serve.status().applications[APP].status == "RUNNING"
     answer = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=8, temperature=0)
     assert answer.choices[0].finish_reason == "length" and answer.usage.model_extra["speculation"]["steps"] > 0
+
+    # a replica starting meanwhile (here Serve's restart of a killed one) starts with the settings
+    # the deployment's replicas last took, refused flag up; it failed to start until a good deploy
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        try:
+            return replica_handle.pid.remote().result(timeout_s=10) != pid
+        except Exception:  # noqa: BLE001 - the killed replica, until Serve has noticed
+            return False
+
+    assert wait_until(restarted, timeout_s=180, interval_s=1)
+    assert stat("batch_gate") == 4 and stat("user_config_refused") == 1
+    assert wait_until(lambda: re.search(r"user_config refused, starting with the settings last taken .*batch_gate=4",
+                                        _replica_log()), timeout_s=30, interval_s=0.2), _replica_log()[-2000:]
+    again = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=8, temperature=0)
+    assert again.choices[0].text == answer.choices[0].text
+    pid = replica_handle.pid.remote().result()
 
     deploy(serving_config(batch_gate=4))
     assert wait_until(lambda: stat("user_config_refused") == 0, timeout_s=60, interval_s=0.2)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from replicas.engine import GenerationRequest, RequestRejected, SamplingParams, SpeculationConfig
-from replicas.replica import Replica
+from replicas.replica import LastSettings, Replica
 from replicas.stats import NOT_GATED, EngineStats
 from tests.deploy.fakes import FakeEngine
 from tests.polling import async_wait_until
@@ -64,6 +64,42 @@ def test_a_refused_first_user_config_fails_the_start_naming_the_key():
             await replica.reconfigure({"batch_gate": -1})
         with pytest.raises(RuntimeError, match="no user_config"):
             replica.engine
+    run(scenario())
+
+
+class KeptSettings(LastSettings):
+    """LastSettings in this process (a Serve replica keeps them in Ray's internal KV store)."""
+
+    def __init__(self) -> None:
+        self.kept = None
+
+    def get(self):
+        return self.kept
+
+    def put(self, user_config) -> None:
+        self.kept = user_config
+
+
+def test_a_replica_starting_while_a_refused_user_config_is_deployed_takes_the_last_settings_taken():
+    """A restart or a scale-out while a refused user_config is deployed: the new replica starts
+    with what its deployment's replicas last took (it failed to start until a good deploy: with
+    one replica, an outage); with none taken yet, the start still fails naming the key."""
+    async def scenario():
+        kept = KeptSettings()
+        with pytest.raises(ValueError, match=r"user_config\.batch_gate"):
+            await Replica(FakeEngine, metrics=False, last_settings=kept).reconfigure({"batch_gate": -1})
+        first = Replica(FakeEngine, metrics=False, last_settings=kept)
+        await first.reconfigure({"batch_gate": 2})
+        await first.reconfigure({"batch_gate": 6, "mode": "sa"})  # taken live
+        await first.reconfigure({"batch_gate": -1})  # refused: 6 and sa stay
+        restarted = Replica(FakeEngine, metrics=False, last_settings=kept)
+        await restarted.reconfigure({"batch_gate": -1})
+        stats = await restarted.stats()
+        assert stats["batch_gate"] == 6 and stats["user_config_refused"] == 1
+        assert restarted.engine.speculation.mode == "sa"
+        await restarted.check_health()
+        await restarted.reconfigure({"batch_gate": 3})
+        assert (await restarted.stats())["user_config_refused"] == 0 and kept.kept == {"batch_gate": 3}
     run(scenario())
 
 

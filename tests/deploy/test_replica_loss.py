@@ -210,8 +210,8 @@ def test_the_idle_timeout_does_not_count_the_wait_for_a_slot(url):
 
 
 def test_with_no_replica_able_to_start_a_request_is_a_503_not_a_wait_without_end(url, tmp_path):
-    """Its replica lost, and every new one failing to start (as with a refused user_config
-    deployed: Serve tries on until a good deploy), a request waited in Serve's router with no
+    """Its replica lost, and every new one failing to start (as an engine that cannot load its
+    model: Serve tries on until a good deploy), a request waited in Serve's router with no
     end. Now it is a 503 once no replica has run for replica_loss_retry_s (2 s here); once one
     can start again, requests are served."""
     import os
