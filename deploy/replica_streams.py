@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from deploy import openai_format as fmt
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, replica_lost, server_error
+from deploy.router import routable_replicas
 from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
 from replicas.stats import METRIC_RETRIES
 
@@ -86,9 +87,10 @@ class ReplicaStreams:
             states = app.deployments.get(self._replica.deployment_name) if app is not None else None
             if states is not None:
                 running = any(states.replica_states.get(state) for state in SERVING_STATES)
-            else:  # a deploy whose build failed lists none while the version before it serves on;
-                # otherwise a redeploy that replaces the application has not listed its new ones yet
-                running = app is not None and app.status == "DEPLOY_FAILED"
+            else:  # none listed: a redeploy that replaces the application has not listed its new
+                # ones yet, or a deploy whose build failed (the version before it serves on,
+                # unlisted): what this process's router can send to tells
+                running = bool(routable_replicas(self._replica.app_name))
             self._running = (time.monotonic(), running)
         return running
 

@@ -19,6 +19,7 @@ Imports Ray's router API, the ranking and affinity rules and the stats names onl
 from __future__ import annotations
 
 import time
+import weakref
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -34,6 +35,17 @@ from replicas.speculation.ranking import (
 
 GENERATE_METHOD = "generate"  # Replica.generate
 SPECULATE_KWARG = "speculate"  # Replica.generate's keyword that narrows a request to no speculation
+
+_ROUTERS: "weakref.WeakSet[SpeculationGateRouter]" = weakref.WeakSet()  # this process's, as built
+
+
+def routable_replicas(app_name: str) -> Optional[int]:
+    """How many Replicas of `app_name` this process's routers can send to: those Serve's
+    controller tells them run, whatever the application's status lists (a deploy whose build
+    failed lists none while the version before it serves on). None: none of ours built here
+    (no call made yet, or `gate_router: false`)."""
+    counts = [len(router.curr_replicas) for router in list(_ROUTERS) if router.app_name == app_name]
+    return max(counts) if counts else None
 
 
 class SpeculationGateRouter(RequestRouter):
@@ -52,6 +64,11 @@ class SpeculationGateRouter(RequestRouter):
                          gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE,
                          prefix_affinity_chars: int = AFFINITY_PREFIX_CHARS,
                          prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD) -> None:
+        # Serve ships this class to the Ingress by value (cloudpickle): its methods read a copy
+        # of this module's globals, so the registry is the one of the module imported here
+        from deploy import router
+
+        router._ROUTERS.add(self)
         self.gate_hold_s = float(gate_hold_s)
         self.gate_hold_min_acceptance = float(gate_hold_min_acceptance)
         self.prefix_affinity_chars = int(prefix_affinity_chars)

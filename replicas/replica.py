@@ -213,17 +213,18 @@ class Replica:
             return
         try:
             config = SpeculationConfig.from_user_config(user_config or {})
+            engine = self._engine_factory(config)  # an engine may refuse settings as it is built
         except ValueError as exc:
             last = self._last_settings.get()
-            if last is None:  # no replica of the deployment ever took one: it does not start
+            if last is None or last == (user_config or {}):  # none taken before: it does not start
                 raise
             config = SpeculationConfig.from_user_config(last)
+            engine = self._engine_factory(config)
             self._user_config_refused = True
             logger.error("user_config refused, starting with the settings last taken (%s): %s", config, exc)
-        else:
-            self._last_settings.put(user_config or {})
-        engine = self._engine_factory(config)
         await engine.start()
+        if not self._user_config_refused:  # taken: what a replica starting later falls back on
+            self._last_settings.put(user_config or {})
         self._engine = engine
         self._stats_task = asyncio.create_task(self._refresh_metrics_forever())
 

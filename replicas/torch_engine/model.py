@@ -362,11 +362,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints sav
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): {exc!r}") from None
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -375,7 +379,7 @@ def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
     for name in files:
         try:
             raw.update(load_file(model_dir / name))
-        except Exception as exc:  # noqa: BLE001 - SafetensorError (a truncated file) or OSError
+        except (SafetensorError, OSError) as exc:  # a truncated file, one not there
             raise ValueError(f"{model_dir / name}: not a readable safetensors file ({exc})") from None
     return raw
 

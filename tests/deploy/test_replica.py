@@ -100,11 +100,32 @@ def test_a_replica_starting_while_a_refused_user_config_is_deployed_takes_the_la
         await restarted.check_health()
         await restarted.reconfigure({"batch_gate": 3})
         assert (await restarted.stats())["user_config_refused"] == 0 and kept.kept == {"batch_gate": 3}
+        # settings an engine refuses as it is built (as TensorRT-LLM's), and an engine that
+        # failed to start, are never kept as taken
+        with pytest.raises(ValueError, match=r"user_config\.mode"):
+            await Replica(RefusingEngine, metrics=False, last_settings=KeptSettings()).reconfigure({"mode": "mtp"})
+        refusing = Replica(RefusingEngine, metrics=False, last_settings=kept)
+        await refusing.reconfigure({"mode": "mtp", "batch_gate": 5})
+        assert refusing.engine.speculation == SpeculationConfig(batch_gate=3)
+        assert (await refusing.stats())["user_config_refused"] == 1 and kept.kept == {"batch_gate": 3}
+        with pytest.raises(RuntimeError, match="not started"):
+            await Replica(NotStartingEngine, metrics=False, last_settings=kept).reconfigure({"batch_gate": 7})
+        assert kept.kept == {"batch_gate": 3}
     run(scenario())
 
 
+class NotStartingEngine(FakeEngine):
+    async def start(self) -> None:
+        raise RuntimeError("not started: no device")
+
+
 class RefusingEngine(FakeEngine):
-    """Refuses settings it cannot run, as TensorRT-LLM refuses EAGLE-3 without a draft model."""
+    """Refuses settings it cannot run, built or live, as TensorRT-LLM refuses EAGLE-3 without a
+    draft model."""
+
+    def __init__(self, speculation: SpeculationConfig) -> None:
+        self.configure(speculation)
+        super().__init__(speculation)
 
     def configure(self, speculation: SpeculationConfig) -> None:
         if speculation.mode == "mtp":

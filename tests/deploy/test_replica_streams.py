@@ -52,11 +52,14 @@ def test_a_call_given_up_leaves_no_unread_outcome():
 
 def test_what_serves_is_read_from_a_redeploys_status(monkeypatch):
     """Serve's status during a redeploy that replaces the application lists its deployments
-    empty for a moment: that is no replica running (the health check said "cannot tell ...:
-    KeyError"; found by QA). A deploy whose build failed lists none either, while the version
-    before it serves on: running (requests waiting were given up as 503s, found by QA); so is
-    a replica applying a user_config (UPDATING: /healthz was a 503 at every change of one)."""
+    empty for a moment, and a deploy whose build failed lists none while the version before it
+    serves on: then what the Ingress's router can send to tells (a failed build was "none
+    running": /healthz a 503 and requests waiting given up, found by QA; the status alone
+    cannot tell the old version serving from a dead one). A replica applying a user_config
+    (UPDATING) serves: /healthz was a 503 at every change of one."""
     from ray import serve
+
+    from deploy import replica_streams
 
     def status(deployments, app_status="DEPLOYING"):
         return SimpleNamespace(applications={"specserve": SimpleNamespace(status=app_status,
@@ -66,12 +69,12 @@ def test_what_serves_is_read_from_a_redeploys_status(monkeypatch):
         return {"Replica": SimpleNamespace(replica_states=states)}
 
     streams = ReplicaStreams(_Replica(), IngressConfig.from_args(AppArgs()))
-    for shown, running in ((status({}), False), (status(replicas(STARTING=1)), False),
-                           (status(replicas(STOPPING=1, STARTING=1)), False),
-                           (status(replicas(STARTING=1), "DEPLOY_FAILED"), False),
-                           (status({}, "DEPLOY_FAILED"), True), (status(replicas(RUNNING=1), "RUNNING"), True),
-                           (status(replicas(UPDATING=1), "RUNNING"), True),
-                           (status(replicas(PENDING_MIGRATION=1, STARTING=1)), True),
-                           (SimpleNamespace(applications={}), False)):
+    for shown, routable, running in (
+            (status({}), None, False), (status({}, "DEPLOY_FAILED"), 0, False), (status({}, "DEPLOY_FAILED"), 1, True),
+            (status({}), 2, True), (SimpleNamespace(applications={}), None, False),
+            (status(replicas(STARTING=1), "DEPLOY_FAILED"), 1, False), (status(replicas(STOPPING=1, STARTING=1)), 2, False),
+            (status(replicas(RUNNING=1), "RUNNING"), 0, True), (status(replicas(UPDATING=1), "RUNNING"), 1, True),
+            (status(replicas(PENDING_MIGRATION=1, STARTING=1)), 1, True)):
         monkeypatch.setattr(serve, "status", lambda: shown)
-        assert asyncio.run(streams.engine_running()) is running, shown
+        monkeypatch.setattr(replica_streams, "routable_replicas", lambda app: routable if app == "specserve" else None)
+        assert asyncio.run(streams.engine_running()) is running, (shown, routable)

@@ -51,6 +51,49 @@ def _router_with_replicas(stats_by_id, queue_by_id=None):
     return router, replicas
 
 
+def _built(cls, app: str, replicas: int):
+    """A router of class `cls` as Serve builds one for `app` (what its machinery sets, by hand)."""
+    router = cls.__new__(cls)
+    router._deployment_id = SimpleNamespace(app_name=app, name="Replica")
+    router._replicas = dict.fromkeys(range(replicas))
+    router.initialize_state()
+    return router
+
+
+def test_the_routers_built_here_say_how_many_replicas_they_can_send_to():
+    """What the Ingress reads where Serve's status lists no deployment (a deploy whose build
+    failed): this process's routers."""
+    from deploy import router as module
+
+    assert module.routable_replicas("app-one") is None
+    routers = [_built(module.SpeculationGateRouter, "app-one", 0), _built(module.SpeculationGateRouter, "app-two", 3)]
+    assert (module.routable_replicas("app-one"), module.routable_replicas("app-two")) == (0, 3)
+    routers.append(_built(module.SpeculationGateRouter, "app-one", 2))
+    assert module.routable_replicas("app-one") == 2
+
+
+def test_a_router_whose_class_serve_shipped_by_value_is_counted_too():
+    """Serve ships the router class to the Ingress by value (cloudpickle): its methods read a
+    copy of the module's globals, and a router registered there was one the Ingress never saw
+    (found when the failed-build test did not pass). Loaded in a fresh process, as there."""
+    from ray import cloudpickle
+
+    from deploy import router as module
+
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        shipped = cloudpickle.dumps(module.SpeculationGateRouter)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    script = (
+        "import sys; from ray import cloudpickle; from deploy import router; "
+        "from tests.deploy.test_router import _built; "
+        "cls = cloudpickle.loads(sys.stdin.buffer.read()); assert cls is not router.SpeculationGateRouter; "
+        "kept = _built(cls, 'shipped', 3); print(router.routable_replicas('shipped'))")
+    done = subprocess.run([sys.executable, "-c", script], input=shipped, capture_output=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0 and done.stdout.decode().split() == ["3"], done.stderr.decode()[-2000:]
+
+
 def _pending(method="generate", age_s=0.0, prompt="hi"):
     # Serve's PendingRequest: the call's positional args (Replica.generate's GenerationRequest) and kwargs
     request = GenerationRequest(request_id="r", prompt=prompt, sampling=SamplingParams())

@@ -311,8 +311,8 @@ def test_checkpoint_key_mismatch_is_a_clear_error(tmp_path):
 
 
 def test_a_broken_checkpoint_is_a_value_error_naming_its_file(tmp_path):
-    """Not a JSON config.json, a truncated safetensors file, no tokenizer: each named (they were
-    JSONDecodeError, SafetensorError and transformers' own words; found by QA)."""
+    """Not a JSON config.json, a truncated safetensors file or index, no tokenizer: each named
+    (they were JSONDecodeError, SafetensorError, KeyError and transformers' own words; found by QA)."""
     from replicas.torch_engine.loader import load_tokenizer
 
     _tiny_hf_llama(tmp_path, tie=True, shard=False)
@@ -322,6 +322,9 @@ def test_a_broken_checkpoint_is_a_value_error_naming_its_file(tmp_path):
         LlamaModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"model: .* has no tokenizer transformers can load"):
         load_tokenizer(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index\.json: not a safetensors index"):
+        LlamaModel.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{'vocab_size': 97}")
     with pytest.raises(ValueError, match=r"config\.json: not a JSON document"):
         ModelConfig.from_hf_dir(tmp_path)
