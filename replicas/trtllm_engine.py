@@ -45,6 +45,7 @@ class _Live:
     result: Any = None  # tensorrt_llm RequestOutput (async iterable, .abort())
     pump: asyncio.Task | None = None
     prefilled: bool = False  # counted in the prefix-cache totals
+    probe: bool = False  # a health probe (GenerationRequest.probe): never counted
 
 
 class TrtllmEngine:
@@ -174,7 +175,7 @@ class TrtllmEngine:
         return ids
 
     async def _stream(self, tracker: OutputTracker, prompt_ids: list[int], sampling: Any, probe: bool):
-        live = _Live(tracker, prefilled=probe)  # a health probe is never counted
+        live = _Live(tracker, probe=probe)
         self._live[tracker.request_id] = live
         try:
             try:
@@ -229,8 +230,9 @@ class TrtllmEngine:
         """Once per request, when upstream has run its prefill (the reused prefix is known by then)."""
         tracker = live.tracker
         tracker.cached_tokens = cached_prompt_tokens(reported_cached, tracker.prompt_tokens)
-        self._prefix_hit_tokens += tracker.cached_tokens
-        self._prefix_prompt_tokens += tracker.prompt_tokens
+        if not live.probe:
+            self._prefix_hit_tokens += tracker.cached_tokens
+            self._prefix_prompt_tokens += tracker.prompt_tokens
         live.prefilled = True
 
     def _abort_upstream(self, live: _Live) -> None:
