@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -18,7 +19,22 @@ APP = "specserve"  # deploy.yaml's application
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range and above Ray's worker ports
+    (10002-19999). One the kernel picked (bind to port 0) was in that range, where an
+    outgoing connection or a port Ray picks the same way could take it before Serve's proxy
+    bound it: a CI run lost a test module's cluster so ("Failed to bind to address")."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for port in random.sample(range(20000, max(20000, ephemeral_low)), min(200, max(0, ephemeral_low - 20000))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range on this machine
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
