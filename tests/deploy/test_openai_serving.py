@@ -197,10 +197,6 @@ def test_32_concurrent_streams_all_complete(url, client):
     assert all(text == expected[prompt] for prompt, text in results)
 
 
-def _live_requests(replica_handle) -> int:
-    return int(replica_handle.stats.remote().result()["live_requests"])
-
-
 def _stat(replica_handle, name: str) -> int:
     return int(replica_handle.stats.remote().result()[name])
 
@@ -215,9 +211,9 @@ def test_disconnect_mid_stream_aborts_in_the_engine(url, replica_handle, n):
             lines = response.iter_lines()
             received = [line for line, _ in zip(lines, range(8)) if line.startswith("data: ")]
             assert received
-            assert _live_requests(replica_handle) >= n
+            assert _stat(replica_handle, "live_requests") >= n
     steps = _stat(replica_handle, "steps")  # at the disconnect
-    assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
+    assert wait_until(lambda: _stat(replica_handle, "live_requests") == 0, timeout_s=60, interval_s=0.2)
     # an abort takes an engine step or two; the tokens left (at most 1 + max_draft_len a step) would take many
     fewest_steps_left = (900 - len(received)) // (1 + _stat(replica_handle, "max_draft_len"))
     assert _stat(replica_handle, "steps") - steps < fewest_steps_left // 2
@@ -239,12 +235,12 @@ def test_a_client_gone_before_a_plain_answer_aborts_every_choice(url, replica_ha
 
     thread = threading.Thread(target=client)
     thread.start()
-    assert wait_until(lambda: _live_requests(replica_handle) >= 2, timeout_s=30, interval_s=0.1)
+    assert wait_until(lambda: _stat(replica_handle, "live_requests") >= 2, timeout_s=30, interval_s=0.1)
     started = _stat(replica_handle, "steps")
     thread.join(60)
     assert gave_up
     gone = _stat(replica_handle, "steps")
-    assert wait_until(lambda: _live_requests(replica_handle) == 0, timeout_s=60, interval_s=0.2)
+    assert wait_until(lambda: _stat(replica_handle, "live_requests") == 0, timeout_s=60, interval_s=0.2)
     left = 900 - (gone - started)  # undrafted: a token a step, each choice
     assert _stat(replica_handle, "steps") - gone < left // 2  # aborted, not run to the end
 
@@ -293,22 +289,19 @@ def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_hand
     serves on (raising would make Serve stop it), reports the refusal in its stats, log and
     metrics, a replica started meanwhile takes the settings in force too, and the next good
     deploy is taken."""
-    def stat(name: str) -> float:
-        return replica_handle.stats.remote().result()[name]
-
     def refused_gauge() -> float | None:
         found = re.search(r"^ray_replica_user_config_refused(?:\{[^}]*\})? (\S+)$",
                           httpx.get(metrics_url(), timeout=10).text, re.M)
         return float(found.group(1)) if found else None
 
-    assert stat("batch_gate") == 4 and stat("user_config_refused") == 0
+    assert _stat(replica_handle, "batch_gate") == 4 and _stat(replica_handle, "user_config_refused") == 0
     pid = replica_handle.pid.remote().result()
     deploy(serving_config(batch_gate=-1))
-    assert wait_until(lambda: stat("user_config_refused") == 1, timeout_s=60, interval_s=0.2)
+    assert wait_until(lambda: _stat(replica_handle, "user_config_refused") == 1, timeout_s=60, interval_s=0.2)
     assert wait_until(lambda: re.search(r"user_config refused, the settings in force are kept .*user_config\.batch_gate",
                                         _replica_log()), timeout_s=30, interval_s=0.2), _replica_log()[-2000:]
     assert wait_until(lambda: refused_gauge() == 1, timeout_s=30, interval_s=1)
-    assert replica_handle.pid.remote().result() == pid and stat("batch_gate") == 4
+    assert replica_handle.pid.remote().result() == pid and _stat(replica_handle, "batch_gate") == 4
     from ray import serve
 
     assert serve.status().applications[APP].status == "RUNNING"
@@ -326,7 +319,7 @@ def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_hand
             return False
 
     assert wait_until(restarted, timeout_s=180, interval_s=1)
-    assert stat("batch_gate") == 4 and stat("user_config_refused") == 1
+    assert _stat(replica_handle, "batch_gate") == 4 and _stat(replica_handle, "user_config_refused") == 1
     assert wait_until(lambda: re.search(r"user_config refused, starting with the settings last taken .*batch_gate=4",
                                         _replica_log()), timeout_s=30, interval_s=0.2), _replica_log()[-2000:]
     again = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=8, temperature=0)
@@ -334,7 +327,7 @@ def test_a_user_config_the_replica_refuses_keeps_it_serving(client, replica_hand
     pid = replica_handle.pid.remote().result()
 
     deploy(serving_config(batch_gate=4))
-    assert wait_until(lambda: stat("user_config_refused") == 0, timeout_s=60, interval_s=0.2)
+    assert wait_until(lambda: _stat(replica_handle, "user_config_refused") == 0, timeout_s=60, interval_s=0.2)
     assert wait_until(lambda: refused_gauge() == 0, timeout_s=30, interval_s=1)
     assert replica_handle.pid.remote().result() == pid
 
