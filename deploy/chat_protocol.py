@@ -22,8 +22,8 @@ class TextPart(RequestModel):
     text: Text
 
 
-# What goes between a message's text parts (or blocks) in its one text: a newline, as vLLM's and
-# TensorRT-LLM's servers join them ("Summarize:" and "The text..." stay two lines, not one word)
+# What goes between a message's text parts (or blocks) in its one text: a newline, as vLLM's,
+# TensorRT-LLM's and llama.cpp's servers join them ("Summarize:" and "The text..." stay two lines)
 PART_SEPARATOR = "\n"
 
 

@@ -208,7 +208,7 @@ class Replica:
                              self._engine.speculation, exc)
                 return
             self._user_config_refused = False
-            self._last_settings.put(user_config)
+            self._last_settings.put(user_config or {})
             logger.info("speculation reconfigured: %s (in force: %s)", config, self._engine.speculation)
             return
         try:
