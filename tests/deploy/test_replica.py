@@ -250,7 +250,9 @@ class BrokenEngine(FakeEngine):
 
 
 class ProbedEngine(FakeEngine):
-    probes: list[GenerationRequest] = []
+    def __init__(self, speculation: SpeculationConfig) -> None:
+        super().__init__(speculation)
+        self.probes: list[GenerationRequest] = []
 
     def generate(self, request):
         self.probes.append(request)
@@ -259,8 +261,9 @@ class ProbedEngine(FakeEngine):
 
 def test_health_check_probes_an_idle_engine():
     async def scenario():
-        await (await make_replica(engine_cls=ProbedEngine)).check_health()
-        [probe] = ProbedEngine.probes
+        probed = await make_replica(engine_cls=ProbedEngine)
+        await probed.check_health()
+        [probe] = probed.engine.probes
         assert probe.probe and probe.sampling.max_tokens == 1  # left out of the engine's figures
         broken = await make_replica(engine_cls=BrokenEngine)
         with pytest.raises(RuntimeError, match="health probe failed"):
