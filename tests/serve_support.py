@@ -27,16 +27,15 @@ def free_port() -> int:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    for port in random.sample(range(20000, max(20000, ephemeral_low)), min(200, max(0, ephemeral_low - 20000))):
+    below = range(20000, ephemeral_low)  # empty where the ephemeral range starts lower
+    for port in [*random.sample(below, min(200, len(below))), 0]:  # 0: the kernel's pick, the last resort
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    with socket.socket() as s:  # no room below the ephemeral range on this machine
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def _worker_env(env: dict[str, str]) -> dict[str, str]:
