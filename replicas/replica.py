@@ -211,12 +211,13 @@ class Replica:
             self._last_settings.put(user_config or {})
             logger.info("speculation reconfigured: %s (in force: %s)", config, self._engine.speculation)
             return
+        user_config = user_config or {}
         try:
-            config = SpeculationConfig.from_user_config(user_config or {})
+            config = SpeculationConfig.from_user_config(user_config)
             engine = self._engine_factory(config)  # an engine may refuse settings as it is built
         except ValueError as exc:
             last = self._last_settings.get()
-            if last is None or last == (user_config or {}):  # none taken before: it does not start
+            if last is None or last == user_config:  # none taken before: it does not start
                 raise
             config = SpeculationConfig.from_user_config(last)
             engine = self._engine_factory(config)
@@ -224,7 +225,7 @@ class Replica:
             logger.error("user_config refused, starting with the settings last taken (%s): %s", config, exc)
         await engine.start()
         if not self._user_config_refused:  # taken: what a replica starting later falls back on
-            self._last_settings.put(user_config or {})
+            self._last_settings.put(user_config)
         self._engine = engine
         self._stats_task = asyncio.create_task(self._refresh_metrics_forever())
 
