@@ -26,6 +26,7 @@ from replicas.engine import Engine, SpeculationConfig
 from replicas.replica import Replica
 
 ROUTER_CLASS = "deploy.router:SpeculationGateRouter"
+PLAIN_ROUTER_CLASS = "deploy.router:PowerOfTwoRouter"  # `gate_router: false`
 INGRESS_MAX_ONGOING_REQUESTS = 1000  # the ingress only waits on replicas; it must not throttle
 # Ray's resource on the head node alone (ray._common.constants.HEAD_NODE_RESOURCE_NAME): a
 # sliver of it pins an actor there.
@@ -36,7 +37,8 @@ def replica_deployment(args: AppArgs, speculation: SpeculationConfig = Speculati
     """The Replica deployment with its Serve options (sizing, router, health checks);
     `speculation` is its default `user_config`, which a config file's replaces."""
     opts = args.replica
-    router = RequestRouterConfig(request_routing_stats_period_s=opts.routing_stats_period_s)
+    router = RequestRouterConfig(request_router_class=PLAIN_ROUTER_CLASS,
+                                 request_routing_stats_period_s=opts.routing_stats_period_s)
     if opts.gate_router:
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS,
                                      request_router_kwargs={

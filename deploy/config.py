@@ -142,7 +142,7 @@ class ReplicaArgs(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(60.0, gt=0)
-    gate_router: bool = True  # the speculation-gate router; False = Serve's power-of-two
+    gate_router: bool = True  # the speculation-gate router; False = power-of-two choices (Serve's default rule)
     routing_stats_period_s: float = Field(1.0, gt=0)
     gate_hold_s: float = Field(GATE_HOLD_S, ge=0, description=(
         "gate router: longest a request waits for a slot under a batch gate rather than tip a "

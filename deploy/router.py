@@ -12,17 +12,20 @@ one most likely to hold its prefix in cache (`replicas/speculation/affinity.py`)
 goes first unless it is over its gate or busier than the others. `request_router_kwargs`
 (`initialize_state`): `gate_hold_s`, `gate_hold_min_acceptance`, `prefix_affinity_chars`,
 `prefix_affinity_max_extra_load` (deploy.yaml's `replica:` section sets them).
+`PowerOfTwoRouter` is what `gate_router: false` routes with: Serve's default rule (two
+replicas at random, the less busy one), counted by `routable_replicas` as the gate router is.
 
 Imports Ray's router API, the ranking and affinity rules and the stats names only: never torch.
 """
 
 from __future__ import annotations
 
+import random
 import time
 import weakref
 from typing import List, Optional
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from replicas.speculation.affinity import AFFINITY_MAX_EXTRA_LOAD, AFFINITY_PREFIX_CHARS, prefix_key, rank_with_affinity
 from replicas.speculation.ranking import (
@@ -36,19 +39,41 @@ from replicas.speculation.ranking import (
 GENERATE_METHOD = "generate"  # Replica.generate
 SPECULATE_KWARG = "speculate"  # Replica.generate's keyword that narrows a request to no speculation
 
-_ROUTERS: "weakref.WeakSet[SpeculationGateRouter]" = weakref.WeakSet()  # this process's, as built
+_ROUTERS: "weakref.WeakSet[CountedRouter]" = weakref.WeakSet()  # this process's, as built
 
 
 def routable_replicas(app_name: str) -> Optional[int]:
     """How many Replicas of `app_name` this process's routers can send to: those Serve's
     controller tells them run, whatever the application's status lists (a deploy whose build
     failed lists none while the version before it serves on). None: none of ours built here
-    (no call made yet, or `gate_router: false`)."""
+    (no call made yet)."""
     counts = [len(router.curr_replicas) for router in list(_ROUTERS) if router.app_name == app_name]
     return max(counts) if counts else None
 
 
-class SpeculationGateRouter(RequestRouter):
+class CountedRouter(RequestRouter):
+    """A router `routable_replicas` counts."""
+
+    def initialize_state(self, **kwargs) -> None:
+        # Serve ships the class to the Ingress by value (cloudpickle): its methods read a copy
+        # of this module's globals, so the registry is the one of the module imported here
+        from deploy import router
+
+        router._ROUTERS.add(self)
+
+
+class PowerOfTwoRouter(FIFOMixin, CountedRouter):
+    """Serve's default rule: two replicas at random, Serve sends to the less busy one."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))] if candidate_replicas else []
+
+
+class SpeculationGateRouter(CountedRouter):
     """Requests go where speculation is still on; when it is on nowhere, they say so.
 
     No FIFOMixin on purpose: Serve then hands the chosen replica to exactly the request
@@ -64,11 +89,7 @@ class SpeculationGateRouter(RequestRouter):
                          gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE,
                          prefix_affinity_chars: int = AFFINITY_PREFIX_CHARS,
                          prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD) -> None:
-        # Serve ships this class to the Ingress by value (cloudpickle): its methods read a copy
-        # of this module's globals, so the registry is the one of the module imported here
-        from deploy import router
-
-        router._ROUTERS.add(self)
+        super().initialize_state()
         self.gate_hold_s = float(gate_hold_s)
         self.gate_hold_min_acceptance = float(gate_hold_min_acceptance)
         self.prefix_affinity_chars = int(prefix_affinity_chars)

@@ -137,6 +137,9 @@ def test_the_router_gets_its_gate_hold_and_affinity_settings(document):
         "prefix_affinity_max_extra_load": args.replica.prefix_affinity_max_extra_load}
     assert args.replica.prefix_affinity_chars > 0  # deploy.yaml routes by prefix
     assert args.replica.gate_hold_s > 0  # deploy.yaml holds
+    plain_args = args.model_copy(update={"replica": args.replica.model_copy(update={"gate_router": False})})
+    plain = replica_deployment(plain_args)._deployment_config.request_router_config  # one the Ingress counts
+    assert (plain.request_router_class, plain.request_router_kwargs) == ("deploy.router:PowerOfTwoRouter", {})
 
 
 def test_failure_settings_reach_serve(document):

@@ -32,8 +32,9 @@ def url(serve_url):
     from ray import serve
 
     serve.run(compose_app(fake_args(), small_window_engine), name="default", route_prefix="/")
-    # a second app, tiny admission limits, for the backpressure test
-    serve.run(compose_app(fake_args(max_ongoing_requests=1, max_queued_requests=1), small_window_engine),
+    # a second app, tiny admission limits, for the backpressure test; `gate_router: false`'s router
+    serve.run(compose_app(fake_args(max_ongoing_requests=1, max_queued_requests=1, gate_router=False),
+                          small_window_engine),
               name="tight", route_prefix="/tight")
     return serve_url
 

@@ -60,19 +60,35 @@ def _built(cls, app: str, replicas: int):
     return router
 
 
-def test_the_routers_built_here_say_how_many_replicas_they_can_send_to():
+@pytest.mark.parametrize("name", ["SpeculationGateRouter", "PowerOfTwoRouter"])
+def test_the_routers_built_here_say_how_many_replicas_they_can_send_to(name):
     """What the Ingress reads where Serve's status lists no deployment (a deploy whose build
-    failed): this process's routers."""
+    failed): this process's routers, `gate_router: false`'s too."""
     from deploy import router as module
 
+    cls = getattr(module, name)
     assert module.routable_replicas("app-one") is None
-    routers = [_built(module.SpeculationGateRouter, "app-one", 0), _built(module.SpeculationGateRouter, "app-two", 3)]
+    routers = [_built(cls, "app-one", 0), _built(cls, "app-two", 3)]
     assert (module.routable_replicas("app-one"), module.routable_replicas("app-two")) == (0, 3)
-    routers.append(_built(module.SpeculationGateRouter, "app-one", 2))
+    routers.append(_built(cls, "app-one", 2))
     assert module.routable_replicas("app-one") == 2
 
 
-def test_a_router_whose_class_serve_shipped_by_value_is_counted_too():
+def test_the_plain_router_offers_two_replicas_at_random():
+    from deploy.router import PowerOfTwoRouter
+
+    router = _built(PowerOfTwoRouter, "plain", 0)
+    replicas = [SimpleNamespace(replica_id=_ReplicaId(str(i))) for i in range(5)]
+    offered = [asyncio.run(router.choose_replicas(replicas)) for _ in range(50)]
+    assert all(len(ranks) == 1 and len(ranks[0]) == len({id(r) for r in ranks[0]}) == 2 for ranks in offered)
+    assert all(r in replicas for ranks in offered for r in ranks[0])
+    assert len({r.replica_id for ranks in offered for r in ranks[0]}) == 5
+    assert asyncio.run(router.choose_replicas(replicas[:1])) == [replicas[:1]]
+    assert asyncio.run(router.choose_replicas([])) == []
+
+
+@pytest.mark.parametrize("name", ["SpeculationGateRouter", "PowerOfTwoRouter"])
+def test_a_router_whose_class_serve_shipped_by_value_is_counted_too(name):
     """Serve ships the router class to the Ingress by value (cloudpickle): its methods read a
     copy of the module's globals, and a router registered there was one the Ingress never saw
     (found when the failed-build test did not pass). Loaded in a fresh process, as there."""
@@ -82,13 +98,13 @@ def test_a_router_whose_class_serve_shipped_by_value_is_counted_too():
 
     cloudpickle.register_pickle_by_value(module)
     try:
-        shipped = cloudpickle.dumps(module.SpeculationGateRouter)
+        shipped = cloudpickle.dumps(getattr(module, name))
     finally:
         cloudpickle.unregister_pickle_by_value(module)
     script = (
         "import sys; from ray import cloudpickle; from deploy import router; "
         "from tests.deploy.test_router import _built; "
-        "cls = cloudpickle.loads(sys.stdin.buffer.read()); assert cls is not router.SpeculationGateRouter; "
+        f"cls = cloudpickle.loads(sys.stdin.buffer.read()); assert cls is not router.{name}; "
         "kept = _built(cls, 'shipped', 3); print(router.routable_replicas('shipped'))")
     done = subprocess.run([sys.executable, "-c", script], input=shipped, capture_output=True, cwd=REPO, timeout=120)
     assert done.returncode == 0 and done.stdout.decode().split() == ["3"], done.stderr.decode()[-2000:]
