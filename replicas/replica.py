@@ -38,6 +38,7 @@ from replicas.stats import (
 logger = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine stats
+CONTROLLER_TIMEOUT_S = 10.0  # a stopping replica's question to Serve's controller
 STALLED_CHECKS = 3  # health checks in a row with live requests and no new token or step = unhealthy
 
 
@@ -145,7 +146,9 @@ class LastSettings:
     """The last `user_config` a replica of this deployment took, kept in Ray's internal KV store
     (the GCS: it outlives every replica). A replica that starts while a refused user_config is
     deployed (a restart, a scale-out) starts with it, as the running ones keep it, instead of
-    failing to start until a good deploy. Outside a Serve replica: nothing is kept."""
+    failing to start until a good deploy. They go with the application (`serve delete`, `serve
+    shutdown`): a later one of the same name starts from its own. Outside a Serve replica:
+    nothing is kept."""
 
     def __init__(self) -> None:
         from ray import serve
@@ -154,9 +157,14 @@ class LastSettings:
         try:
             context = serve.get_replica_context()
         except RayServeException:
-            self._key = None
+            self._app, self._key = None, None
         else:
+            self._app = context.app_name
             self._key = f"specserve/user_config/{context.app_name}/{context.deployment}".encode()
+
+    @property
+    def in_replica(self) -> bool:  # outside a Serve replica nothing is kept
+        return self._key is not None
 
     def get(self) -> Any:
         from ray.experimental import internal_kv
@@ -170,6 +178,21 @@ class LastSettings:
         if self._key is not None:
             internal_kv._internal_kv_put(self._key, json.dumps(user_config).encode(), overwrite=True)
 
+    async def forget_if_deleted(self) -> None:
+        """Forget them where the application is being deleted (or is gone): asked of Serve's
+        controller as a replica stops. A replica stopped for a redeploy or a scale-in keeps them."""
+        from ray import serve
+        from ray.experimental import internal_kv
+
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), CONTROLLER_TIMEOUT_S)
+        except Exception as exc:  # kept: a later refused start falls back on them, and says so
+            logger.warning("could not ask Serve whether application %r is being deleted: %r", self._app, exc)
+            return
+        app = status.applications.get(self._app)
+        if app is None or app.status == "DELETING":
+            internal_kv._internal_kv_del(self._key)
+
 
 class Replica:
     """Owns one engine: builds it with the first `user_config`, streams requests through it
@@ -181,12 +204,22 @@ class Replica:
         self._engine_factory = engine_factory
         self._last_settings = last_settings or LastSettings()
         self._engine: Engine | None = None  # built by the first reconfigure
+        self._stopped = False  # Serve's graceful stop ran (`__del__`)
         self._user_config_refused = False  # the last user_config was refused
         self._metrics = _Metrics() if metrics else None
         self._stats_task: asyncio.Task | None = None
         self._tokens_out = 0  # deltas with tokens forwarded: the health check's progress, with steps
         self._stalled_checks = 0
         self._last_progress = (0, 0)  # (tokens forwarded, engine steps) at the last health check
+
+    def __del__(self):
+        """Serve's graceful stop awaits what this returns: in a replica, the settings its
+        application's replicas took go if the application is being deleted
+        (`LastSettings.forget_if_deleted`). Python's own finalizer call gets nothing to await."""
+        if not getattr(self, "_stopped", True) and self._last_settings.in_replica:  # (an __init__ that raised)
+            self._stopped = True
+            return self._last_settings.forget_if_deleted()
+        return None
 
     # -- configuration and stats ------------------------------------------------------------
     async def reconfigure(self, user_config: Any) -> None:

@@ -5,7 +5,9 @@ replica's failures and losses: test_replica_loss.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
+import json
 import time
 from functools import partial
 
@@ -181,6 +183,29 @@ def test_health_is_a_503_while_no_engine_replica_runs(url):
     finally:
         serve.delete("broken")
     assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+def test_the_settings_replicas_took_go_with_their_application_not_with_a_replica(url):
+    """What a replica starting under a refused user_config falls back on (LastSettings): kept
+    when a replica stops (here a scale-in), gone with `serve delete`, so a later application of
+    the same name starts from its own user_config (they outlived the delete: found by QA)."""
+    from ray import serve
+    from ray.experimental import internal_kv
+
+    key = b"specserve/user_config/kept/Replica"
+
+    def replica_states() -> dict:
+        return dict(serve.status().applications["kept"].deployments["Replica"].replica_states)
+
+    serve.run(compose_app(fake_args(num_replicas=2), small_window_engine), name="kept", route_prefix="/kept")
+    try:
+        assert json.loads(internal_kv._internal_kv_get(key)) == dataclasses.asdict(SpeculationConfig())
+        serve.run(compose_app(fake_args(num_replicas=1), small_window_engine), name="kept", route_prefix="/kept")
+        assert wait_until(lambda: replica_states() == {"RUNNING": 1}, timeout_s=60, interval_s=0.2)
+        assert internal_kv._internal_kv_get(key) is not None
+    finally:
+        serve.delete("kept")
+    assert wait_until(lambda: internal_kv._internal_kv_get(key) is None, timeout_s=30, interval_s=0.2)
 
 
 def test_healthz_needs_no_key_and_everything_else_does(url):

@@ -70,6 +70,8 @@ def test_a_refused_first_user_config_fails_the_start_naming_the_key():
 class KeptSettings(LastSettings):
     """LastSettings in this process (a Serve replica keeps them in Ray's internal KV store)."""
 
+    in_replica = False  # nothing for a stop to forget
+
     def __init__(self) -> None:
         self.kept = None
 
