@@ -256,7 +256,8 @@ class GenerationRequest:
     # as behind a closed gate (a grammar's forced tokens still go, no SA or MTP draft)
     over_gate: bool = False
     # a health probe (Replica.check_health): served like any request, left out of the
-    # prefix-cache figures, which a quiet replica's probes would otherwise dilute
+    # prefix-cache figures, which a quiet replica's probes would otherwise dilute, and (the
+    # embedded engine's) out of the cache
     probe: bool = False
 
     def __post_init__(self) -> None:

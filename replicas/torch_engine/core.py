@@ -90,7 +90,7 @@ class EngineCore:
     def _release(self, seq: Sequence) -> None:
         """Free every per-request resource: KV slot, SA slot, MTP slot, prefix blocks held."""
         if self.prefix is not None:
-            if seq.finish_reason in ("stop", "length") and seq.slot >= 0:
+            if seq.finish_reason in ("stop", "length") and seq.slot >= 0 and not seq.probe:
                 try:  # its last, partial block, where the next turn starts: worth keeping, not failing for
                     self._store_prefix(seq, finished=True)
                 except Exception:  # noqa: BLE001 - the answer is whole; the next turn prefills that block

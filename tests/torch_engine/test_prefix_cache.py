@@ -417,7 +417,8 @@ def test_a_resumed_request_counts_its_prompt_not_its_output_in_the_hit_rate(engi
 
 
 def test_a_health_probe_stays_out_of_the_hit_rate(engines, loop):
-    """A quiet replica's health checks (GenerationRequest.probe) would dilute it with misses."""
+    """A quiet replica's health checks (GenerationRequest.probe) would dilute it with misses,
+    and keep their prompt's block."""
     import dataclasses
 
     warm, _ = engines
@@ -432,3 +433,7 @@ def test_a_health_probe_stays_out_of_the_hit_rate(engines, loop):
                                                                       before.prefix_hit_tokens)
     _run(loop, warm, prompt, max_tokens=2)
     assert warm.stats().prefix_prompt_tokens - before.prefix_prompt_tokens == len(prompt)
+    blocks = warm.stats().prefix_cached_blocks
+    short = dataclasses.replace(request(_ids(977, 3), max_tokens=1), probe=True)  # as the Replica's ("ok")
+    assert len(loop.run_until_complete(collect_logprobs(warm, short))[0]) == 1
+    assert warm.stats().prefix_cached_blocks == blocks  # no block kept for it (one was, its tail)
