@@ -361,10 +361,18 @@ class LlamaModel(nn.Module):
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
+def read_safetensors_file(path: Path) -> dict[str, Tensor]:
+    """The tensors in one safetensors file; ValueError naming it if it cannot be read."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:  # a truncated file, one not there
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -377,10 +385,7 @@ def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
         raise ValueError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
     raw: dict[str, Tensor] = {}
     for name in files:
-        try:
-            raw.update(load_file(model_dir / name))
-        except (SafetensorError, OSError) as exc:  # a truncated file, one not there
-            raise ValueError(f"{model_dir / name}: not a readable safetensors file ({exc})") from None
+        raw.update(read_safetensors_file(model_dir / name))
     return raw
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.model import DecoderLayer, RMSNorm, SeqSpan, apply_rope
+from replicas.torch_engine.model import DecoderLayer, RMSNorm, SeqSpan, apply_rope, read_safetensors_file
 from replicas.torch_engine.model_config import ModelConfig
 
 DEFAULT_WEIGHTS_DIR = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
@@ -135,15 +135,20 @@ class MTPModule(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target_cfg: ModelConfig, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "MTPModule":
-        """Load `path/mtp.safetensors` + `mtp.json`; ValueError if made for another target shape."""
-        from safetensors.torch import load_file
-
+        """Load `path/mtp.safetensors` + `mtp.json`; ValueError if made for another target shape
+        or if the weights file is not an MTP head's (truncated, other tensors)."""
         problem = weights_problem(path, target_cfg)
         if problem:
             raise ValueError(problem)
-        state = load_file(Path(path).expanduser() / WEIGHTS_FILE)
-        module = cls(target_cfg, state["draft_vocab"])
-        module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+        weights = Path(path).expanduser() / WEIGHTS_FILE
+        state = read_safetensors_file(weights)
+        try:
+            module = cls(target_cfg, state["draft_vocab"])
+            module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                                   strict=True)
+        except (KeyError, ValueError, RuntimeError) as exc:  # tensors missing, unexpected or misshapen
+            raise ValueError(f"{weights}: not the weights of an MTP head for this model "
+                             f"({type(exc).__name__}: {str(exc)[:300]})") from None
         return module.to(device).eval()
 
     def save(self, path: str | Path, meta: dict) -> None:

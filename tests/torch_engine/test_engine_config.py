@@ -34,6 +34,24 @@ def test_a_head_that_cannot_serve_the_target_is_named_before_loading(tmp_path):
         MTPModule.load(tmp_path / "head", TINY)
 
 
+def test_a_broken_weights_file_is_named(tmp_path):
+    """A truncated mtp.safetensors or one of other tensors: a ValueError naming the file (was
+    safetensors' SafetensorError, or torch's RuntimeError, naming nothing)."""
+    from safetensors.torch import save_file
+
+    from replicas.torch_engine.mtp import WEIGHTS_FILE
+
+    MTPModule(TINY, torch.arange(64)).save(tmp_path / "head", {})
+    weights = tmp_path / "head" / WEIGHTS_FILE
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{weights}: not a readable safetensors file"):
+        MTPModule.load(tmp_path / "head", TINY)
+    save_file({"draft_vocab": torch.arange(64, dtype=torch.int32), "other": torch.zeros(2)}, weights)
+    with pytest.raises(ValueError, match=f"{weights}: not the weights of an MTP head for this model"):
+        MTPModule.load(tmp_path / "head", TINY)
+
+
 def _refusal(loop, **config) -> str:
     engine = TorchEngine(TorchEngineConfig(max_batch_size=1, max_seq_len=256, **config))
     try:
