@@ -31,7 +31,6 @@ import concurrent.futures
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import free_port  # noqa: E402 - standard library only
 from replicas.stats import (  # noqa: E402 - standard library only
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS, METRIC_GATE_OPEN,
     NOT_GATED,
@@ -164,12 +164,6 @@ def table(report: dict[str, Any]) -> str:
 
 
 # -- the cluster and the requests ----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def replica_user_config(doc: dict) -> dict:
     return next(d for d in doc["applications"][0]["deployments"] if d["name"] == "Replica")["user_config"]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import time
 from pathlib import Path
 
@@ -69,3 +71,23 @@ def read_bandwidth_gbs(threads: int, size_mb: int = 512, repeats: int = 5) -> fl
         return buffer.numel() * 4 / best / 1e9
     finally:
         torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range and above Ray's worker ports
+    (10002-19999). One the kernel picked (bind to port 0) was in that range, where an
+    outgoing connection or a port Ray picks the same way could take it before Serve's proxy
+    bound it: a CI run lost a test module's cluster so ("Failed to bind to address")."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    below = range(20000, ephemeral_low)  # empty where the ephemeral range starts lower
+    for port in [*random.sample(below, min(200, len(below))), 0]:  # 0: the kernel's pick, the last resort
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.machine import cpu_description  # noqa: E402
+from benchmarks.machine import cpu_description, free_port  # noqa: E402
 from replicas.stats import NOT_GATED  # noqa: E402
 from training.corpora import CODE_EDITS, EDIT_PREFILL, SPEC_BENCH  # noqa: E402
 
@@ -194,12 +193,6 @@ def summarize(results: list[dict], wall_s: float) -> dict:
 
 
 # -- the Serve cluster ----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def app_document(args) -> dict:
     doc = yaml.safe_load((ROOT / "deploy.yaml").read_text())
     doc.pop("http_options"), doc.pop("proxy_location")
