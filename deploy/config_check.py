@@ -10,6 +10,7 @@ every unknown key by its path, then validates the values, the Replica's `user_co
 
 from __future__ import annotations
 
+import json
 import sys
 import typing
 from pathlib import Path
@@ -91,6 +92,7 @@ def check_serve_config(document: dict[str, Any]) -> list[str]:
         return _validation_lines(exc)
     except Exception as exc:  # noqa: BLE001 - report, don't raise
         return [f"serve schema: {exc}"]
+    problems += _converted_values(ServeDeploySchema, document)
     for section in ("http_options", "grpc_options"):  # Serve's schema takes any int; binding fails at start
         port = (document.get(section) or {}).get("port")
         if isinstance(port, int) and not 0 < port < 65536:
@@ -140,6 +142,16 @@ def _validation_lines(exc: ValidationError, where: str = "") -> list[str]:
 
     return [(where + path(error["loc"])).removeprefix(".") + ": " + error["msg"].removeprefix("Value error, ")
             for error in exc.errors()]
+
+
+def _converted_values(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
+    """Values Serve's `model` takes only by converting them (a quoted number): the args refuse
+    those (AppArgs), so one file would take a "2" in one place and not in the next."""
+    try:
+        model.model_validate_json(json.dumps(data), strict=True)
+    except ValidationError as exc:
+        return [f"{line} (Serve would convert it; write it unquoted)" for line in _validation_lines(exc, where)]
+    return []
 
 
 def _policy_import_problems(document: dict[str, Any]) -> list[str]:
@@ -246,19 +258,20 @@ def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
         AutoscalingConfig.model_validate(autoscaling_in_force(deployment))
     except ValidationError as exc:
         return _validation_lines(exc, f"{where}.autoscaling_config")
+    converted = _converted_values(AutoscalingConfig, autoscaling_in_force(deployment), f"{where}.autoscaling_config")
     policy = config.get("policy") or {}
     if not str(policy.get("policy_function", "")).startswith("autoscaling.policy:"):
-        return []
+        return converted
     from autoscaling.decision import PolicyConfig, PolicySettingError
 
     where = f"{where}.autoscaling_config.policy.policy_kwargs"
     try:
         PolicyConfig.from_kwargs(policy.get("policy_kwargs") or {})
     except PolicySettingError as exc:
-        return [f"{where}: {exc.message}" if exc.key == "policy_kwargs" else f"{where}.{exc.key}: {exc.message}"]
+        return converted + [f"{where}: {exc.message}" if exc.key == "policy_kwargs" else f"{where}.{exc.key}: {exc.message}"]
     except (TypeError, ValueError) as exc:
-        return [f"{where}: {exc}"]
-    return []
+        return converted + [f"{where}: {exc}"]
+    return converted
 
 
 def main(paths: Iterable[str]) -> int:

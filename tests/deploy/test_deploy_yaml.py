@@ -203,6 +203,22 @@ def test_values_that_fail_only_at_deploy_or_do_nothing_are_reported(document):
     assert check_serve_config(doc) == ["http_options.port: must be in [1, 65535], got 70000"]
 
 
+def test_a_quoted_number_in_serves_fields_is_reported_as_in_the_args(document):
+    """Serve's schema converts a "2" where the args refuse one (strict types): the check named
+    the one and passed the other."""
+    doc = copy.deepcopy(document)
+    replica = next(j for j, d in enumerate(doc["applications"][0]["deployments"]) if d["name"] == "Replica")
+    doc["http_options"]["port"] = "8000"
+    doc["applications"][0]["deployments"][replica]["graceful_shutdown_timeout_s"] = "5"
+    doc["applications"][0]["deployments"][replica]["autoscaling_config"]["max_replicas"] = "4"
+    unquoted = " (Serve would convert it; write it unquoted)"
+    assert check_serve_config(doc) == [
+        "http_options.port: Input should be a valid integer" + unquoted,
+        f"applications[0].deployments[{replica}].graceful_shutdown_timeout_s: Input should be a valid number" + unquoted,
+        f"applications[0].deployments[{replica}].autoscaling_config.max_replicas: Input should be a valid integer"
+        + unquoted]
+
+
 def test_unknown_keys_walks_lists_and_unions():
     from ray.serve.schema import ServeDeploySchema
 
