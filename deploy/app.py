@@ -90,7 +90,7 @@ def response_store_deployment():
 def compose_app(args: AppArgs, factory: Callable[[SpeculationConfig], Engine],
                 speculation: SpeculationConfig = SpeculationConfig()) -> Application:
     """Ingress.bind(Replica.bind(factory), ResponseStore.bind(...)): the application around any engine."""
-    replica = replica_deployment(args, speculation).bind(factory)
+    replica = replica_deployment(args, speculation).bind(factory, model_identity=args.engine.identity)
     store = response_store_deployment().bind(args.limits.stored_responses)
     return ingress_deployment(args).bind(replica, store, IngressConfig.from_args(args))
 

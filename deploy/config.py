@@ -69,6 +69,13 @@ class EngineArgs(_Strict):
     # tensor_parallel_size, ...); checked by building the real config in AppArgs below
     trtllm: Optional[dict[str, Any]] = None
 
+    @property
+    def identity(self) -> str:
+        """The model and tokenizer a prompt is tokenized for: a Replica of another identity
+        refuses it. A deploy that changes the model rolls the Ingress and the Replicas
+        separately, so for a while a new Ingress sends to old Replicas (or the reverse)."""
+        return f"{self.kind}:{self.model}:{(self.trtllm or {}).get('tokenizer') or ''}"
+
     def trtllm_config(self, speculation: SpeculationConfig):
         """The TrtllmEngineConfig these args describe (raises ValueError naming a bad field)."""
         from replicas.trtllm.config import TrtllmEngineConfig
@@ -208,6 +215,7 @@ class IngressConfig(_Strict):
     """What the ingress needs: names and limits, never the engine itself."""
 
     model_name: str
+    model_identity: Optional[str]  # EngineArgs.identity: what its prompts are tokenized for (None: unchecked)
     max_seq_len: int
     max_prompt_tokens: int
     max_tokens: int
@@ -223,6 +231,7 @@ class IngressConfig(_Strict):
         limits = args.limits
         return cls(
             model_name=args.model_name,
+            model_identity=args.engine.identity,
             max_seq_len=args.engine.max_seq_len,
             max_prompt_tokens=limits.max_prompt_tokens or args.engine.max_seq_len - 1,
             max_tokens=limits.max_tokens,

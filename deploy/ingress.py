@@ -56,7 +56,6 @@ class Ingress:
     def __init__(self, replica: Any, store: Any, config: IngressConfig) -> None:
         """`replica` and `store`: handles to the Replica and ResponseStore deployments."""
         log_through_serve("deploy")
-        self._replica = replica
         self._replicas = ReplicaStreams(replica, config)
         self.config = config
         self.keys = load_keys(config.api_keys_env)
@@ -78,13 +77,8 @@ class Ingress:
 
     # -- tokenizer, fetched lazily from a replica ---------------------------------------------
     async def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = await self._replicas.answered(self._replica.tokenizer.remote())
-            except ApiError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                raise server_error(exc) from exc
+        if self._tokenizer is None:  # one of this deployment's model, never one rolled out before or after
+            self._tokenizer = await self._replicas.tokenizer(self.config.model_identity)
         return self._tokenizer
 
     async def check_engine_replicas(self) -> None:

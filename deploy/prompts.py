@@ -268,7 +268,8 @@ def generation_request(
         return GenerationRequest(request_id=request_id, prompt=prompt_ids, sampling=sampling,
                                  speculation=request.speculation or RequestSpeculation(),
                                  grammar=grammar, prediction=prediction,
-                                 affinity_key=conversation_key(tokenizer, request, rendered) if rendered else None)
+                                 affinity_key=conversation_key(tokenizer, request, rendered) if rendered else None,
+                                 model_identity=config.model_identity)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
 

@@ -64,6 +64,20 @@ def no_engine_replica() -> ApiError:
     return ApiError(503, "no engine replica is running, retry later", retry_after_s=RETRY_AFTER_S)
 
 
+def another_model_serving() -> ApiError:
+    return ApiError(503, "the engine replicas reached serve another model than this deployment names (a deploy "
+                         "that changes the model is rolling out, or its replicas cannot start), retry later",
+                    retry_after_s=RETRY_AFTER_S)
+
+
+class _AnotherModel(Exception):
+    """A Replica refused a request tokenized for another model (RequestRejected.another_model)."""
+
+
+def _backoff_s(attempt: int) -> float:
+    return min(RETRY_AFTER_S * attempt, 5.0)
+
+
 class ReplicaStreams:
     """Streams of engine requests from the Replica deployment behind `replica` (a handle)."""
 
@@ -121,6 +135,23 @@ class ReplicaStreams:
                 task.cancel()    # as "Task exception was never retrieved" (found by QA)
                 task.add_done_callback(_read_outcome)
 
+    async def tokenizer(self, model_identity: str | None) -> Any:
+        """The tokenizer of a Replica serving `model_identity`, asked again (Serve's router may
+        pick another) for up to `replica_loss_retry_s` while Replicas of another model answer."""
+        deadline = time.monotonic() + self._config.replica_loss_retry_s
+        for attempt in itertools.count(1):
+            try:
+                tokenizer = await self.answered(self._replica.tokenizer.remote(model_identity))
+            except ApiError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise server_error(exc) from exc
+            if tokenizer is not None:
+                return tokenizer
+            if time.monotonic() >= deadline:
+                raise another_model_serving()
+            await asyncio.sleep(_backoff_s(attempt))
+
     async def open(self, request: GenerationRequest, routing: asyncio.Lock):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses).
 
@@ -138,6 +169,8 @@ class ReplicaStreams:
                     # no idle timeout yet: a request waiting for a batch slot is not idle, and a
                     # replica whose engine stalls fails its health check and is replaced
                     first = await self.answered(stream.__anext__())
+                    if isinstance(first, RequestRejected) and first.another_model:
+                        raise _AnotherModel(first.message)
                     break
                 except BaseException as exc:
                     if stream is not None:
@@ -146,12 +179,15 @@ class ReplicaStreams:
                         raise
                     if isinstance(exc, StopAsyncIteration):
                         raise ApiError(500, "the engine stream ended before any output") from None
-                    if replica_lost(exc) and time.monotonic() < deadline:
-                        logger.warning("request %s lost its replica before any output (%s); sending it again",
-                                       request.request_id, type(exc).__name__)
+                    if (replica_lost(exc) or isinstance(exc, _AnotherModel)) and time.monotonic() < deadline:
+                        logger.warning("request %s %s; sending it again", request.request_id,
+                                       exc if isinstance(exc, _AnotherModel)
+                                       else f"lost its replica before any output ({type(exc).__name__})")
                         self._count_retry("resume" if request.resume is not None else "retry")
-                        await asyncio.sleep(min(RETRY_AFTER_S * attempt, 5.0))
+                        await asyncio.sleep(_backoff_s(attempt))
                         continue
+                    if isinstance(exc, _AnotherModel):
+                        raise another_model_serving() from None
                     if isinstance(exc, Exception):
                         raise server_error(exc) from exc
                     raise

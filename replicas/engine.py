@@ -49,6 +49,9 @@ class RequestRejected:
 
     message: str
     param: str | None = None
+    # the request was tokenized for another model than this replica serves (a deploy changing
+    # the model is rolling out): another replica may take it, so it is no client error
+    another_model: bool = False
 
     @classmethod
     def from_error(cls, exc: RequestError) -> "RequestRejected":
@@ -259,6 +262,9 @@ class GenerationRequest:
     # prefix-cache figures, which a quiet replica's probes would otherwise dilute, and (the
     # embedded engine's) out of the cache
     probe: bool = False
+    # the model its prompt was tokenized for (EngineArgs.identity); a Replica serving another
+    # refuses it (None: any)
+    model_identity: str | None = None
 
     def __post_init__(self) -> None:
         if self.grammar is not None and self.sampling.min_tokens:  # it may allow only the end there

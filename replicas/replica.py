@@ -199,9 +199,12 @@ class Replica:
     and reports its stats."""
 
     def __init__(self, engine_factory: Callable[[SpeculationConfig], Engine], metrics: bool = True,
-                 last_settings: LastSettings | None = None) -> None:
+                 last_settings: LastSettings | None = None, model_identity: str | None = None) -> None:
+        """`model_identity`: the model this replica's engine serves (EngineArgs.identity); a
+        request tokenized for another is refused (None: every request is taken)."""
         log_through_serve("replicas")
         self._engine_factory = engine_factory
+        self._model_identity = model_identity
         self._last_settings = last_settings or LastSettings()
         self._engine: Engine | None = None  # built by the first reconfigure
         self._stopped = False  # Serve's graceful stop ran (`__del__`)
@@ -293,9 +296,15 @@ class Replica:
         """The replica's process id (tells a live reconfigure from a restart)."""
         return os.getpid()
 
-    async def tokenizer(self) -> Any:
-        """The engine's HF tokenizer (pickled to the ingress, which renders chats and counts)."""
+    async def tokenizer(self, model_identity: str | None = None) -> Any:
+        """The engine's HF tokenizer (pickled to the ingress, which renders chats and counts);
+        None if `model_identity` is given and this replica serves another model."""
+        if not self._serves(model_identity):
+            return None
         return self.engine.tokenizer
+
+    def _serves(self, model_identity: str | None) -> bool:
+        return model_identity is None or self._model_identity is None or model_identity == self._model_identity
 
     async def _refresh_metrics_forever(self) -> None:
         while self._metrics is not None:
@@ -312,6 +321,10 @@ class Replica:
         """Stream one request. `speculate=False` (set by the router when every replica is
         above its gate) marks it `over_gate`. Cancelling the stream (the client went away)
         closes the engine stream, which aborts the request there."""
+        if not self._serves(request.model_identity):
+            yield RequestRejected(f"this replica serves {self._model_identity!r}, the request was tokenized for "
+                                  f"{request.model_identity!r}", another_model=True)
+            return
         if not speculate:
             request = dataclasses.replace(request, over_gate=True)
         started = time.monotonic()

@@ -16,6 +16,7 @@ A `Resume` continues after the tokens it carries.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 from functools import partial
@@ -167,6 +168,24 @@ def engine_unless(marker: str, speculation: SpeculationConfig) -> FakeEngine:
     if Path(marker).exists():
         raise RuntimeError(f"this replica cannot start while {marker} exists")
     return FakeEngine(speculation)
+
+
+class NextModelEngine(FakeEngine):
+    """The model a deploy rolls out: it starts once the file `marker` exists (a model loading),
+    and answers in upper case."""
+
+    def __init__(self, marker: str, speculation: SpeculationConfig) -> None:
+        super().__init__(speculation)
+        self.marker = Path(marker)
+
+    async def start(self) -> None:
+        while not self.marker.exists():
+            await asyncio.sleep(0.1)
+        await super().start()
+
+    async def _stream(self, request: GenerationRequest, prompt: str, prompt_tokens: int):
+        async for delta in super()._stream(request, prompt, prompt_tokens):
+            yield dataclasses.replace(delta, text=delta.text.upper())
 
 
 def fake_args(limits: dict | None = None, **replica) -> AppArgs:

@@ -221,6 +221,23 @@ def test_engine_validation_becomes_a_rejection_and_speculate_false_marks_it_over
     run(scenario())
 
 
+def test_a_request_or_a_tokenizer_for_another_model_is_refused():
+    """What the Ingress of a deploy that changes the model meets in a Replica still serving the
+    model before (tests/deploy/test_replica_loss.py has it under Serve)."""
+    async def scenario():
+        replica = Replica(FakeEngine, metrics=False, model_identity="torch:a:")
+        await replica.reconfigure({})
+        other = GenerationRequest("r1", "hi", SamplingParams(max_tokens=2), model_identity="torch:b:")
+        (refused,) = [item async for item in replica.generate(other)]
+        assert isinstance(refused, RequestRejected) and refused.another_model and "'torch:b:'" in refused.message
+        assert await replica.tokenizer("torch:b:") is None
+        assert await replica.tokenizer("torch:a:") is replica.engine.tokenizer is await replica.tokenizer()
+        for identity in ("torch:a:", None):  # its own, or a request that names none
+            own = GenerationRequest("r2", "hi", SamplingParams(max_tokens=2), model_identity=identity)
+            assert [d async for d in replica.generate(own)][-1].finish_reason == "length"
+    run(scenario())
+
+
 def test_closing_the_stream_aborts_the_request():
     async def scenario():
         replica = await make_replica()

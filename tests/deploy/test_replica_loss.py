@@ -17,7 +17,7 @@ import pytest
 
 from deploy.app import compose_app
 from tests.deploy.bad_input import AUTH, KEY, completion, message, respond
-from tests.deploy.fakes import engine_unless, fake_args, small_window_engine
+from tests.deploy.fakes import NextModelEngine, engine_unless, fake_args, small_window_engine
 from tests.polling import wait_until
 from tests.serve_support import metrics_url
 
@@ -248,3 +248,45 @@ def test_replica_failure_without_stream_is_a_500(url):
     response = httpx.post(f"{url}/v1/completions", headers=AUTH, json=completion(prompt="FAIL_RAISE"), timeout=30)
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error"
+
+
+def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(url, tmp_path):
+    """A deploy changing the model (any `args` change restarts every deployment) rolls the
+    Replicas one at a time: the new Ingress, up at once, took the tokenizer of a Replica of
+    the model before, kept it for good, and had that Replica answer for the new model. Now a
+    Replica refuses a request (or a tokenizer) for another model and the Ingress asks again,
+    for up to replica_loss_retry_s, until one of its own model answers."""
+    import concurrent.futures
+
+    from ray import serve
+
+    marker = tmp_path / "loaded"
+
+    def args(model: str):
+        two = fake_args(num_replicas=2)
+        return two.model_copy(update={"engine": two.engine.model_copy(update={"model": model}),
+                                      "served_model_name": model})
+
+    def served() -> str:
+        return httpx.get(f"{url}/swap/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
+
+    def ask(model: str) -> httpx.Response:
+        return httpx.post(f"{url}/swap/v1/completions", headers=AUTH, timeout=90,
+                          json={**completion(prompt="ECHO:abc</>"), "model": model})
+
+    serve.run(compose_app(args("fake-a"), small_window_engine), name="swap", route_prefix="/swap")
+    try:
+        assert ask("fake-a").json()["choices"][0]["text"] == "abc"
+        serve._run(compose_app(args("fake-b"), partial(NextModelEngine, str(marker))), name="swap",
+                   route_prefix="/swap", _blocking=False)
+        assert wait_until(lambda: served() == "fake-b", timeout_s=60, interval_s=0.2)  # the new Ingress
+        states = serve.status().applications["swap"].deployments["Replica"].replica_states
+        assert states.get("RUNNING") == 1, states  # of the model before: the new one is loading
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(ask, "fake-b")
+            assert not wait_until(answer.done, timeout_s=3, interval_s=0.1), answer.result().text
+            marker.touch()  # the new model loaded
+            assert answer.result().status_code == 200, answer.result().text
+            assert answer.result().json()["choices"][0]["text"] == "ABC"
+    finally:
+        serve.delete("swap")
