@@ -37,12 +37,14 @@ def joined_text(content: Union[str, List[TextPart], None]) -> str:
 class FunctionCall(RequestModel):
     name: FunctionName
     arguments: Text  # JSON text, as OpenAI sends it
+    parsed_arguments: Any = None  # the SDK's parse() adds its reading of them: taken, not read
 
 
 class AssistantToolCall(RequestModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: Optional[int] = None  # the SDK's stream helper keeps a streamed call's: taken, not read
 
 
 class ChatMessage(RequestModel):
@@ -52,8 +54,10 @@ class ChatMessage(RequestModel):
     name: Optional[Text] = None
     tool_calls: Optional[List[AssistantToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = Field(None, validate_default=True)  # a tool message: the call it answers
-    # what the SDK's dump of an answer carries back (`messages.append(message.model_dump())`):
+    # what the SDK's dump of an answer carries back (`messages.append(message.model_dump())`,
+    # or the message itself, as its parse() and stream helpers return it, `parsed` with it):
     # taken and not read (this server answers no refusal, annotation or audio)
+    parsed: Any = None
     refusal: Optional[Text] = None
     annotations: Optional[List[Any]] = None
     audio: None = None

@@ -116,6 +116,31 @@ def test_tool_round_trip(agent_client):
     assert said[0] == said[1]
 
 
+class GetWeather(BaseModel):
+    city: str = Field(max_length=40)
+
+
+def test_an_answer_goes_back_as_the_sdks_helpers_return_it(agent_client):
+    """The tool loop appends the message itself; parse() returns it with `parsed` and each call's
+    `parsed_arguments`, the stream helper's final completion with each call's `index`: all three
+    were 400s (found by QA with the official SDK)."""
+    import openai
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[tool], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=40, temperature=0)
+    parsed = agent_client.chat.completions.parse(**kwargs).choices[0].message
+    with agent_client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    assert isinstance(parsed.tool_calls[0].function.parsed_arguments, GetWeather)
+    assert streamed.tool_calls[0].index == 0
+    for message in (parsed, streamed):
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}
+        again = agent_client.chat.completions.parse(**{**kwargs, "tool_choice": "none",
+                                                       "messages": [*WEATHER_CHAT, message, result]})
+        assert again.choices[0].message.content
+
+
 def test_a_call_made_under_auto_is_held_to_its_schema_as_with_speculation_off(agent_client):
     """tool_choice auto: the model decides (here it calls), and the call it begins is held to the
     format and the schema by the optional grammar, ending the answer; bitwise as speculation off.
