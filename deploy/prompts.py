@@ -129,23 +129,24 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
 
 
 def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[GrammarSpec]:
-    """The request's constraint: its response_format, the call a forced tool choice makes, or
-    (tools offered under auto) an optional grammar over any call the model makes, or, under a
-    format, the answer in it or the calls."""
+    """The request's constraint: its response_format, the call a forced tool choice makes (one
+    for a named function, as vLLM's), or (tools offered under auto) an optional grammar over
+    any call the model makes, or, under a format, the answer in it or the calls."""
     fmt = request.response_format
     functions = request.functions if isinstance(request, ChatCompletionRequest) else []
-    forced_tool = functions and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
-    if functions and isinstance(request.tool_choice, NamedToolChoice):
+    named = bool(functions) and isinstance(request.tool_choice, NamedToolChoice)
+    forced_tool = functions and (request.tool_choice == "required" or named)
+    if named:
         functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
     callable_names = {f["name"] for f in functions}
     for i, tool in enumerate(request.tools if functions else ()):  # each call it may make keeps to its schema
         if tool.function.name in callable_names:
             _check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
-    if forced_tool:
-        if fmt is not None and fmt.type != "text":
-            raise ApiError(400, "response_format: cannot constrain the output while tool_choice forces a call",
-                           "response_format")
-        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls), "tool_choice")
+    if forced_tool:  # the answer is calls: a format (an agent's output type, sent every turn) is for a later one
+        if fmt is not None and fmt.type == "json_schema":
+            _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls and not named),
+                           "tool_choice")
     if fmt is None or fmt.type == "text":
         # auto: text, or a call held to the grammar once its open tag is written; unless
         # min_tokens, which a grammar that may allow only the end refuses (then unconstrained)
