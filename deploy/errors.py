@@ -30,12 +30,13 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  code: Optional[str] = None, retry_after_s: Optional[float] = None,
-                 anthropic_message: Optional[str] = None) -> None:
+                 anthropic_message: Optional[str] = None, details: Optional[dict[str, Any]] = None) -> None:
         """`anthropic_message`: the words of Anthropic's API for the same failure, for its
-        clients that look for them ("prompt is too long: ...")."""
+        clients that look for them ("prompt is too long: ..."); `details`: the error's
+        `details` object, which a client reads to recover (Anthropic's)."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s, self.anthropic_message = retry_after_s, anthropic_message
+        self.retry_after_s, self.anthropic_message, self.details = retry_after_s, anthropic_message, details
 
     @property
     def type(self) -> str:
@@ -48,8 +49,9 @@ class ApiError(Exception):
     def body(self, anthropic: bool = False) -> dict[str, Any]:
         """OpenAI's error body; `anthropic`: with Anthropic's type and words, where they differ."""
         message = (self.anthropic_message or self.message) if anthropic else self.message
+        details = {"details": self.details} if self.details is not None else {}
         return {"error": {"message": message, "type": self.anthropic_type if anthropic else self.type,
-                          "param": self.param, "code": self.code}}
+                          "param": self.param, "code": self.code, **details}}
 
     def renamed(self, fields: dict[str, str]) -> "ApiError":
         """This error with its field named as another API names it (`fields`: ours -> theirs;
@@ -61,7 +63,8 @@ class ApiError(Exception):
         indices = iter(re.findall(r"\[\d+\]", param))
         field = re.sub(r"\[\]", lambda _: next(indices), field)
         message = field + self.message.removeprefix(self.param) if self.message.startswith(self.param) else self.message
-        return ApiError(self.status, message, field, self.code, self.retry_after_s, self.anthropic_message)
+        return ApiError(self.status, message, field, self.code, self.retry_after_s, self.anthropic_message,
+                        self.details)
 
     def response(self, path: str = "") -> JSONResponse:
         """The HTTP answer; to Anthropic's API (`path` under /v1/messages) the body says `"type": "error"`

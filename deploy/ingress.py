@@ -197,6 +197,8 @@ class Ingress:
         """`POST /v1/messages` (Anthropic's): the chat request it means, generated as `handle`
         would, its answer as content blocks."""
         self._served(body.model)
+        if body.thread is not None:
+            raise messages.threads_refused()
         chat = messages.chat_request(body)
         request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
         model = self.config.model_name

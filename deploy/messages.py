@@ -27,7 +27,7 @@ from deploy.chat_protocol import (
     PART_SEPARATOR, AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition,
     NamedToolChoice, Tool, ToolChoiceFunction,
 )
-from deploy.errors import validation_error
+from deploy.errors import ApiError, validation_error
 from deploy.protocol import (
     FunctionName, JsonObject, ParametersSchema, RequestModel, Text, check_stops, check_tool_choice, type_tag,
     unique_names,
@@ -291,6 +291,8 @@ class MessagesRequest(CountTokensRequest):
     diagnostics: Optional[Any] = None  # Claude Code's, not read
     user_profile_id: Optional[str] = None  # a label, not read
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+    thread: Optional[Any] = Field(None, description="Anthropic's message threads (the conversation kept by the "
+                                  "server): refused so that the client sends the whole conversation instead")
 
     @field_validator("stop_sequences")
     @classmethod
@@ -383,6 +385,14 @@ def _chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                 else:
                     messages[-1] = text = text.model_copy(update={"content": text.text + PART_SEPARATOR + b.text})
     return messages
+
+
+def threads_refused() -> ApiError:
+    """A request asking for a message thread. The anthropic SDK's tool runner asks for one and,
+    told so in `details` as Anthropic's API tells it, goes on without: each turn then carries
+    the whole conversation (which the prefix cache serves)."""
+    return ApiError(400, "thread: message threads are not supported here; send the whole conversation", "thread",
+                    details={"error_code": "thread_unsupported_request", "unsupported": []})
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:

@@ -80,6 +80,29 @@ def test_forced_tool_use_and_its_round_trip(claude, stream):
     assert answer.content and answer.usage.cache_read_input_tokens > 0  # the turn before is the prefix cache's
 
 
+def test_the_sdks_tool_runner_goes_on_without_the_thread_it_asks_for(claude, agent_url):
+    """The anthropic SDK's tool runner asks for a message thread (kept by the server) and goes
+    on without one when told, in the error's details, that the server cannot keep it: it was
+    a 400 naming `thread` that ended the run (found by QA)."""
+    calls = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return "18 C, sunny"
+
+    replies = list(claude.beta.messages.tool_runner(
+        model=MODEL, max_tokens=60, messages=ASK_WEATHER, tools=[get_weather], max_iterations=2,
+        tool_choice={"type": "tool", "name": "get_weather"}))
+    assert len(replies) == 2 and len(calls) == 2 and replies[0].stop_reason == "tool_use"
+    refused = httpx.post(f"{agent_url}/v1/messages", timeout=60, json={
+        "model": MODEL, "max_tokens": 8, "messages": ASK_WEATHER, "thread": {"type": "create"}})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "thread"
+    assert error["details"] == {"error_code": "thread_unsupported_request", "unsupported": []}
+
+
 def test_output_config_format_gives_json_valid_against_the_schema(claude):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                "country": {"type": "string", "maxLength": 30}},
