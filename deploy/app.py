@@ -23,7 +23,7 @@ from deploy.engine_factory import engine_factory
 from deploy.ingress import Ingress
 from deploy.response_store import ResponseStore
 from replicas.engine import Engine, SpeculationConfig
-from replicas.replica import Replica
+from replicas.replica import DEPLOYMENT_NAME, Replica
 
 ROUTER_CLASS = "deploy.router:SpeculationGateRouter"
 PLAIN_ROUTER_CLASS = "deploy.router:PowerOfTwoRouter"  # `gate_router: false`
@@ -48,7 +48,7 @@ def replica_deployment(args: AppArgs, speculation: SpeculationConfig = Speculati
                                          "prefix_affinity_max_extra_load": opts.prefix_affinity_max_extra_load},
                                      request_routing_stats_period_s=opts.routing_stats_period_s)
     return serve.deployment(Replica).options(
-        name="Replica",
+        name=DEPLOYMENT_NAME,
         num_replicas=opts.num_replicas,
         # The engine batches: admit a full batch plus a batch waiting, queue the rest in
         # Serve (bounded by max_queued_requests, then 503 + Retry-After).

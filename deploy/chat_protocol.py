@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, List, Literal, Optional, Union
 
 from pydantic import Field, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from deploy.protocol import (
     FunctionName, Metadata, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel, SamplingRequest,
@@ -37,14 +38,16 @@ def joined_text(content: Union[str, List[TextPart], None]) -> str:
 class FunctionCall(RequestModel):
     name: FunctionName
     arguments: Text  # JSON text, as OpenAI sends it
-    parsed_arguments: Any = None  # the SDK's parse() adds its reading of them: taken, not read
+    # the SDK's parse() adds its reading of them: taken, not read (nor in the schema: the answer's
+    # calls are of this model too)
+    parsed_arguments: SkipJsonSchema[Any] = None
 
 
 class AssistantToolCall(RequestModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
-    index: Optional[int] = None  # the SDK's stream helper keeps a streamed call's: taken, not read
+    index: SkipJsonSchema[Optional[int]] = None  # the SDK's stream helper keeps a streamed call's: taken, not read
 
 
 class ChatMessage(RequestModel):
@@ -57,7 +60,7 @@ class ChatMessage(RequestModel):
     # what the SDK's dump of an answer carries back (`messages.append(message.model_dump())`,
     # or the message itself, as its parse() and stream helpers return it, `parsed` with it):
     # taken and not read (this server answers no refusal, annotation or audio)
-    parsed: Any = None
+    parsed: SkipJsonSchema[Any] = None
     refusal: Optional[Text] = None
     annotations: Optional[List[Any]] = None
     audio: None = None

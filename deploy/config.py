@@ -71,10 +71,14 @@ class EngineArgs(_Strict):
 
     @property
     def identity(self) -> str:
-        """The model and tokenizer a prompt is tokenized for: a Replica of another identity
-        refuses it. A deploy that changes the model rolls the Ingress and the Replicas
-        separately, so for a while a new Ingress sends to old Replicas (or the reverse)."""
-        return f"{self.kind}:{self.model}:{(self.trtllm or {}).get('tokenizer') or ''}"
+        """The model (and tokenizer, where another is named) a prompt is tokenized for, paths
+        normalised: a Replica of another identity refuses it. A deploy that changes the model
+        rolls the Ingress and the Replicas separately, so for a while a new Ingress sends to old
+        Replicas (or the reverse). New weights written over the same path keep the identity."""
+        model = os.path.normpath(os.path.expanduser(self.model))
+        tokenizer = (self.trtllm or {}).get("tokenizer")
+        tokenizer = os.path.normpath(os.path.expanduser(tokenizer)) if isinstance(tokenizer, str) else model
+        return model if tokenizer == model else f"{model} (tokenizer {tokenizer})"
 
     def trtllm_config(self, speculation: SpeculationConfig):
         """The TrtllmEngineConfig these args describe (raises ValueError naming a bad field)."""

@@ -147,10 +147,10 @@ def _validation_lines(exc: ValidationError, where: str = "") -> list[str]:
 def _converted_values(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
     """Values Serve's `model` takes only by converting them (a quoted number): the args refuse
     those (AppArgs), so one file would take a "2" in one place and not in the next."""
-    try:
-        model.model_validate_json(json.dumps(data), strict=True)
+    try:  # (a YAML date or bytes as text: its own check names what it should be)
+        model.model_validate_json(json.dumps(data, default=str), strict=True)
     except ValidationError as exc:
-        return [f"{line} (Serve would convert it; write it unquoted)" for line in _validation_lines(exc, where)]
+        return [f"{line} (Serve would convert it; write it as that type)" for line in _validation_lines(exc, where)]
     return []
 
 

@@ -2,7 +2,7 @@
 
 `ReplicaStreams.open` starts a request on a Replica (through the speculation-gate router) and
 waits for its first delta, sending the request again whole while its replica dies before any
-output; `deltas` follows the stream, resuming the request on another replica as a continuation
+output, or refuses it as tokenized for another model (a deploy changing the model rolls out); `deltas` follows the stream, resuming the request on another replica as a continuation
 (`Resume`) when its replica dies mid-stream, and cancels the stream (which aborts the request
 in the engine) when its consumer stops early; `collect` gathers a whole answer. Every failure
 leaves as an `ApiError`.
@@ -155,9 +155,10 @@ class ReplicaStreams:
     async def open(self, request: GenerationRequest, routing: asyncio.Lock):
         """Start the replica stream and wait for its first item (errors are still HTTP statuses).
 
-        Nothing has reached the client yet, so a request whose replica dies here is sent again
-        (the router picks a live replica, or waits for Serve to restart one) for up to
-        `replica_loss_retry_s`: the client sees only latency. Held under `routing`, the HTTP
+        Nothing has reached the client yet, so a request whose replica dies here, or that a
+        Replica of another model refuses, is sent again (the router picks a live replica of its
+        model, or waits for Serve to start one) for up to `replica_loss_retry_s`: the client
+        sees only latency. Held under `routing`, the HTTP
         request's lock: one of its choices routed at a time (see `Ingress.handle`).
         """
         async with routing:
@@ -183,7 +184,8 @@ class ReplicaStreams:
                         logger.warning("request %s %s; sending it again", request.request_id,
                                        exc if isinstance(exc, _AnotherModel)
                                        else f"lost its replica before any output ({type(exc).__name__})")
-                        self._count_retry("resume" if request.resume is not None else "retry")
+                        self._count_retry("another_model" if isinstance(exc, _AnotherModel)
+                                          else "resume" if request.resume is not None else "retry")
                         await asyncio.sleep(_backoff_s(attempt))
                         continue
                     if isinstance(exc, _AnotherModel):
@@ -196,12 +198,14 @@ class ReplicaStreams:
         return stream, first
 
     def _count_retry(self, kind: str) -> None:
-        """kind: "retry" (sent again whole, nothing had reached the client) or "resume"."""
+        """kind: "retry" (sent again whole, nothing had reached the client), "resume", or
+        "another_model" (a Replica of another model refused it)."""
         if self._retries is None:
             from ray.serve import metrics
 
             self._retries = metrics.Counter(METRIC_RETRIES, "requests sent again after their replica died, each "
-                                            "send: whole (kind=retry) or as a continuation mid-stream (kind=resume)",
+                                            "send: whole (kind=retry) or as a continuation mid-stream (kind=resume); "
+                                            "or after a Replica of another model refused it (kind=another_model)",
                                             tag_keys=("kind",))
         self._retries.inc(tags={"kind": kind})
 

@@ -18,6 +18,7 @@ from typing import Any, List, Optional
 
 from deploy.chat_protocol import ChatMessage
 from deploy.errors import RETRY_AFTER_S, ApiError, server_error
+from replicas.replica import DEPLOYMENT_NAME, LastSettings
 
 logger = logging.getLogger(__name__)
 # the response body, its conversation as chat messages, its input items (`response_items.input_items`)
@@ -34,6 +35,7 @@ class ResponseStore:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self._engine_settings = LastSettings(DEPLOYMENT_NAME)  # the Replicas', forgotten with the app here too
         self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
         # item id -> {response id: the item as it holds it}, oldest first: the kept responses'
         # output items and input items, where a conversation's follow-ups hold its earlier
@@ -41,6 +43,12 @@ class ResponseStore:
         # response holding it, and reads as that one holds it (a client's id may name other
         # text in another response; a deleted response's is gone with it)
         self._items: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def __del__(self):
+        """Serve's graceful stop awaits what this returns (`LastSettings.on_stop`): a Replica's
+        own may never come (killed with a long stream at the end of its graceful timeout)."""
+        settings = getattr(self, "_engine_settings", None)  # (an __init__ that raised)
+        return settings.on_stop() if settings is not None else None
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
         if self.capacity <= 0:

@@ -12,8 +12,11 @@ one most likely to hold its prefix in cache (`replicas/speculation/affinity.py`)
 goes first unless it is over its gate or busier than the others. `request_router_kwargs`
 (`initialize_state`): `gate_hold_s`, `gate_hold_min_acceptance`, `prefix_affinity_chars`,
 `prefix_affinity_max_extra_load` (deploy.yaml's `replica:` section sets them).
-`PowerOfTwoRouter` is what `gate_router: false` routes with: Serve's default rule (two
-replicas at random, the less busy one), counted by `routable_replicas` as the gate router is.
+`PowerOfTwoRouter` is what `gate_router: false` routes with: Serve's default rule (same node,
+then same zone, first; two replicas at random, the less busy one), counted by
+`routable_replicas` as the gate router is. Both send a request to Replicas of the model it
+was tokenized for where any runs (`of_the_requested_model`: a deploy changing the model runs
+both for a while).
 
 Imports Ray's router API, the ranking and affinity rules and the stats names only: never torch.
 """
@@ -25,7 +28,7 @@ import time
 import weakref
 from typing import List, Optional
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
 from replicas.speculation.affinity import AFFINITY_MAX_EXTRA_LOAD, AFFINITY_PREFIX_CHARS, prefix_key, rank_with_affinity
 from replicas.speculation.ranking import (
@@ -35,8 +38,10 @@ from replicas.speculation.ranking import (
     all_above_gate,
     hold_at_gate,
 )
+from replicas.stats import MODEL_IDENTITY
 
 GENERATE_METHOD = "generate"  # Replica.generate
+TOKENIZER_METHOD = "tokenizer"  # Replica.tokenizer, given the model identity it must serve
 SPECULATE_KWARG = "speculate"  # Replica.generate's keyword that narrows a request to no speculation
 
 _ROUTERS: "weakref.WeakSet[CountedRouter]" = weakref.WeakSet()  # this process's, as built
@@ -51,6 +56,29 @@ def routable_replicas(app_name: str) -> Optional[int]:
     return max(counts) if counts else None
 
 
+def requested_model(pending_request: Optional[PendingRequest]) -> Optional[str]:
+    """The model identity a `generate` call's request was tokenized for, or a `tokenizer` call
+    asks for; None: any model."""
+    if pending_request is None or not pending_request.args:
+        return None
+    method, first = pending_request.metadata.call_method, pending_request.args[0]
+    if method == GENERATE_METHOD:
+        return getattr(first, "model_identity", None)
+    return first if method == TOKENIZER_METHOD and isinstance(first, str) else None
+
+
+def of_the_requested_model(candidates: List[RunningReplica],
+                           pending_request: Optional[PendingRequest]) -> List[RunningReplica]:
+    """The candidates serving the model the call asks for, or not saying yet (no routing stats
+    reported); all of them where none does: each refuses it, and the Ingress asks again until
+    its deadline (a model that cannot load must not hold requests without end)."""
+    model = requested_model(pending_request)
+    if model is None:
+        return candidates
+    kept = [r for r in candidates if (r.routing_stats or {}).get(MODEL_IDENTITY, model) == model]
+    return kept or candidates
+
+
 class CountedRouter(RequestRouter):
     """A router `routable_replicas` counts."""
 
@@ -62,15 +90,20 @@ class CountedRouter(RequestRouter):
         router._ROUTERS.add(self)
 
 
-class PowerOfTwoRouter(FIFOMixin, CountedRouter):
-    """Serve's default rule: two replicas at random, Serve sends to the less busy one."""
+class PowerOfTwoRouter(FIFOMixin, LocalityMixin, CountedRouter):
+    """Serve's default rule: the same node, then the same zone, first (where Serve's settings
+    say so), then two replicas at random; Serve sends to the less busy one."""
 
     async def choose_replicas(
         self,
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))] if candidate_replicas else []
+        if pending_request is not None:  # also asks Serve to back off once every replica was offered
+            local = self.apply_locality_routing(pending_request)
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id in local]
+        candidates = of_the_requested_model(candidate_replicas, pending_request)
+        return [random.sample(candidates, min(2, len(candidates)))] if candidates else []
 
 
 class SpeculationGateRouter(CountedRouter):
@@ -116,6 +149,7 @@ class SpeculationGateRouter(CountedRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        candidate_replicas = of_the_requested_model(candidate_replicas, pending_request)
         if not candidate_replicas:
             return []
         loads = self.replica_loads(candidate_replicas)

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from replicas.engine import (
     MAX_DRAFT_LEN, Engine, GenerationDelta, GenerationRequest, RequestError, RequestRejected,
@@ -32,13 +32,15 @@ from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
     METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_KV_USAGE, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST,
     METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS,
-    METRIC_SA_ACCEPTANCE, METRIC_TPOT, METRIC_TTFT, METRIC_USER_CONFIG_REFUSED, METRIC_WAITING, SOURCES, EngineStats,
+    METRIC_SA_ACCEPTANCE, METRIC_TPOT, METRIC_TTFT, METRIC_USER_CONFIG_REFUSED, METRIC_WAITING, MODEL_IDENTITY, SOURCES,
+    EngineStats,
 )
 
 logger = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0  # how often counters and gauges are refreshed from engine stats
 CONTROLLER_TIMEOUT_S = 10.0  # a stopping replica's question to Serve's controller
+DEPLOYMENT_NAME = "Replica"  # what deploy/app.py names this deployment
 STALLED_CHECKS = 3  # health checks in a row with live requests and no new token or step = unhealthy
 
 
@@ -150,21 +152,20 @@ class LastSettings:
     shutdown`): a later one of the same name starts from its own. Outside a Serve replica:
     nothing is kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, deployment: str | None = None) -> None:
+        """Those of `deployment` of the application of the Serve replica making this (default:
+        the replica's own deployment)."""
         from ray import serve
         from ray.serve.exceptions import RayServeException
 
+        self._stopping = False
         try:
             context = serve.get_replica_context()
         except RayServeException:
             self._app, self._key = None, None
         else:
             self._app = context.app_name
-            self._key = f"specserve/user_config/{context.app_name}/{context.deployment}".encode()
-
-    @property
-    def in_replica(self) -> bool:  # outside a Serve replica nothing is kept
-        return self._key is not None
+            self._key = f"specserve/user_config/{context.app_name}/{deployment or context.deployment}".encode()
 
     def get(self) -> Any:
         from ray.experimental import internal_kv
@@ -178,9 +179,19 @@ class LastSettings:
         if self._key is not None:
             internal_kv._internal_kv_put(self._key, json.dumps(user_config).encode(), overwrite=True)
 
+    def on_stop(self) -> Awaitable[None] | None:
+        """What a deployment's `__del__` returns, once: Serve's graceful stop awaits it
+        (`forget_if_deleted`); Python's own finalizer call later gets nothing to await."""
+        if self._key is None or self._stopping:
+            return None
+        self._stopping = True
+        return self.forget_if_deleted()
+
     async def forget_if_deleted(self) -> None:
         """Forget them where the application is being deleted (or is gone): asked of Serve's
-        controller as a replica stops. A replica stopped for a redeploy or a scale-in keeps them."""
+        controller as a replica stops. A replica stopped for a redeploy or a scale-in keeps them.
+        The Replica's own stop may never come to it (killed at the end of its graceful timeout
+        with a long stream still running, or never started): the ResponseStore asks too."""
         from ray import serve
         from ray.experimental import internal_kv
 
@@ -207,7 +218,6 @@ class Replica:
         self._model_identity = model_identity
         self._last_settings = last_settings or LastSettings()
         self._engine: Engine | None = None  # built by the first reconfigure
-        self._stopped = False  # Serve's graceful stop ran (`__del__`)
         self._user_config_refused = False  # the last user_config was refused
         self._metrics = _Metrics() if metrics else None
         self._stats_task: asyncio.Task | None = None
@@ -216,13 +226,10 @@ class Replica:
         self._last_progress = (0, 0)  # (tokens forwarded, engine steps) at the last health check
 
     def __del__(self):
-        """Serve's graceful stop awaits what this returns: in a replica, the settings its
-        application's replicas took go if the application is being deleted
-        (`LastSettings.forget_if_deleted`). Python's own finalizer call gets nothing to await."""
-        if not getattr(self, "_stopped", True) and self._last_settings.in_replica:  # (an __init__ that raised)
-            self._stopped = True
-            return self._last_settings.forget_if_deleted()
-        return None
+        """Serve's graceful stop awaits what this returns: the settings this deployment's
+        replicas took go if the application is being deleted (`LastSettings.on_stop`)."""
+        settings = getattr(self, "_last_settings", None)  # (an __init__ that raised)
+        return settings.on_stop() if settings is not None else None
 
     # -- configuration and stats ------------------------------------------------------------
     async def reconfigure(self, user_config: Any) -> None:
@@ -284,8 +291,13 @@ class Replica:
         flat["user_config_refused"] = float(self._user_config_refused)
         return flat
 
-    async def record_routing_stats(self) -> dict[str, float]:
-        return await self.stats()
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """`stats()`, and the model this replica serves (the routers send a request to one of
+        the model it was tokenized for)."""
+        stats: dict[str, Any] = await self.stats()
+        if self._model_identity is not None:
+            stats[MODEL_IDENTITY] = self._model_identity
+        return stats
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """`stats()`, or nothing while the engine is being built: Serve asks from the replica's

@@ -25,6 +25,7 @@ ACCEPTANCE_LENGTH = "acceptance_length"
 STEP_MS = "step_ms"
 TOKENS_PER_S = "tokens_per_s"
 BATCH_GATE = "batch_gate"  # EngineStats.batch_gate: the gate the engine's steps obey
+MODEL_IDENTITY = "model_identity"  # routing stats only, a string: the model the Replica serves (EngineArgs.identity)
 PREFIX_HIT_TOKENS = "prefix_hit_tokens"  # prompt tokens served from the prefix cache (total)
 PREFIX_PROMPT_TOKENS = "prefix_prompt_tokens"  # prompt tokens admitted (total)
 PREFIX_HIT_RATE = "prefix_hit_rate"  # derived: prefix_hit_rate()

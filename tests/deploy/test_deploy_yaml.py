@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import datetime
 from pathlib import Path
 
 import pytest
@@ -211,12 +213,29 @@ def test_a_quoted_number_in_serves_fields_is_reported_as_in_the_args(document):
     doc["http_options"]["port"] = "8000"
     doc["applications"][0]["deployments"][replica]["graceful_shutdown_timeout_s"] = "5"
     doc["applications"][0]["deployments"][replica]["autoscaling_config"]["max_replicas"] = "4"
-    unquoted = " (Serve would convert it; write it unquoted)"
+    unquoted = " (Serve would convert it; write it as that type)"
     assert check_serve_config(doc) == [
         "http_options.port: Input should be a valid integer" + unquoted,
         f"applications[0].deployments[{replica}].graceful_shutdown_timeout_s: Input should be a valid number" + unquoted,
         f"applications[0].deployments[{replica}].autoscaling_config.max_replicas: Input should be a valid integer"
         + unquoted]
+    doc = copy.deepcopy(document)
+    doc["applications"][0]["args"]["served_model_name"] = datetime.date(2024, 5, 1)  # YAML's 2024-05-01: no JSON
+    assert check_serve_config(doc) == ["applications[0].args.served_model_name: Input should be a valid string"]
+
+
+def test_the_model_identity_is_the_model_as_read_not_as_spelt():
+    """What a Replica refuses a request for (another model): a trailing slash or a tokenizer
+    named as the model's own is the same model; another directory or tokenizer is not."""
+    from deploy.config import EngineArgs
+
+    home = os.path.expanduser("~")
+    same = [EngineArgs(model="/m/x"), EngineArgs(model="/m/x/"), EngineArgs(model="/m/./x"),
+            EngineArgs(kind="trtllm", model="/m/x", trtllm={"tokenizer": "/m/x/"})]
+    assert {args.identity for args in same} == {"/m/x"}
+    assert EngineArgs(model="~/x").identity == f"{home}/x"
+    assert EngineArgs(model="/m/y").identity != "/m/x"
+    assert EngineArgs(kind="trtllm", model="/m/x", trtllm={"tokenizer": "/t"}).identity == "/m/x (tokenizer /t)"
 
 
 def test_unknown_keys_walks_lists_and_unions():

@@ -70,7 +70,8 @@ def test_a_refused_first_user_config_fails_the_start_naming_the_key():
 class KeptSettings(LastSettings):
     """LastSettings in this process (a Serve replica keeps them in Ray's internal KV store)."""
 
-    in_replica = False  # nothing for a stop to forget
+    def on_stop(self) -> None:  # nothing for a stop to forget
+        return None
 
     def __init__(self) -> None:
         self.kept = None
@@ -225,14 +226,15 @@ def test_a_request_or_a_tokenizer_for_another_model_is_refused():
     """What the Ingress of a deploy that changes the model meets in a Replica still serving the
     model before (tests/deploy/test_replica_loss.py has it under Serve)."""
     async def scenario():
-        replica = Replica(FakeEngine, metrics=False, model_identity="torch:a:")
+        replica = Replica(FakeEngine, metrics=False, model_identity="/m/a")
         await replica.reconfigure({})
-        other = GenerationRequest("r1", "hi", SamplingParams(max_tokens=2), model_identity="torch:b:")
+        other = GenerationRequest("r1", "hi", SamplingParams(max_tokens=2), model_identity="/m/b")
         (refused,) = [item async for item in replica.generate(other)]
-        assert isinstance(refused, RequestRejected) and refused.another_model and "'torch:b:'" in refused.message
-        assert await replica.tokenizer("torch:b:") is None
-        assert await replica.tokenizer("torch:a:") is replica.engine.tokenizer is await replica.tokenizer()
-        for identity in ("torch:a:", None):  # its own, or a request that names none
+        assert isinstance(refused, RequestRejected) and refused.another_model and "'/m/b'" in refused.message
+        assert await replica.tokenizer("/m/b") is None
+        assert await replica.tokenizer("/m/a") is replica.engine.tokenizer is await replica.tokenizer()
+        assert (await replica.record_routing_stats())["model_identity"] == "/m/a"  # what the routers read
+        for identity in ("/m/a", None):  # its own, or a request that names none
             own = GenerationRequest("r2", "hi", SamplingParams(max_tokens=2), model_identity=identity)
             assert [d async for d in replica.generate(own)][-1].finish_reason == "length"
     run(scenario())

@@ -254,8 +254,9 @@ def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(
     """A deploy changing the model (any `args` change restarts every deployment) rolls the
     Replicas one at a time: the new Ingress, up at once, took the tokenizer of a Replica of
     the model before, kept it for good, and had that Replica answer for the new model. Now a
-    Replica refuses a request (or a tokenizer) for another model and the Ingress asks again,
-    for up to replica_loss_retry_s, until one of its own model answers."""
+    Replica refuses a request (or a tokenizer) for another model, the Ingress asks again, for
+    up to replica_loss_retry_s, and the router sends it to the new model's Replica once one
+    runs beside the two old ones."""
     import concurrent.futures
 
     from ray import serve
@@ -263,9 +264,9 @@ def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(
     marker = tmp_path / "loaded"
 
     def args(model: str):
-        two = fake_args(num_replicas=2)
-        return two.model_copy(update={"engine": two.engine.model_copy(update={"model": model}),
-                                      "served_model_name": model})
+        three = fake_args(num_replicas=3)
+        return three.model_copy(update={"engine": three.engine.model_copy(update={"model": model}),
+                                        "served_model_name": model})
 
     def served() -> str:
         return httpx.get(f"{url}/swap/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
@@ -281,7 +282,7 @@ def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(
                    route_prefix="/swap", _blocking=False)
         assert wait_until(lambda: served() == "fake-b", timeout_s=60, interval_s=0.2)  # the new Ingress
         states = serve.status().applications["swap"].deployments["Replica"].replica_states
-        assert states.get("RUNNING") == 1, states  # of the model before: the new one is loading
+        assert states.get("RUNNING") == 2, states  # of the model before: the new one is loading
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(ask, "fake-b")
             assert not wait_until(answer.done, timeout_s=3, interval_s=0.1), answer.result().text

@@ -23,10 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_names_shared_with_the_replica_agree():
-    from deploy.router import SPECULATE_KWARG
+    from deploy.router import GENERATE_METHOD, SPECULATE_KWARG, TOKENIZER_METHOD
     from replicas.replica import Replica
 
     assert SPECULATE_KWARG in inspect.signature(Replica.generate).parameters
+    assert callable(getattr(Replica, GENERATE_METHOD)) and callable(getattr(Replica, TOKENIZER_METHOD))
 
 
 @dataclass(frozen=True)
@@ -74,17 +75,61 @@ def test_the_routers_built_here_say_how_many_replicas_they_can_send_to(name):
     assert module.routable_replicas("app-one") == 2
 
 
-def test_the_plain_router_offers_two_replicas_at_random():
+def test_the_plain_router_offers_two_replicas_at_random_and_backs_off_as_serves_does():
     from deploy.router import PowerOfTwoRouter
 
     router = _built(PowerOfTwoRouter, "plain", 0)
-    replicas = [SimpleNamespace(replica_id=_ReplicaId(str(i))) for i in range(5)]
+    replicas = [SimpleNamespace(replica_id=_ReplicaId(str(i)), routing_stats={}) for i in range(5)]
     offered = [asyncio.run(router.choose_replicas(replicas)) for _ in range(50)]
     assert all(len(ranks) == 1 and len(ranks[0]) == len({id(r) for r in ranks[0]}) == 2 for ranks in offered)
     assert all(r in replicas for ranks in offered for r in ranks[0])
     assert len({r.replica_id for ranks in offered for r in ranks[0]}) == 5
     assert asyncio.run(router.choose_replicas(replicas[:1])) == [replicas[:1]]
     assert asyncio.run(router.choose_replicas([])) == []
+    # routing a request: Serve's locality pass (off here), which asks Serve to back off between
+    # attempts (without it, a saturated deployment was probed in a busy loop: found in review)
+    router._prefer_local_node_routing = router._prefer_local_az_routing = False
+    router._replica_id_set = {r.replica_id for r in replicas[:3]}
+    pending = _pending()
+    (rank,) = asyncio.run(router.choose_replicas(replicas, pending))
+    assert pending.routing_context.should_backoff and {r.replica_id.unique_id for r in rank} <= {"0", "1", "2"}
+
+
+def _for_model(method: str, model: str):
+    """A pending call made for `model`: a request tokenized for it, or a tokenizer asked of it."""
+    pending = _pending(method)
+    pending.args = [GenerationRequest("r", "hi", SamplingParams(), model_identity=model) if method == "generate"
+                    else model]
+    return pending
+
+
+@pytest.mark.parametrize("method", ["generate", "tokenizer"])
+@pytest.mark.parametrize("name", ["SpeculationGateRouter", "PowerOfTwoRouter"])
+def test_a_call_goes_to_a_replica_of_the_model_it_was_made_for(name, method):
+    """A deploy changing the model runs Replicas of both for a while. The old one, idle (it
+    refuses the new Ingress's calls) with the acceptance of its earlier traffic, ranked first
+    every time, so the Ingress's retries never left it and ended in 503s (found in review).
+    Where no Replica of the model runs, the call goes anywhere, to be refused and asked again
+    until the Ingress's deadline."""
+    from deploy import router as module
+
+    router, replicas = _router_with_replicas({
+        "old": {"batch_size": 0, "batch_gate": 4, "acceptance_length": 3.0, "model_identity": "/m/a"},
+        "new": {"batch_size": 1, "batch_gate": 4, "acceptance_length": 1.0, "model_identity": "/m/b"},
+        "starting": {},  # no routing stats reported yet: may be of either
+    })
+    if name == "PowerOfTwoRouter":
+        router = _built(module.PowerOfTwoRouter, "plain", 0)
+        router._prefer_local_node_routing = router._prefer_local_az_routing = False
+        router._replica_id_set = {r.replica_id for r in replicas}
+
+    def offered(candidates, pending) -> set[str]:
+        return {r.replica_id.unique_id for rank in asyncio.run(router.choose_replicas(candidates, pending)) for r in rank}
+
+    for _ in range(10):
+        assert offered(replicas, _for_model(method, "/m/b")) <= {"new", "starting"}
+        assert offered(replicas[:1], _for_model(method, "/m/b")) == {"old"}
+        assert offered(replicas, _for_model(method, "/m/a")) <= {"old", "starting"}  # an old Ingress's
 
 
 @pytest.mark.parametrize("name", ["SpeculationGateRouter", "PowerOfTwoRouter"])
