@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
+from deploy.request_id import RequestIdHeader
 from deploy.chat_protocol import ChatCompletionRequest, misplaced_tool_message
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, install_error_handlers, server_error
@@ -354,7 +355,8 @@ def build_api(ingress: Ingress) -> FastAPI:
                   description="OpenAI-compatible LLM serving with hybrid speculative decoding")
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(BearerAuth, keys=ingress.keys)  # outermost: auth before reading bodies
+    app.add_middleware(BearerAuth, keys=ingress.keys)  # auth before reading bodies
+    app.add_middleware(RequestIdHeader)  # outermost: on every answer, refusals too
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _STREAM_DOC})
     async def completions(body: CompletionRequest):

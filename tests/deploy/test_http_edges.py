@@ -144,6 +144,11 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
     assert [(r.status_code, r.json()["type"]) for r in (unknown, huge, refused)] == [
         (401, "error"), (413, "error"), (400, "error")]
     assert refused.json()["error"]["type"] == "invalid_request_error" and refused.json()["error"]["message"]
+    # Anthropic's request-id header on each (the anthropic SDK's `_request_id`), one per request
+    answered = post("/v1/messages", message(), **{"x-api-key": KEY})
+    ids = [r.headers.get("request-id") for r in (answered, unknown, huge, refused)]
+    assert all(i and i.startswith("req_") for i in ids) and len(set(ids)) == 4, ids
+    assert "request-id" not in post("/v1/chat/completions", chat(), **AUTH).headers
     assert "type" not in post("/v1/chat/completions", chat(), **{"x-api-key": "sk-wrong"}).json()
     assert "type" not in post("/v1/chat/completions", chat(temperature=3), **AUTH).json()  # OpenAI's shape
 

@@ -35,6 +35,7 @@ def test_an_answer_is_the_chat_completion_it_means_exactly_under_speculation(cla
     message = claude.messages.create(model=MODEL, system="Answer in one sentence.", max_tokens=48, extra_body=GREEDY,
                                      messages=[{"role": "user", "content": "Why is the sky blue?"}])
     assert [block.type for block in message.content] == ["text"]
+    assert message._request_id.startswith("req_")  # the SDK's, from Anthropic's request-id header
     assert message.content[0].text == chat.choices[0].message.content
     assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
     usage = message.usage
