@@ -32,8 +32,8 @@ from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
     METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_KV_USAGE, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST,
     METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS,
-    METRIC_SA_ACCEPTANCE, METRIC_TPOT, METRIC_TTFT, METRIC_USER_CONFIG_REFUSED, METRIC_WAITING, MODEL_IDENTITY, SOURCES,
-    EngineStats,
+    METRIC_SA_ACCEPTANCE, METRIC_SA_POOL_TOKENS, METRIC_TPOT, METRIC_TTFT, METRIC_USER_CONFIG_REFUSED, METRIC_WAITING,
+    MODEL_IDENTITY, SOURCES, EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class _Metrics:
         }
         self._last_totals = dict.fromkeys(self.totals, 0)
         self.prefix_blocks = metrics.Gauge(METRIC_PREFIX_BLOCKS, "blocks held by the prefix cache")
+        self.sa_pool_tokens = metrics.Gauge(METRIC_SA_POOL_TOKENS, "tokens the suffix automata's cross-request "
+                                            "pool holds (it fills to sa_global_pool_tokens)")
         # what the measured draft rule weighs: the costs, and what drafts have yielded
         self.draft_rule = {
             "draft_row_cost": metrics.Gauge(METRIC_DRAFT_ROW_COST, "an extra verify row, in plain steps (measured)"),
@@ -121,6 +123,7 @@ class _Metrics:
         for name, counter in self.totals.items():
             self._last_totals[name] = _follow(counter, getattr(stats, name), self._last_totals[name])
         self.prefix_blocks.set(stats.prefix_cached_blocks)
+        self.sa_pool_tokens.set(stats.sa_pool_tokens)
         for name, gauge in self.draft_rule.items():
             gauge.set(getattr(stats, name))
         for match_len, rate in stats.sa_acceptance.items():

@@ -58,6 +58,7 @@ METRIC_MTP_ASK_COST = "spec_mtp_ask_cost"
 # gauges: what it has measured drafts to yield
 METRIC_SA_ACCEPTANCE = "spec_sa_acceptance"  # by match_len
 METRIC_MTP_ACCEPTED_PER_ASK = "spec_mtp_accepted_per_ask"
+METRIC_SA_POOL_TOKENS = "spec_sa_pool_tokens"  # gauge: EngineStats.sa_pool_tokens
 
 
 def acceptance_length(emitted_tokens: int, verify_steps: int) -> float:
@@ -152,6 +153,9 @@ class EngineStats:
     # per ask of the MTP head, the tokens accepted. Empty / 0 where the engine does not measure.
     sa_acceptance: dict[str, float] = field(default_factory=dict)
     mtp_accepted_per_ask: float = 0.0
+    # Tokens the suffix automata's cross-request pool holds now (it fills to its bound,
+    # `sa_global_pool_tokens`, then starts a new generation); 0 where there is none.
+    sa_pool_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -64,7 +64,7 @@ def test_engine_stats_as_metrics():
         step_ms=12.5, tokens_per_s=40.0, batch_gate=8,
         prefix_hit_tokens=96, prefix_prompt_tokens=384, prefix_cached_blocks=7, prefix_evicted_blocks=2,
         kv_preemptions=5, kv_cache_usage=0.5, steps=42, draft_row_cost=0.125, mtp_ask_cost=0.25, sa_acceptance={"1-2": 0.375, "17+": 0.875},
-        mtp_accepted_per_ask=1.5,
+        mtp_accepted_per_ask=1.5, sa_pool_tokens=11,
     )
     metrics = engine_stats.as_metrics()
     assert metrics == {
@@ -76,7 +76,7 @@ def test_engine_stats_as_metrics():
         "prefix_cached_blocks": 7.0, "prefix_evicted_blocks": 2.0, "kv_preemptions": 5.0, "kv_cache_usage": 0.5,
         "steps": 42.0,
         "draft_row_cost": 0.125, "mtp_ask_cost": 0.25, "sa_acceptance_1-2": 0.375, "sa_acceptance_17+": 0.875,
-        "mtp_accepted_per_ask": 1.5,
+        "mtp_accepted_per_ask": 1.5, "sa_pool_tokens": 11.0,
     }
     assert all(type(v) is float for v in metrics.values())
 

@@ -438,6 +438,7 @@ class EngineCore:
             mtp_ask_cost=self.drafts.costs.ask(max(1, len(self.running))) if self.mtp is not None else 0.0,
             sa_acceptance=self.drafts.sa_acceptance.rates(),
             mtp_accepted_per_ask=self.drafts.mtp_accepted_per_ask(),
+            sa_pool_tokens=self.suffix.pool_tokens,
             **(self._prefix_stats() if self.prefix is not None else {}),
         )
 

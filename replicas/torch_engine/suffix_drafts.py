@@ -76,6 +76,11 @@ class HostSuffixDrafts:
     def has(self, sa_id: int) -> bool:
         return self.pool.has_request(sa_id)
 
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the cross-request pool holds now."""
+        return self.pool.global_pool_tokens_used
+
     def remove(self, sa_id: int) -> None:
         self.pool.remove_request(sa_id)
 
@@ -95,6 +100,8 @@ class HostSuffixDrafts:
 
 class DeviceSuffixDrafts:
     """Automata in GPU memory; the extend kernel runs on the current stream of `device`."""
+
+    pool_tokens = 0  # no cross-request pool here
 
     def __init__(self, max_slots: int, max_seq_len: int, device: torch.device) -> None:
         from replicas.speculation.suffix import _sa_native

@@ -34,6 +34,16 @@ def test_length_limit(engine, loop):
     assert len(tokens) == 7 and last.finish_reason == "length" and last.completion_tokens == 7
 
 
+def test_the_cross_request_pool_reports_what_it_holds(engine, loop):
+    """A finished request's tokens go into the suffix automata's cross-request pool, which fills
+    to its bound: the replica exports it (`spec_sa_pool_tokens`); a soak saw memory grow with it
+    unseen. The device automata have no pool."""
+    before = engine.stats().sa_pool_tokens
+    loop.run_until_complete(collect(engine, request(chat_prompt(engine, POEM), max_tokens=7)))
+    after = engine.stats().sa_pool_tokens
+    assert (after == before == 0) if engine.config.device == "cuda" else after > before
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["stop", "stop_after"])
 @pytest.mark.parametrize("mode", ["off", "auto"])
 def test_stop_string_spanning_tokens(engine, loop, mode, kept):
