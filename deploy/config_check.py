@@ -268,7 +268,8 @@ def _autoscaling_problems(deployment: dict[str, Any], where: str) -> list[str]:
     try:
         PolicyConfig.from_kwargs(policy.get("policy_kwargs") or {})
     except PolicySettingError as exc:
-        return converted + [f"{where}: {exc.message}" if exc.key == "policy_kwargs" else f"{where}.{exc.key}: {exc.message}"]
+        return converted + [f"{where}: {exc.message}" if exc.key == "policy_kwargs"
+                            else f"{where}.{exc.key}: {exc.message}"]
     except (TypeError, ValueError) as exc:
         return converted + [f"{where}: {exc}"]
     return converted

@@ -2,7 +2,8 @@
 
 `ReplicaStreams.open` starts a request on a Replica (through the speculation-gate router) and
 waits for its first delta, sending the request again whole while its replica dies before any
-output, or refuses it as tokenized for another model (a deploy changing the model rolls out); `deltas` follows the stream, resuming the request on another replica as a continuation
+output or refuses it as tokenized for another model (a deploy changing the model rolls out);
+`deltas` follows the stream, resuming the request on another replica as a continuation
 (`Resume`) when its replica dies mid-stream, and cancels the stream (which aborts the request
 in the engine) when its consumer stops early; `collect` gathers a whole answer. Every failure
 leaves as an `ApiError`.
@@ -180,15 +181,15 @@ class ReplicaStreams:
                         raise
                     if isinstance(exc, StopAsyncIteration):
                         raise ApiError(500, "the engine stream ended before any output") from None
-                    if (replica_lost(exc) or isinstance(exc, _AnotherModel)) and time.monotonic() < deadline:
-                        logger.warning("request %s %s; sending it again", request.request_id,
-                                       exc if isinstance(exc, _AnotherModel)
+                    another_model = isinstance(exc, _AnotherModel)
+                    if (another_model or replica_lost(exc)) and time.monotonic() < deadline:
+                        logger.warning("request %s %s; sending it again", request.request_id, exc if another_model
                                        else f"lost its replica before any output ({type(exc).__name__})")
-                        self._count_retry("another_model" if isinstance(exc, _AnotherModel)
+                        self._count_retry("another_model" if another_model
                                           else "resume" if request.resume is not None else "retry")
                         await asyncio.sleep(_backoff_s(attempt))
                         continue
-                    if isinstance(exc, _AnotherModel):
+                    if another_model:
                         raise another_model_serving() from None
                     if isinstance(exc, Exception):
                         raise server_error(exc) from exc

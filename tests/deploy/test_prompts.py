@@ -175,7 +175,8 @@ def test_a_forced_call_beside_a_format_is_the_call():
     """The Agents SDK sends its output type with every turn, a forced call's too; instructor's
     RESPONSES_TOOLS mode sends both always. Each was a 400 (found by QA)."""
     forced = dict(tools=tools(WEATHER), tool_choice="required")
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": WEATHER["parameters"]}}):
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": WEATHER["parameters"]}}
+    for fmt in ({"type": "json_object"}, schema):
         assert grammar_spec(chat(**forced, response_format=fmt)) == grammar_spec(chat(**forced))
     refused = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "minProperties": "x"}}}
     with pytest.raises(ApiError) as info:  # a broken format is still named, used in this turn or not

@@ -75,11 +75,20 @@ def test_the_routers_built_here_say_how_many_replicas_they_can_send_to(name):
     assert module.routable_replicas("app-one") == 2
 
 
-def test_the_plain_router_offers_two_replicas_at_random_and_backs_off_as_serves_does():
+def _plain_router(local_replicas=()):
+    """A PowerOfTwoRouter as Serve builds one, its locality pass off (Serve's default), the
+    replicas it holds `local_replicas`."""
     from deploy.router import PowerOfTwoRouter
 
     router = _built(PowerOfTwoRouter, "plain", 0)
+    router._prefer_local_node_routing = router._prefer_local_az_routing = False
+    router._replica_id_set = {r.replica_id for r in local_replicas}
+    return router
+
+
+def test_the_plain_router_offers_two_replicas_at_random_and_backs_off_as_serves_does():
     replicas = [SimpleNamespace(replica_id=_ReplicaId(str(i)), routing_stats={}) for i in range(5)]
+    router = _plain_router(replicas[:3])
     offered = [asyncio.run(router.choose_replicas(replicas)) for _ in range(50)]
     assert all(len(ranks) == 1 and len(ranks[0]) == len({id(r) for r in ranks[0]}) == 2 for ranks in offered)
     assert all(r in replicas for ranks in offered for r in ranks[0])
@@ -88,8 +97,6 @@ def test_the_plain_router_offers_two_replicas_at_random_and_backs_off_as_serves_
     assert asyncio.run(router.choose_replicas([])) == []
     # routing a request: Serve's locality pass (off here), which asks Serve to back off between
     # attempts (without it, a saturated deployment was probed in a busy loop: found in review)
-    router._prefer_local_node_routing = router._prefer_local_az_routing = False
-    router._replica_id_set = {r.replica_id for r in replicas[:3]}
     pending = _pending()
     (rank,) = asyncio.run(router.choose_replicas(replicas, pending))
     assert pending.routing_context.should_backoff and {r.replica_id.unique_id for r in rank} <= {"0", "1", "2"}
@@ -111,20 +118,17 @@ def test_a_call_goes_to_a_replica_of_the_model_it_was_made_for(name, method):
     every time, so the Ingress's retries never left it and ended in 503s (found in review).
     Where no Replica of the model runs, the call goes anywhere, to be refused and asked again
     until the Ingress's deadline."""
-    from deploy import router as module
-
     router, replicas = _router_with_replicas({
         "old": {"batch_size": 0, "batch_gate": 4, "acceptance_length": 3.0, "model_identity": "/m/a"},
         "new": {"batch_size": 1, "batch_gate": 4, "acceptance_length": 1.0, "model_identity": "/m/b"},
         "starting": {},  # no routing stats reported yet: may be of either
     })
     if name == "PowerOfTwoRouter":
-        router = _built(module.PowerOfTwoRouter, "plain", 0)
-        router._prefer_local_node_routing = router._prefer_local_az_routing = False
-        router._replica_id_set = {r.replica_id for r in replicas}
+        router = _plain_router(replicas)
 
     def offered(candidates, pending) -> set[str]:
-        return {r.replica_id.unique_id for rank in asyncio.run(router.choose_replicas(candidates, pending)) for r in rank}
+        ranks = asyncio.run(router.choose_replicas(candidates, pending))
+        return {r.replica_id.unique_id for rank in ranks for r in rank}
 
     for _ in range(10):
         assert offered(replicas, _for_model(method, "/m/b")) <= {"new", "starting"}
