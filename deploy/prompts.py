@@ -200,9 +200,9 @@ def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompl
 
 
 def in_vocabulary(tokenizer: Any, token_ids: list[int], field: str) -> list[int]:
-    """`token_ids` (already >= 0), or ApiError(400) naming `field` if one is past the vocabulary."""
+    """`token_ids`, or ApiError(400) naming `field` if one is outside the vocabulary."""
     vocab = len(tokenizer)
-    if any(t >= vocab for t in token_ids):
+    if any(not 0 <= t < vocab for t in token_ids):
         raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", field)
     return token_ids
 
@@ -279,7 +279,7 @@ def engine_requests(request_id: str, tokenizer: Any, request: Union[CompletionRe
                     config: IngressConfig) -> list[GenerationRequest]:
     """The engine requests an HTTP request makes: `n` choices of each of its prompts, prompt by
     prompt (a batched completions request's prompt i has ids suffixed -i, and its errors name
-    `prompt[i]`)."""
+    `prompt[i]`, or say they are prompt i's, as one of its max_tokens)."""
     if isinstance(request, ChatCompletionRequest):
         return choice_requests(generation_request(request_id, tokenizer, request, config), request.n)
     prompts = request.prompts
@@ -289,11 +289,23 @@ def engine_requests(request_id: str, tokenizer: Any, request: Union[CompletionRe
     for i, prompt in enumerate(prompts):
         one = request.model_copy(update={"prompt": prompt})
         try:
+            if not prompt:
+                raise ApiError(400, "prompt: must not be empty", "prompt")
             requests += choice_requests(generation_request(f"{request_id}-{i}" if batched else request_id, tokenizer,
                                                            one, config), request.n)
         except ApiError as exc:
-            raise exc.renamed({"prompt": f"prompt[{i}]"}) if batched else exc from None
+            raise _of_prompt(exc, i) if batched else exc from None
     return requests
+
+
+def _of_prompt(exc: ApiError, i: int) -> ApiError:
+    """An error of a batch's prompt i: `prompt` named `prompt[i]`, another field's message
+    saying whose it was."""
+    renamed = exc.renamed({"prompt": f"prompt[{i}]"})
+    if renamed is not exc:
+        return renamed
+    return ApiError(exc.status, f"prompt[{i}]: {exc.message}", exc.param, exc.code, exc.retry_after_s,
+                    exc.anthropic_message, exc.details)
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:

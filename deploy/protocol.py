@@ -259,15 +259,9 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, prompt):
-        batch = _batch(prompt)
-        if len(batch) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts in a batch, got {len(batch)}")
-        for i, one in enumerate(batch):
-            which = f"prompt {i} of the batch: " if len(batch) > 1 or batch[0] is not prompt else ""
-            if len(one) == 0:
-                raise ValueError(f"{which}must not be empty")
-            if isinstance(one, list) and any(t < 0 for t in one):
-                raise ValueError(f"{which}token ids must be >= 0")
+        # each prompt's own checks are `engine_requests`', which name it `prompt[i]`
+        if len(_batch(prompt)) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in a batch, got {len(_batch(prompt))}")
         return prompt
 
     @property

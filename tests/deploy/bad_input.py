@@ -90,7 +90,7 @@ BAD_INPUT = [
     ("unknown field", "/v1/completions", completion(temprature=0.5), {}, 400, "temprature"),
     ("negative temperature", "/v1/completions", completion(temperature=-1), {}, 400, "temperature"),
     ("n over the limit", "/v1/completions", completion(n=9), {}, 400, "n"),
-    ("empty prompt in a batch", "/v1/completions", completion(prompt=[[1, 2], []]), {}, 400, "prompt"),
+    ("empty prompt in a batch", "/v1/completions", completion(prompt=[[1, 2], []]), {}, 400, "prompt[1]"),
     ("token id out of range in a batch", "/v1/completions", completion(prompt=[[1, 2], [1, 999]]), {}, 400,
      "prompt[1]"),
     ("texts and ids in one batch", "/v1/completions", completion(prompt=["ab", [1, 2]]), {}, 400, "prompt"),

@@ -13,7 +13,7 @@ import pytest
 from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
 from deploy.openai_format import Echo, TokenTexts, prediction_details, shown_logprobs, vllm_prompt_logprobs
-from deploy.prompts import generation_request, grammar_spec, render_chat, template_knows_tools
+from deploy.prompts import engine_requests, generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.chat_protocol import ChatCompletionRequest
 from deploy.protocol import CompletionRequest
 from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
@@ -261,6 +261,24 @@ def test_a_seed_is_openais_int64_taken_mod_2_to_the_63(chatml):
     assert seeds == {-1: 2**63 - 1, -2**63: 0, 0: 0, 2**63 - 1: 2**63 - 1}
     with pytest.raises(pydantic.ValidationError, match="seed"):
         chat(seed=-2**63 - 1)
+
+
+@pytest.mark.parametrize("prompt,param,says", [
+    ("", "prompt", "prompt: must not be empty"), ([], "prompt", "prompt: must not be empty"),
+    ([1, -2], "prompt", "prompt: token ids must be in"), ([[]], "prompt", "prompt: must not be empty"),
+    (["a", ""], "prompt[1]", "prompt[1]: must not be empty"), ([[1, 2], []], "prompt[1]", "prompt[1]: must not"),
+    ([[3], [-1]], "prompt[1]", "prompt[1]: token ids must be in"),
+    ([[3], [10**6]], "prompt[1]", "prompt[1]: token ids must be in"),
+    (["a", " b" * 2500], "max_tokens", "prompt[1]: max_tokens: 2000 + "),  # its window, not prompt 0's
+])
+def test_a_bad_prompt_of_a_batch_is_named_by_its_place(chatml, prompt, param, says):
+    """Each prompt's own mistakes, and a max_tokens too many for one prompt's window, name the
+    prompt as `prompt[i]` in a batch (a lone prompt is `prompt`)."""
+    config = IngressConfig.from_args(AppArgs())
+    request = CompletionRequest(model="m", prompt=prompt, max_tokens=2000)
+    with pytest.raises(ApiError) as info:
+        engine_requests("r", chatml, request, config)
+    assert (info.value.status, info.value.param) == (400, param) and info.value.message.startswith(says)
 
 
 def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(chatml):

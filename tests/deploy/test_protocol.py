@@ -31,19 +31,6 @@ def test_max_tokens_and_max_completion_tokens_that_disagree_are_a_400_naming_one
     assert "max_tokens" in error["msg"]
 
 
-@pytest.mark.parametrize("prompt,says", [
-    ("", "must not be empty"), ([], "must not be empty"), ([1, -2], "token ids must be >= 0"),
-    (["a", ""], "prompt 1 of the batch: must not be empty"), ([[1, 2], []], "prompt 1 of the batch: must not"),
-    ([[]], "prompt 0 of the batch: must not be empty"), ([[3], [-1]], "prompt 1 of the batch: token ids"),
-])
-def test_a_bad_prompt_in_a_batch_is_named_by_its_place(prompt, says):
-    with pytest.raises(pydantic.ValidationError) as info:
-        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
-    (error,) = info.value.errors()
-    assert error["loc"][0] == "prompt" and says in error["msg"]
-    assert ("of the batch" in error["msg"]) == ("of the batch" in says)  # a lone prompt is the prompt
-
-
 def test_tool_messages_answer_the_calls_of_the_assistant_message_before_them():
     """What the ingress checks (the 400s are in test_http_edges): each of a run of tool messages
     answers one call of the assistant message it follows, in any order; a call id may come back
