@@ -180,10 +180,12 @@ def _call_schema(function: dict, arguments_pointer: str) -> dict:
 
 
 def _rebase_refs(schema: object, base: str) -> object:
+    # Only JSON pointers ("#", "#/...") into the document: an anchor ("#name") is found
+    # wherever it sits, and a schema with an "$id" of its own is a resource its refs resolve in.
     # Without recursion: a body may nest ~950 deep, and two frames a level overflowed Python's
     # stack (the grammar engine, not this copy, refuses what is too deep).
     def empty(value: object) -> object:
-        return {} if isinstance(value, dict) else [] if isinstance(value, list) else value
+        return value if _has_id(value) else {} if isinstance(value, dict) else [] if isinstance(value, list) else value
 
     out = empty(schema)
     # (a container, its copy to fill, whether its keys are names rather than keywords)
@@ -192,9 +194,9 @@ def _rebase_refs(schema: object, base: str) -> object:
         source, copy, names = pending.pop()
         for key, value in source.items() if isinstance(source, dict) else enumerate(source):
             keyword = isinstance(source, dict) and not names
-            if keyword and key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            if keyword and key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
                 value = base + value[1:]
-            elif not (keyword and key in DATA_KEYWORDS) and isinstance(value, (dict, list)):
+            elif not (keyword and key in DATA_KEYWORDS) and isinstance(value, (dict, list)) and not _has_id(value):
                 value, inner = empty(value), value  # filled below: keys are names, values schemas
                 pending.append((inner, value, keyword and key in NAME_MAPS and isinstance(inner, dict)))
             if isinstance(copy, list):
@@ -202,6 +204,10 @@ def _rebase_refs(schema: object, base: str) -> object:
             else:
                 copy[key] = value
     return out
+
+
+def _has_id(value: object) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("$id"), str)
 
 
 @dataclass(frozen=True)

@@ -137,13 +137,39 @@ def test_a_schema_nested_too_deep_through_references_is_refused_unseen_by_the_gr
 
 
 def test_rebasing_moves_local_refs_and_nothing_else():
+    inner = {"$id": "https://example.com/inner", "items": {"$ref": "#/$defs/C"}, "$defs": {"C": {}}}
     schema = {"$ref": "#/$defs/A", "properties": {"$ref": {"$ref": "#/$defs/B"}, "s": "#/name"},
-              "anyOf": [{"$ref": "#"}, [{"$ref": "#/x"}], 1], "const": {"$ref": "#/data"},
-              "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
+              "anyOf": [{"$ref": "#"}, [{"$ref": "#/x"}], 1, {"$ref": "#an-anchor"}, inner],
+              "const": {"$ref": "#/data"}, "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
     assert _rebase_refs(schema, "#/p") == {
         "$ref": "#/p/$defs/A", "properties": {"$ref": {"$ref": "#/p/$defs/B"}, "s": "#/name"},
-        "anyOf": [{"$ref": "#/p"}, [{"$ref": "#/p/x"}], 1], "const": {"$ref": "#/data"},
-        "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
+        "anyOf": [{"$ref": "#/p"}, [{"$ref": "#/p/x"}], 1, {"$ref": "#an-anchor"}, inner],
+        "const": {"$ref": "#/data"}, "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
+    assert _rebase_refs(inner, "#/p") is inner  # a resource of its own: its refs resolve in it
+
+
+@pytest.mark.parametrize("parameters,good,bad", [
+    ({"type": "object", "$defs": {"A": {"$anchor": "three", "enum": [3]}}, "properties": {"v": {"$ref": "#three"}},
+      "required": ["v"], "additionalProperties": False}, {"v": 3}, {"v": 4}),
+    ({"type": "object", "properties": {"x": {
+        "$id": "https://example.com/inner", "type": "object", "$defs": {"B": {"enum": ["q"]}},
+        "properties": {"y": {"$ref": "#/$defs/B"}}, "required": ["y"], "additionalProperties": False}},
+      "required": ["x"], "additionalProperties": False}, {"x": {"y": "q"}}, {"x": {"y": "r"}}),
+    ({"$id": "urn:example:n", "$ref": "#/$defs/N", "$defs": {"N": {
+        "type": "object", "properties": {"kid": {"$ref": "#/$defs/N"}, "n": {"type": "integer"}},
+        "required": ["n"], "additionalProperties": False}}}, {"kid": {"n": 2}, "n": 1}, {"kid": {"m": 2}, "n": 1}),
+])
+def test_parameters_with_anchors_and_ids_of_their_own_hold_calls_as_a_format_would(lark, parameters, good, bad):
+    """An anchor ref ("#three") and the refs under a nested "$id" were rebased onto the call
+    object as if JSON pointers into it, and a forced call's grammar failed to compile."""
+    import json
+
+    fn = {"name": "f", "parameters": parameters}
+    assert schema_error(parameters) is None
+    for functions in ([fn], [WEATHER, fn]):
+        grammar = tool_call_grammar(functions, parallel=False)
+        assert _accepts(lark, grammar, _block(json.dumps({"name": "f", "arguments": good})))
+        assert not _accepts(lark, grammar, _block(json.dumps({"name": "f", "arguments": bad})))
 
 
 def test_no_functions_is_an_error():
