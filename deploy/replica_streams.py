@@ -248,6 +248,8 @@ class ReplicaStreams:
         done = False
         try:
             while True:
+                if delta.finish_reason == "error" and delta.error_param is not None:  # the request's fault
+                    raise ApiError(400, delta.error or "", delta.error_param)
                 if delta.finish_reason in ("error", "abort"):
                     raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
                 acc.add(delta)

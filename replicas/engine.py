@@ -296,6 +296,8 @@ class GenerationDelta:
     text: str
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # of an error the request's own input caused (a grammar past the engine's limits), its field
+    error_param: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)  # SpecCounters.usage()

@@ -42,8 +42,9 @@ def grammar_text(spec: GrammarSpec) -> str:
             if (reason := too_deep(schema)) is not None:
                 raise RequestError(spec.param, f"a JSON schema in the grammar is {reason}")
         return LLMatcher.grammar_from_lark(spec.text)
+    schema = spec.schema()  # (a RequestError naming the field itself)
     try:
-        return LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_LAYOUT)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     except ValueError as exc:
         raise RequestError(spec.param, f"the JSON schema was refused: {exc}") from None
 
@@ -64,9 +65,10 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
+        self._eos_ids = set(eos_ids)
         self._hf_tokenizer = hf_tokenizer
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                       eos_token=sorted(eos_ids))
+                                                       eos_token=sorted(self._eos_ids))
 
     def compile(self, spec: GrammarSpec) -> Constraint:
         """A fresh matcher for one request; RequestError naming `spec.param` if the grammar is bad."""
@@ -75,8 +77,7 @@ class GrammarCompiler:
             raise RequestError(spec.param, f"the grammar is invalid: {matcher.get_error()}")
         matcher.compute_bitmask()  # a grammar that admits no output (a schema that is only a
         if matcher.is_error():     # reference to itself) fails here, not at its build: "" came out
-            reason = (matcher.get_error().splitlines() or [""])[0]  # then the parser's whole state
-            raise RequestError(spec.param, f"the grammar admits no output at all ({reason})")
+            raise RequestError(spec.param, f"the grammar admits no output at all ({_reason(matcher)})")
         # the prefix as text, a special token's text included (as the prompt holds it: deploy/prompts.py)
         prefix = self._hf_tokenizer.encode(spec.prefix, add_special_tokens=False, split_special_tokens=True) \
             if spec.prefix else []
@@ -86,15 +87,42 @@ class GrammarCompiler:
                           if spec.kind != "lark" or "%json" in spec.text else "")
                 raise RequestError(spec.param, f"the prefilled answer {spec.prefix!r} does not begin an output "
                                                f"this format admits{layout}")
-        return Constraint(matcher, self.vocab_size)
+        self._first_step(matcher, spec.param)
+        return Constraint(matcher, self.vocab_size, spec.param)
+
+    def _first_step(self, matcher, param: str) -> None:
+        """Take the output's first token (the first forced, else the first admitted but EOS)
+        and step back: a grammar past the engine's limits fails there, as a 400 before the
+        answer starts rather than a failure in its first step (a schema with no finite instance,
+        `{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`, forces `{"a": ` without end;
+        an object of 1,000 optional properties fills a parser row)."""
+        if matcher.is_stopped():
+            return
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            token = forced[0]
+        else:
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            token = next((int(t) for t in np.flatnonzero(bits[: self.vocab_size]) if t not in self._eos_ids), None)
+        if token is None or matcher.is_error():
+            return
+        if not matcher.consume_token(token):
+            raise RequestError(param, f"the grammar engine cannot follow this format ({_reason(matcher)})")
+        matcher.rollback(1)
+
+
+def _reason(matcher) -> str:
+    """llguidance's error without the parser state it dumps after its first line."""
+    return (matcher.get_error().splitlines() or [""])[0]
 
 
 class Constraint:
     """One request's grammar state, advanced by the tokens it emits."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, param: str | None = None) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._param = param  # the request's field that gave the grammar
         self._num_words = (vocab_size + 31) // 32  # 32 tokens per mask word
 
     def valid_prefix(self, draft: Sequence[int]) -> list[int]:
@@ -167,5 +195,6 @@ class Constraint:
         for token in tokens:
             if self._matcher.is_stopped():
                 return
-            if not self._matcher.consume_token(int(token)):
-                raise RuntimeError(f"the grammar refused emitted token {token}: {self._matcher.get_error()}")
+            if not self._matcher.consume_token(int(token)):  # past its limits (admitted tokens all)
+                raise RequestError(self._param, f"the grammar engine gave up on this format at output token "
+                                                f"{token} ({_reason(self._matcher)})")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replicas.engine import GenerationDelta, SpeculationConfig
+from replicas.engine import GenerationDelta, RequestError, SpeculationConfig
 from replicas.speculation.gate import speculate_this_step
 from replicas.speculation.hybrid import NO_DRAFT, drafts_with_mtp
 from replicas.speculation.sampling import token_logprobs
@@ -393,7 +393,8 @@ class EngineCore:
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         logger.exception("request %s failed", seq.request_id, exc_info=exc)
         seq.finish_reason = "error"
-        seq.error = f"{type(exc).__name__}: {exc}"
+        seq.error = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+        seq.error_param = exc.param if isinstance(exc, RequestError) else None
 
     def _collect(self) -> list[GenerationDelta]:
         deltas = []
@@ -408,7 +409,8 @@ class EngineCore:
                 delta = None
             if seq.finish_reason == "error":
                 delta = GenerationDelta(seq.request_id, (), "", "error", seq.error,
-                                        len(seq.prompt_ids), len(seq.output_ids), seq.counters.usage())
+                                        len(seq.prompt_ids), len(seq.output_ids), seq.counters.usage(),
+                                        error_param=seq.error_param)
             if delta is not None:
                 deltas.append(delta)
             if seq.finish_reason is not None:

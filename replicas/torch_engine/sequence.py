@@ -60,6 +60,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
     error: str | None = None
+    error_param: str | None = None  # the request's field at fault, where its own input failed it
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for; none for a final stop id
     resumed_tokens: int = 0  # output tokens a Resume brought (sent before, by another replica: no logprobs here)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for, until sent

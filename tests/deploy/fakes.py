@@ -119,6 +119,10 @@ class FakeEngine:
                 if i == 2 and "FAIL_DELTA" in prompt:
                     yield GenerationDelta(request.request_id, (), "", "error", "fake step failure")
                     return
+                if i == 2 and "FAIL_FORMAT" in prompt:  # as the torch engine fails a grammar past its limits
+                    yield GenerationDelta(request.request_id, (), "", "error", "response_format: the grammar engine "
+                                          "gave up on this format", error_param="response_format")
+                    return
                 char = echo[i] if echo else ALPHABET[i % len(ALPHABET)]
                 finish = "length" if i + 1 == request.sampling.max_tokens else None
                 if echo and i + 1 == len(echo):

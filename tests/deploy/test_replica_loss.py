@@ -86,6 +86,20 @@ def test_replica_failure_mid_stream_ends_with_an_error_event(url, prompt):
             pass
 
 
+def test_a_failure_the_request_caused_is_a_400_naming_its_field(url):
+    """An engine that gives up on a request for its own input mid-answer (a grammar past the
+    grammar engine's limits) fails it with the field: a 400 naming it, plain or as the stream's
+    error event (both were 500s)."""
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        plain = client.post("/v1/completions", json=completion(prompt="FAIL_FORMAT", max_tokens=10))
+        streamed = client.post("/v1/completions", json=completion(prompt="FAIL_FORMAT", max_tokens=10, stream=True))
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "response_format", plain.text
+    assert plain.json()["error"]["message"].startswith("response_format: the grammar engine gave up")
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    error = json.loads(events[-2])["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "response_format"), error
+
+
 @pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
 def test_a_response_stream_that_fails_ends_with_error_and_failed_events(url, prompt):
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:

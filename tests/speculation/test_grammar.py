@@ -174,3 +174,33 @@ def test_bad_grammars_raise_request_errors_naming_the_field(compiler, bad, messa
     with pytest.raises(RequestError, match=message) as info:
         compiler.compile(bad)
     assert info.value.param == bad.param
+    assert str(info.value).count(f"{bad.param}:") == 1  # named once (a schema too deep was twice)
+
+
+_SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+_OPTIONAL_1000 = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)},
+                  "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema", [
+    _SELF,  # no finite instance: `{"a": ` forced without end
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    _OPTIONAL_1000,  # valid, and finite, but a parser row over llguidance's limit
+    {"type": "object", "properties": {"x": _OPTIONAL_1000}, "required": ["x"]},
+])
+def test_a_grammar_past_the_engines_limits_is_refused_before_its_first_token(compiler, schema):
+    """These compiled, and the request failed in its first step: a 500 carrying llguidance's
+    whole parser state and grammar."""
+    with pytest.raises(RequestError, match="the grammar engine cannot follow this format") as info:
+        compiler.compile(GrammarSpec("json_schema", json.dumps(schema), "text.format"))
+    assert info.value.param == "text.format" and "\n" not in str(info.value)
+
+
+def test_a_grammar_that_fails_later_names_the_field_and_leaves_no_parser_dump(compiler, tokenizer):
+    """Where the limit is met only on the way (this schema's second branch), advancing raises the
+    request's error: the engine fails the request as a 400 naming the field."""
+    either = {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"x": _OPTIONAL_1000}}]}
+    constraint = compiler.compile(GrammarSpec("json_schema", json.dumps(either), "response_format"))
+    with pytest.raises(RequestError, match="gave up on this format") as info:
+        constraint.advance(tokenizer.encode('{"x": {"p', add_special_tokens=False))
+    assert info.value.param == "response_format" and "\n" not in str(info.value)
