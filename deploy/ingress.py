@@ -30,7 +30,7 @@ from deploy import message_blocks, messages, openai_format as fmt, response_item
 from deploy.auth import BearerAuth, load_keys
 from deploy.body_limit import BodyLimit
 from deploy.request_id import RequestIdHeader
-from deploy.chat_protocol import ChatCompletionRequest, misplaced_tool_message
+from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, misplaced_tool_message
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, install_error_handlers, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
@@ -40,7 +40,7 @@ from deploy.protocol import CompletionRequest
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel, no_engine_replica
 from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
 from deploy.response_store import KeptResponses, input_item_list
-from deploy.responses import ResponsesRequest
+from deploy.responses import InputTokensRequest, ResponsesRequest
 from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
 from replicas.engine import GenerationDelta, GenerationRequest
 from replicas.replica import log_through_serve
@@ -147,15 +147,7 @@ class Ingress:
         """`POST /v1/responses`: the chat request it means, generated as `handle` would, its output
         as Responses items; kept in `self.stored` when `store`."""
         self._served(body.model)
-        if referenced := responses.references(body):
-            body = responses.with_items(body, await self.stored.items(referenced))
-        previous = await self.stored.get(body.previous_response_id, "previous_response_id") \
-            if body.previous_response_id else None
-        taken = [item["id"] for item in (*previous[0]["output"], *previous[2])] if previous else []
-        if repeated := responses.repeated_id(body.items, taken) or responses.unmatched_call(
-                body.items, previous[1] if previous else []):
-            raise ApiError(400, ": ".join(repeated), repeated[0])
-        conversation = responses.conversation(body, previous[1] if previous else [])
+        body, conversation = await self._conversation(body)
         chat = responses.chat_request(body, conversation)
 
         def fit(build: Callable[[ChatCompletionRequest], GenerationRequest]) -> GenerationRequest:
@@ -193,6 +185,39 @@ class Ingress:
         acc = await self._replicas.collect(request, *opened, routing)
         items.feed(acc.text, acc.finish_reason, acc.logprobs, acc.cut)
         return JSONResponse(await finished(acc))
+
+    async def _conversation(self, body: ResponsesRequest) -> tuple[ResponsesRequest, list[ChatMessage]]:
+        """`body` with the items it references, and the conversation it continues (`previous_response_id`'s,
+        then its input); a 400 naming an item the conversation cannot take."""
+        if referenced := responses.references(body):
+            body = responses.with_items(body, await self.stored.items(referenced))
+        previous = await self.stored.get(body.previous_response_id, "previous_response_id") \
+            if body.previous_response_id else None
+        taken = [item["id"] for item in (*previous[0]["output"], *previous[2])] if previous else []
+        if repeated := responses.repeated_id(body.items, taken) or responses.unmatched_call(
+                body.items, previous[1] if previous else []):
+            raise ApiError(400, ": ".join(repeated), repeated[0])
+        return body, responses.conversation(body, previous[1] if previous else [])
+
+    async def count_input_tokens(self, body: InputTokensRequest) -> dict[str, Any]:
+        """`POST /v1/responses/input_tokens` (OpenAI's): the tokens of the prompt `respond` would
+        send for these fields; with `truncation: "auto"`, of the turns it would keep. The
+        prompt is counted whatever its length (a client counts to see whether it fits)."""
+        if body.model is not None:
+            self._served(body.model)
+        body, conversation = await self._conversation(body.model_copy(update={"model": self.config.model_name}))
+        chat = responses.chat_request(body, conversation)
+        tokenizer = await self.tokenizer()
+        try:
+            if body.truncation == "auto":
+                request, _ = await self._off_loop(responses.fitted, body, chat, conversation, functools.partial(
+                    generation_request, "count", tokenizer, config=self.config))
+                count = len(request.prompt)
+            else:
+                count = len(await self._off_loop(prompt_token_ids, tokenizer, chat))
+        except ApiError as exc:
+            raise exc.renamed(responses.FIELDS) from None
+        return {"object": "response.input_tokens", "input_tokens": count}
 
     async def message(self, body: MessagesRequest):
         """`POST /v1/messages` (Anthropic's): the chat request it means, generated as `handle`
@@ -378,6 +403,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @app.post("/v1/messages/count_tokens", responses=_ERRORS)
     async def count_message_tokens(body: CountTokensRequest):
         return await ingress.count_tokens(body)
+
+    @app.post("/v1/responses/input_tokens", responses=_ERRORS)
+    async def count_response_input_tokens(body: InputTokensRequest):
+        return await ingress.count_input_tokens(body)
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(response_id: str):

@@ -244,6 +244,14 @@ class ResponsesRequest(RequestModel):
         return "message.output_text.logprobs" in self.include or self.top_logprobs is not None
 
 
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens` (OpenAI's): a Responses request's fields, none required,
+    for the tokens its prompt holds (`previous_response_id` alone counts that conversation)."""
+
+    model: Optional[str] = Field(None, min_length=1)
+    input: Union[Text, List[InputItem]] = Field(default_factory=list)
+
+
 def repeated_id(items: list, taken: Iterable[str] = ()) -> Optional[tuple[str, str]]:
     """(the field, what is wrong) where an item's id names a second item, among `items` (an
     item_reference names one, not a second) and the ids `taken` (the items of the response

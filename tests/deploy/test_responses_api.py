@@ -181,6 +181,25 @@ def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cac
     assert whole.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // BLOCK_TOKENS * BLOCK_TOKENS > 0
 
 
+def test_input_tokens_counts_the_prompt_a_response_sends(agent_client):
+    """OpenAI's `responses.input_tokens.count`: the prompt tokens of the same request's usage,
+    tools and instructions included, a conversation continued by id too (was a 405)."""
+    ask = dict(instructions="Answer briefly.", input=ASK_WEATHER)
+    first = agent_client.responses.create(model=MODEL, **ask, max_output_tokens=8, temperature=0)
+    count = agent_client.responses.input_tokens.count(model=MODEL, **ask)
+    assert (count.object, count.input_tokens) == ("response.input_tokens", first.usage.input_tokens)
+    with_tools = agent_client.responses.input_tokens.count(**ask, tools=[WEATHER], tool_choice="required")
+    assert with_tools.input_tokens > count.input_tokens
+    follow = [{"role": "user", "content": "And in Oslo?"}]
+    chained = agent_client.responses.create(model=MODEL, input=follow, previous_response_id=first.id,
+                                            max_output_tokens=8, temperature=0)
+    assert agent_client.responses.input_tokens.count(input=follow, previous_response_id=first.id).input_tokens \
+        == chained.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        agent_client.responses.input_tokens.count(input="Hi", previous_response_id="resp_gone")
+    assert err.value.code == "previous_response_not_found"
+
+
 def test_parse_returns_a_validated_object(agent_client):
     response = agent_client.responses.parse(model=MODEL, input="Describe a city as JSON.", text_format=City,
                                        max_output_tokens=80, temperature=0)
@@ -230,6 +249,11 @@ def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(agent_client):
     assert err.value.code == "context_length_exceeded"
     truncated = agent_client.responses.create(**ask, input=items, truncation="auto")
     assert truncated.truncation == "auto" and truncated.usage.input_tokens < 1024
+    # counted, the prompt is what would be sent: all of it (past the window, no error) or what is kept
+    count = agent_client.responses.input_tokens.count
+    assert count(instructions=ask["instructions"], input=items).input_tokens > 1024
+    assert count(instructions=ask["instructions"], input=items, truncation="auto").input_tokens == \
+        truncated.usage.input_tokens
     for dropped in range(2, len(turns) + 1, 2):  # the longest tail of whole turns that fits
         try:
             whole = agent_client.responses.create(**ask, input=items[dropped:])
