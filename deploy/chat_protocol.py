@@ -126,6 +126,23 @@ class NamedToolChoice(RequestModel):
     function: ToolChoiceFunction
 
 
+class AllowedTools(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: List[NamedToolChoice] = Field(min_length=1)  # {"type": "function", "function": {"name": ...}}
+
+
+class AllowedToolsChoice(RequestModel):
+    """OpenAI's `allowed_tools`: every tool is offered (the prompt, and what the prefix cache
+    keeps of it, stays the same from turn to turn) and calls name these alone, as `mode` says."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    @property
+    def names(self) -> list[str]:
+        return [t.function.name for t in self.allowed_tools.tools]
+
+
 class ChatCompletionRequest(SamplingRequest):
     """`POST /v1/chat/completions`, rendered with the model's chat template.
 
@@ -138,7 +155,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[List[Tool]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice]] = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -180,8 +197,10 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        check_tool_choice(choice not in (None, "none"), named, {t.function.name for t in info.data.get("tools") or []})
+        names = choice.names if isinstance(choice, AllowedToolsChoice) else [
+            choice.function.name if isinstance(choice, NamedToolChoice) else None]
+        for name in names:
+            check_tool_choice(choice not in (None, "none"), name, {t.function.name for t in info.data.get("tools") or []})
         return choice
 
     @property
@@ -190,6 +209,19 @@ class ChatCompletionRequest(SamplingRequest):
         if not self.tools or self.tool_choice == "none":
             return []
         return [t.function.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_mode(self) -> tuple[Literal["none", "auto", "required"], list[dict[str, Any]]]:
+        """Whether the answer may call (auto) or calls (required), and the functions it may call:
+        the offered ones, or those a named choice (one call, as vLLM's) or `allowed_tools` names."""
+        functions, choice = self.functions, self.tool_choice
+        if not functions:
+            return "none", []
+        if isinstance(choice, NamedToolChoice):
+            return "required", [f for f in functions if f["name"] == choice.function.name]
+        if isinstance(choice, AllowedToolsChoice):
+            return choice.allowed_tools.mode, [f for f in functions if f["name"] in choice.names]
+        return choice or "auto", functions
 
     @field_validator("continue_final_message")
     @classmethod

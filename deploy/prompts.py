@@ -133,11 +133,9 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     for a named function, as vLLM's), or (tools offered under auto) an optional grammar over
     any call the model makes, or, under a format, the answer in it or the calls."""
     fmt = request.response_format
-    functions = request.functions if isinstance(request, ChatCompletionRequest) else []
-    named = bool(functions) and isinstance(request.tool_choice, NamedToolChoice)
-    forced_tool = functions and (request.tool_choice == "required" or named)
-    if named:
-        functions = [f for f in functions if f["name"] == request.tool_choice.function.name]
+    mode, functions = request.tool_mode if isinstance(request, ChatCompletionRequest) else ("none", [])
+    named = isinstance(request.tool_choice, NamedToolChoice) if functions else False
+    forced_tool = mode == "required"
     callable_names = {f["name"] for f in functions}
     for i, tool in enumerate(request.tools if functions else ()):  # each call it may make keeps to its schema
         if tool.function.name in callable_names:
@@ -252,7 +250,7 @@ def generation_request(
     if isinstance(request, ChatCompletionRequest):
         if request.prediction is not None:
             prediction = tuple(tokenizer.encode(request.prediction.text, add_special_tokens=False))
-        if request.functions and not request.parallel_tool_calls and request.tool_choice in (None, "auto"):
+        if not request.parallel_tool_calls and request.tool_mode[0] == "auto":
             # one call at most: where the engine runs it unconstrained (it could not apply the
             # optional grammar), the call's close tag ends the answer; a grammar ends it itself
             stop_after = (TOOL_CALL_CLOSE,)

@@ -24,8 +24,8 @@ from typing import Annotated, Any, Callable, Dict, Iterable, List, Literal, Opti
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
 from deploy.chat_protocol import (
-    AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedToolChoice, Tool,
-    ToolChoiceFunction, joined_text,
+    AllowedTools, AllowedToolsChoice as ChatAllowedToolsChoice, AssistantToolCall, ChatCompletionRequest, ChatMessage,
+    FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolChoiceFunction, joined_text,
 )
 from deploy.errors import ApiError
 from deploy.protocol import (
@@ -144,6 +144,14 @@ class FunctionToolChoice(RequestModel):
     name: FunctionName
 
 
+class AllowedToolsChoice(RequestModel):
+    """Chat's `allowed_tools` (its tools named as this API names them)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: List[FunctionToolChoice] = Field(min_length=1)
+
+
 class TextFormatJsonSchema(RequestModel):
     type: Literal["json_schema"]
     name: FunctionName
@@ -190,7 +198,7 @@ class ResponsesRequest(RequestModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     tools: Annotated[List[FunctionTool], AfterValidator(unique_names)] = []
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] = "auto"
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, AllowedToolsChoice] = "auto"
     parallel_tool_calls: bool = True
     max_tool_calls: Optional[int] = Field(None, ge=0)  # of built-in tools, of which none is served: unread
     text: TextConfig = TextConfig()
@@ -221,8 +229,10 @@ class ResponsesRequest(RequestModel):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        named = choice.name if isinstance(choice, FunctionToolChoice) else None
-        check_tool_choice(choice not in ("none", "auto"), named, {t.name for t in info.data.get("tools") or []})
+        names = [t.name for t in choice.tools] if isinstance(choice, AllowedToolsChoice) else [
+            choice.name if isinstance(choice, FunctionToolChoice) else None]
+        for name in names:
+            check_tool_choice(choice not in ("none", "auto"), name, {t.name for t in info.data.get("tools") or []})
         return choice
 
     @field_validator("include", "top_logprobs")
@@ -355,6 +365,10 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
     tool_choice = body.tool_choice
     if isinstance(tool_choice, FunctionToolChoice):
         tool_choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=tool_choice.name))
+    elif isinstance(tool_choice, AllowedToolsChoice):
+        tool_choice = ChatAllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
+            mode=tool_choice.mode, tools=[NamedToolChoice(type="function", function=ToolChoiceFunction(name=t.name))
+                                          for t in tool_choice.tools]))
     return ChatCompletionRequest(
         model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,

@@ -208,6 +208,29 @@ def test_named_tool_choice_streamed_assembles_into_the_plain_call(agent_client):
     assert "timezone" in json.loads(arguments[0])
 
 
+def test_allowed_tools_narrow_the_calls_but_not_the_prompt(agent_client, agent_url):
+    """OpenAI's `allowed_tools` tool choice (was a 400): every tool is in the prompt, calls name
+    only the allowed ones; `required` calls, on chat and the Responses API alike."""
+    allowed = {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}
+    kwargs = dict(model=MODEL, messages=WEATHER_CHAT, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+                  parallel_tool_calls=False)  # (this model repeats a call it may repeat until max_tokens)
+    narrowed = agent_client.chat.completions.create(**kwargs, tool_choice={"type": "allowed_tools",
+                                                                           "allowed_tools": allowed})
+    assert narrowed.choices[0].finish_reason == "tool_calls"
+    assert {c.function.name for c in narrowed.choices[0].message.tool_calls} == {"get_time"}
+    forced = agent_client.chat.completions.create(**kwargs, tool_choice="required")
+    assert narrowed.usage.prompt_tokens == forced.usage.prompt_tokens  # both tools offered
+    response = agent_client.responses.create(
+        model=MODEL, input=WEATHER_CHAT[0]["content"], max_output_tokens=80, temperature=0, parallel_tool_calls=False,
+        tools=[{"type": "function", **t["function"]} for t in (WEATHER, TIME)],
+        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]})
+    assert [item.name for item in response.output] == [c.function.name for c in narrowed.choices[0].message.tool_calls]
+    refused = httpx.post(f"{agent_url}/v1/chat/completions", json={**kwargs, "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+            {"type": "function", "function": {"name": "get_news"}}]}}}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice", refused.text
+
+
 def _streamed_calls(client, kwargs):
     """A streamed chat answer assembled: (content, call names, their arguments, finish_reason)."""
     content, names, arguments, finish = None, {}, {}, None  # content null until some comes (OpenAI's)

@@ -61,6 +61,11 @@ def tools(*functions):
     return [{"type": "function", "function": f} for f in functions]
 
 
+def _allowed(mode, *names):
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": n}} for n in names]}}
+
+
 def test_a_special_tokens_text_from_the_client_is_text_not_a_control_token(chatml):
     """Only the template writes control tokens: a user message that spells `<|im_end|>` and
     `<|im_start|>system` opened a system turn of its own (found by QA), and so could a tool's
@@ -135,27 +140,36 @@ def test_a_template_that_knows_tools_gets_them_its_own_way(tools_aware):
     ("required", True, ["get_weather", "get_time"]),
     ("required", False, ["get_weather", "get_time"]),
     ({"type": "function", "function": {"name": "get_time"}}, True, ["get_time"]),
+    (_allowed("required", "get_time"), True, ["get_time"]),
+    (_allowed("required", "get_time", "get_weather"), False, ["get_weather", "get_time"]),
 ])
 def test_a_forced_tool_choice_is_a_grammar_over_the_offered_calls(choice, parallel, names):
     """A named function is called once, as vLLM's (instructor's default mode names one and
-    leaves parallel_tool_calls out: the call was repeated until max_tokens, found by QA)."""
+    leaves parallel_tool_calls out: the call was repeated until max_tokens, found by QA);
+    `allowed_tools` required calls those it names, in parallel if asked."""
     spec = grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel))
     assert spec.kind == "lark" and spec.param == "tool_choice"
     assert [n for n in ("get_weather", "get_time") if json.dumps(n) in spec.text] == names
-    assert ('("\\n" call)*' in spec.text) == (parallel and choice == "required")
+    named = isinstance(choice, dict) and choice["type"] == "function"
+    assert ('("\\n" call)*' in spec.text) == (parallel and not named)
 
 
-@pytest.mark.parametrize("choice, parallel", [("auto", False), (None, True)])
-def test_tools_under_auto_are_an_optional_grammar_over_the_offered_calls(choice, parallel):
-    """The model decides whether to call, but a call it begins is held to the format."""
-    spec = grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel))
+@pytest.mark.parametrize("choice, parallel, functions", [
+    ("auto", False, [WEATHER, TIME]), (None, True, [WEATHER, TIME]), (_allowed("auto", "get_time"), True, [TIME]),
+])
+def test_tools_under_auto_are_an_optional_grammar_over_the_offered_calls(choice, parallel, functions):
+    """The model decides whether to call, but a call it begins is held to the format (to the
+    functions `allowed_tools` names, though every tool is in the prompt)."""
+    request = chat(tools=tools(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel)
+    spec = grammar_spec(request)
     assert (spec.kind, spec.param, spec.optional) == ("lark", "tools", True)
-    assert spec.text == tool_call_grammar([WEATHER, TIME], parallel, optional=True)
+    assert spec.text == tool_call_grammar(functions, parallel, optional=True)
+    assert request.functions == [WEATHER, TIME]  # what the prompt lists
     # under a format: its answer or the calls, a promise (not optional)
-    fmt = grammar_spec(chat(tools=tools(WEATHER), tool_choice=choice, response_format={"type": "json_object"}))
+    fmt = grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, response_format={"type": "json_object"}))
     assert (fmt.kind, fmt.param, fmt.optional) == ("lark", "response_format", False)
-    assert fmt.text == tool_call_grammar([WEATHER], True, answer={"type": "object"})
-    assert grammar_spec(chat(tools=tools(WEATHER), tool_choice=choice, min_tokens=5)) is None  # unconstrained
+    assert fmt.text == tool_call_grammar(functions, True, answer={"type": "object"})
+    assert grammar_spec(chat(tools=tools(WEATHER, TIME), tool_choice=choice, min_tokens=5)) is None  # unconstrained
 
 
 @pytest.mark.parametrize("request_, expected", [
