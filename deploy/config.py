@@ -121,7 +121,8 @@ class LimitArgs(_Strict):
         f"when a request gives none; default: {DEFAULT_MAX_TOKENS}, or max_tokens where that is lower"))
     stream_idle_timeout_s: float = Field(300.0, gt=0, description=(
         "longest wait for a request's next token once it has one (before, it may be waiting "
-        "for a batch slot; a stalled engine fails its health check)"))
+        "for a batch slot, as one sent back for KV pages waits again; a stalled engine fails its "
+        "health check)"))
     replica_loss_retry_s: float = Field(30.0, ge=0, description=(
         "a request whose replica dies is sent again, to any replica, for up to this long: whole "
         "before its first token, as a continuation after it (0: never)"))

@@ -210,12 +210,15 @@ class ReplicaStreams:
                                             tag_keys=("kind",))
         self._retries.inc(tags={"kind": kind})
 
-    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated, routing: asyncio.Lock):
-        """(stream, its next delta). When the replica died mid-stream, the request is sent again
-        as a continuation of what the client already has (`Resume`): the rest of the stream
-        comes from the new replica, exactly what the dead one would have produced."""
+    async def _following(self, request: GenerationRequest, stream, acc: fmt.Accumulated, routing: asyncio.Lock,
+                         idle_timeout: bool = True):
+        """(stream, its next delta), within `stream_idle_timeout_s` if `idle_timeout`. When the
+        replica died mid-stream, the request is sent again as a continuation of what the client
+        already has (`Resume`): the rest of the stream comes from the new replica, exactly what
+        the dead one would have produced."""
         try:
-            return stream, await asyncio.wait_for(stream.__anext__(), self._config.stream_idle_timeout_s)
+            timeout_s = self._config.stream_idle_timeout_s if idle_timeout else None
+            return stream, await asyncio.wait_for(stream.__anext__(), timeout_s)
         except StopAsyncIteration:
             raise
         except Exception as exc:
@@ -252,13 +255,15 @@ class ReplicaStreams:
                     raise ApiError(400, delta.error or "", delta.error_param)
                 if delta.finish_reason in ("error", "abort"):
                     raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
-                acc.add(delta)
-                done = delta.finish_reason is not None
-                yield delta
-                if done:
-                    return
+                waiting = delta.waiting  # back in the engine's queue: not idle, as before its first token
+                if not waiting:
+                    acc.add(delta)
+                    done = delta.finish_reason is not None
+                    yield delta
+                    if done:
+                        return
                 try:
-                    stream, delta = await self._following(request, stream, acc, routing)
+                    stream, delta = await self._following(request, stream, acc, routing, idle_timeout=not waiting)
                 except StopAsyncIteration:
                     raise ApiError(500, "the engine stream ended without a finish reason") from None
         finally:

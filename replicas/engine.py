@@ -307,6 +307,8 @@ class GenerationDelta:
     stop_string: str | None = None  # the stop string that ended the output, if one did
     # when asked for, on the request's first delta: one per prompt token after the first
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # nothing new: the request is back in the engine's queue (short of KV pages) until its next delta
+    waiting: bool = False
 
 
 def find_stop(text: str, sent_chars: int, stops: Sequence[str],

@@ -68,6 +68,7 @@ class EngineCore:
         self._room_freed = True
         self._step_tokens = 0  # tokens emitted in the current step
         self._to_feed: list[tuple[Sequence, list[int]]] = []  # the step's tokens, for the automata
+        self._paused: list[GenerationDelta] = []  # the step's preempted requests' `waiting` deltas
 
     # -- membership (called between steps) ------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -177,6 +178,7 @@ class EngineCore:
         if admitting:
             return
         self.preemptions += 1
+        self._paused.append(GenerationDelta(seq.request_id, (), "", waiting=True))
         logger.info("request %s back in the queue until KV pages free up (%d output tokens kept)",
                     seq.request_id, len(seq.output_ids))
 
@@ -397,7 +399,7 @@ class EngineCore:
         seq.error_param = exc.param if isinstance(exc, RequestError) else None
 
     def _collect(self) -> list[GenerationDelta]:
-        deltas = []
+        deltas, self._paused = self._paused, []
         for seq in list(self.running):
             if seq.finish_reason != "error":
                 try:

@@ -78,3 +78,38 @@ def test_what_serves_is_read_from_a_redeploys_status(monkeypatch):
         monkeypatch.setattr(serve, "status", lambda: shown)
         monkeypatch.setattr(replica_streams, "routable_replicas", lambda app: routable if app == "specserve" else None)
         assert asyncio.run(streams.engine_running()) is running, (shown, routable)
+
+
+def test_a_request_back_in_the_engines_queue_is_not_idle():
+    """A request preempted for KV pages waits in the engine's queue, as before its first token,
+    for as long as the requests ahead of it run: its `waiting` delta stops the idle timer until
+    its next delta (the timeout cut it off mid-stream, found by QA). Without it, the same wait
+    is a timeout."""
+    from deploy.errors import ApiError
+    from deploy.openai_format import Accumulated
+    from replicas.engine import GenerationDelta, GenerationRequest, SamplingParams
+
+    config = IngressConfig.from_args(AppArgs(limits={"stream_idle_timeout_s": 0.2}))
+    request = GenerationRequest("r", [1, 2], SamplingParams(max_tokens=3))
+
+    async def stream(preempted: bool):
+        yield GenerationDelta("r", (7,), "a")
+        if preempted:
+            yield GenerationDelta("r", (), "", waiting=True)
+        await asyncio.sleep(0.6)  # the requests ahead run on
+        yield GenerationDelta("r", (8,), "b")
+        yield GenerationDelta("r", (9,), "c", "length")
+
+    async def collect(preempted: bool) -> Accumulated:
+        replica_stream = stream(preempted)
+        first = await replica_stream.__anext__()
+        return await ReplicaStreams(_Replica(), config).collect(request, replica_stream, first, asyncio.Lock())
+
+    acc = asyncio.run(collect(preempted=True))
+    assert (acc.token_ids, acc.text, acc.finish_reason) == ([7, 8, 9], "abc", "length")
+    try:
+        asyncio.run(collect(preempted=False))
+    except ApiError as exc:
+        assert exc.status == 504
+    else:
+        raise AssertionError("an idle stream was not cut off")

@@ -271,12 +271,21 @@ def test_a_running_request_short_of_pages_is_preempted_and_resumes_exactly(engin
     tight = _engine("cpu", kv_cache_bytes=pages * warm.core.cache.page_bytes, prefix_cache_bytes=0)
     loop.run_until_complete(tight.start())
     try:
-        async def both():
-            return await asyncio.gather(*(collect_logprobs(tight, request(p, max_tokens=96)) for p in prompts))
+        async def deltas(prompt):
+            return [delta async for delta in tight.generate(request(prompt, max_tokens=96))]
 
-        for prompt, (tokens, _, logprobs, _) in zip(prompts, loop.run_until_complete(both())):
+        async def both():
+            return await asyncio.gather(*map(deltas, prompts))
+
+        paused = []
+        for prompt, streamed in zip(prompts, loop.run_until_complete(both())):
+            tokens = [t for d in streamed for t in d.token_ids]
+            logprobs = [lp for d in streamed for lp in d.logprobs]
             assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=96)[:2]
-        assert tight.core.preemptions == 1
+            # the one sent back says so, once, with nothing new: the server's idle timer stops
+            paused += [d for d in streamed if d.waiting]
+            assert all(not (d.token_ids or d.text or d.finish_reason) for d in streamed if d.waiting)
+        assert tight.core.preemptions == 1 and len(paused) == 1
     finally:
         loop.run_until_complete(tight.shutdown())
 
