@@ -219,8 +219,10 @@ def generation_request(
     if not prompt_ids:
         raise ApiError(400, f"{field}: renders to an empty prompt", field)
     if len(prompt_ids) > config.max_prompt_tokens:
+        why = (f"the {config.max_seq_len}-token context window less one token to answer with"
+               if config.max_prompt_tokens == config.max_seq_len - 1 else "this server's prompt limit")
         raise ApiError(400, f"{field}: {len(prompt_ids)} prompt tokens exceed the limit of "
-                            f"{config.max_prompt_tokens}", field, code="context_length_exceeded",
+                            f"{config.max_prompt_tokens} ({why})", field, code="context_length_exceeded",
                        anthropic_message=f"prompt is too long: {len(prompt_ids)} tokens > "
                                          f"{config.max_prompt_tokens} maximum")
     asked = request.requested_max_tokens if isinstance(request, ChatCompletionRequest) else request.max_tokens

@@ -295,6 +295,18 @@ def test_a_bad_prompt_of_a_batch_is_named_by_its_place(chatml, prompt, param, sa
     assert (info.value.status, info.value.param) == (400, param) and info.value.message.startswith(says)
 
 
+@pytest.mark.parametrize("limits, says", [
+    ({}, "exceed the limit of 4095 (the 4096-token context window less one token to answer with)"),
+    ({"max_prompt_tokens": 100}, "exceed the limit of 100 (this server's prompt limit)"),
+])
+def test_a_prompt_too_long_says_which_limit_it_passed(chatml, limits, says):
+    """The limit by default is the window less one ("limit of 4095" alone did not say why)."""
+    config = IngressConfig.from_args(AppArgs(limits=limits))
+    with pytest.raises(ApiError) as info:
+        generation_request("r", chatml, CompletionRequest(model="m", prompt=[5] * 5000), config)
+    assert info.value.code == "context_length_exceeded" and info.value.message == f"prompt: 5000 prompt tokens {says}"
+
+
 def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(chatml):
     config = IngressConfig.from_args(AppArgs())
     code = "def add(a, b):\n    return a + b\n"
