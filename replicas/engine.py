@@ -296,8 +296,6 @@ class GenerationDelta:
     text: str
     finish_reason: FinishReason | None = None
     error: str | None = None
-    # of an error the request's own input caused (a grammar past the engine's limits), its field
-    error_param: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     speculation: dict[str, float] = field(default_factory=dict)  # SpecCounters.usage()
@@ -309,6 +307,8 @@ class GenerationDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # nothing new: the request is back in the engine's queue (short of KV pages) until its next delta
     waiting: bool = False
+    # of an error the request's own input caused (a grammar past the engine's limits), its field
+    error_param: str | None = None
 
 
 def find_stop(text: str, sent_chars: int, stops: Sequence[str],

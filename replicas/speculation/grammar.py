@@ -177,6 +177,8 @@ class Constraint:
                     # EOS after a complete grammar is admitted but not recorded: not rolled back
                     stopped = self._matcher.is_stopped()
                     if not self._matcher.consume_token(int(draft[i])):
+                        if self._matcher.is_error():  # admitted (`valid_prefix`), past the parser's limits
+                            raise self._gave_up(draft[i])
                         raise ValueError(f"draft token {draft[i]} is not admitted by the grammar")
                     consumed += not stopped
         finally:
@@ -196,5 +198,8 @@ class Constraint:
             if self._matcher.is_stopped():
                 return
             if not self._matcher.consume_token(int(token)):  # past its limits (admitted tokens all)
-                raise RequestError(self._param, f"the grammar engine gave up on this format at output token "
-                                                f"{token} ({_reason(self._matcher)})")
+                raise self._gave_up(token)
+
+    def _gave_up(self, token: int) -> RequestError:
+        return RequestError(self._param, f"the grammar engine gave up on this format at output token {token} "
+                                         f"({_reason(self._matcher)})")

@@ -333,8 +333,8 @@ class EngineCore:
         """Each request's kept rows of the step's `hidden` (those whose KV stays), for the MTP
         head's queue and the prefix cache to keep: views of one gather (a copy each cost a
         batch of 8 about 2% of its step), or None where neither keeps them."""
-        if self.mtp is None or (self.prefix is None and not any(seq.mtp_fed for seq, _, _ in verdicts)):
-            return [None] * len(verdicts)
+        if not verdicts or self.mtp is None or (self.prefix is None and not any(seq.mtp_fed for seq, _, _ in verdicts)):
+            return [None] * len(verdicts)  # (every request of the step failed: no index to gather by)
         counts = [len(verdict.tokens) for _, _, verdict in verdicts]
         index = torch.tensor([rows.start + i for (_, rows, _), n in zip(verdicts, counts) for i in range(n)],
                              device=hidden.device)

@@ -395,3 +395,19 @@ def test_the_next_turn_prompt_repeats_a_call_token_for_token(engine, loop):
         {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
     second = prompt_token_ids(engine.tokenizer, ChatCompletionRequest(model="m", messages=history, tools=[PRICE]))
     assert second[:len(prompt) + len(tokens)] == prompt + tokens
+
+
+def test_a_grammar_that_meets_its_limits_midway_fails_the_request_naming_the_field(engine, loop):
+    """A schema past the grammar engine's limits only down one branch (the first token is
+    fine): the answer, pushed down it by logit_bias, fails as the request's own error, with its
+    field (the Ingress's 400), and the engine goes on serving."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)},
+            "additionalProperties": False}
+    either = {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"x": wide}, "required": ["x"]}]}
+    brace = engine.tokenizer.encode('{"', add_special_tokens=False)
+    req = constrained(chat_prompt(engine, "Give me JSON."), either, logit_bias={brace[0]: 100.0})
+    req = dataclasses.replace(req, grammar=dataclasses.replace(req.grammar, param="text.format"))
+    tokens, _, _, last = run(engine, loop, req)
+    assert (last.finish_reason, last.error_param) == ("error", "text.format"), last
+    assert last.error.startswith("text.format: the grammar engine gave up") and "\n" not in last.error
+    assert run(engine, loop, constrained(chat_prompt(engine, "Hi"), max_tokens=8))[3].finish_reason is not None
