@@ -90,7 +90,9 @@ class ReplicaStreams:
         self._running: tuple[float, bool] = (0.0, True)  # (when asked, whether a Replica ran)
 
     async def engine_running(self, max_age_s: float = 0.0) -> bool:
-        """Whether Serve's controller counts a Replica running: asked of the controller, not of
+        """Whether Serve's controller counts a Replica running, of this Ingress's model where its
+        routing stats say (a deploy that changes the model and whose new Replicas fail to start
+        leaves the old ones running, and every request refused): asked of the controller, not of
         a replica (a replica busy with a full batch is healthy), or its answer of the last
         `max_age_s`. Raises what asking raises (the controller unreachable or slow)."""
         from ray import serve
@@ -106,6 +108,8 @@ class ReplicaStreams:
                 # ones yet, or a deploy whose build failed (the version before it serves on,
                 # unlisted): what this process's router can send to tells
                 running = bool(routable_replicas(self._replica.app_name))
+            if running and self._config.model_identity is not None:
+                running = routable_replicas(self._replica.app_name, self._config.model_identity) != 0
             self._running = (time.monotonic(), running)
         return running
 
@@ -151,6 +155,7 @@ class ReplicaStreams:
                 return tokenizer
             if time.monotonic() >= deadline:
                 raise another_model_serving()
+            self._count_retry("another_model")
             await asyncio.sleep(_backoff_s(attempt))
 
     async def open(self, request: GenerationRequest, routing: asyncio.Lock):

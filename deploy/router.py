@@ -47,13 +47,18 @@ SPECULATE_KWARG = "speculate"  # Replica.generate's keyword that narrows a reque
 _ROUTERS: "weakref.WeakSet[CountedRouter]" = weakref.WeakSet()  # this process's, as built
 
 
-def routable_replicas(app_name: str) -> Optional[int]:
+def routable_replicas(app_name: str, model: Optional[str] = None) -> Optional[int]:
     """How many Replicas of `app_name` this process's routers can send to: those Serve's
     controller tells them run, whatever the application's status lists (a deploy whose build
-    failed lists none while the version before it serves on). None: none of ours built here
-    (no call made yet)."""
-    counts = [len(router.curr_replicas) for router in list(_ROUTERS) if router.app_name == app_name]
+    failed lists none while the version before it serves on); of them, with `model`, those
+    that serve it or have not said yet. None: none of ours built here (no call made yet)."""
+    counts = [sum(_serves(r, model) for r in list(router.curr_replicas.values()))
+              for router in list(_ROUTERS) if router.app_name == app_name]
     return max(counts) if counts else None
+
+
+def _serves(replica: RunningReplica, model: Optional[str]) -> bool:
+    return model is None or (replica.routing_stats or {}).get(MODEL_IDENTITY, model) == model
 
 
 def requested_model(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -75,7 +80,7 @@ def of_the_requested_model(candidates: List[RunningReplica],
     model = requested_model(pending_request)
     if model is None:
         return candidates
-    kept = [r for r in candidates if (r.routing_stats or {}).get(MODEL_IDENTITY, model) == model]
+    kept = [r for r in candidates if _serves(r, model)]
     return kept or candidates
 
 

@@ -39,15 +39,19 @@ def url(serve_url):
     return serve_url
 
 
-def pair_retries() -> dict[str, float]:
+def pair_retries(app: str = "pair") -> dict[str, float]:
     """The pair app's requests sent again, by kind ("retry", "resume"), as Prometheus has them."""
     text = httpx.get(metrics_url(), timeout=10).text
     counts = {"retry": 0.0, "resume": 0.0}
     for labels, value in re.findall(r"^ray_request_retries_total\{([^}]*)\} (\S+)$", text, re.M):
         kind = re.search(r'kind="(\w+)"', labels)
-        if 'application="pair"' in labels and kind:
-            counts[kind.group(1)] += float(value)
+        if f'application="{app}"' in labels and kind:
+            counts[kind.group(1)] = counts.get(kind.group(1), 0.0) + float(value)
     return counts
+
+
+def swap_retries() -> dict[str, float]:
+    return pair_retries("swap")
 
 
 def settled_pair_retries() -> dict[str, float]:
@@ -289,6 +293,9 @@ def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(
         return httpx.post(f"{url}/swap/v1/completions", headers=AUTH, timeout=90,
                           json={**completion(prompt="ECHO:abc</>"), "model": model})
 
+    def healthz() -> int:
+        return httpx.get(f"{url}/swap/healthz", timeout=30).status_code
+
     serve.run(compose_app(args("fake-a"), small_window_engine), name="swap", route_prefix="/swap")
     try:
         assert ask("fake-a").json()["choices"][0]["text"] == "abc"
@@ -299,9 +306,14 @@ def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(
         assert states.get("RUNNING") == 2, states  # of the model before: the new one is loading
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(ask, "fake-b")
-            assert not wait_until(answer.done, timeout_s=3, interval_s=0.1), answer.result().text
+            # no Replica of its model runs: not healthy (it was 200 while every request failed)
+            assert wait_until(lambda: healthz() == 503, timeout_s=10, interval_s=0.2)
+            assert not answer.done(), answer.result().text
             marker.touch()  # the new model loaded
             assert answer.result().status_code == 200, answer.result().text
             assert answer.result().json()["choices"][0]["text"] == "ABC"
+        assert wait_until(lambda: healthz() == 200, timeout_s=10, interval_s=0.2)
+        # the refusals were counted, the tokenizer's among them (it counted none)
+        assert wait_until(lambda: swap_retries().get("another_model", 0) > 0, timeout_s=30, interval_s=1)
     finally:
         serve.delete("swap")
