@@ -141,7 +141,8 @@ def validation_error(exc: RequestValidationError, content_type: str = "applicati
     elif first.get("type") == "union_tag_not_found":  # no tag to read: not an object, or no "type" in it
         message = f"must be an object with a \"type\", got {json.dumps(first.get('input'), default=str)[:80]}"
     if param is None:  # the body itself: missing, not JSON, or not an object
-        if "json" not in content_type:
+        media_type = content_type.split(";")[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
             return ApiError(400, f"request body must be JSON sent as Content-Type: application/json, "
                                  f"got {content_type or 'none'}")
         return ApiError(400, f"request body must be a JSON object ({message})")

@@ -206,6 +206,8 @@ class Ingress:
         if body.model is not None:
             self._served(body.model)
         body, conversation = await self._conversation(body.model_copy(update={"model": self.config.model_name}))
+        if not conversation and not body.instructions:
+            raise ApiError(400, "input: nothing to count: give input, instructions or a previous_response_id", "input")
         chat = responses.chat_request(body, conversation)
         tokenizer = await self.tokenizer()
         try:
@@ -444,8 +446,8 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def tokenizer_info():
         return tokenizing.tokenizer_info(await ingress.tokenizer(), config.max_seq_len)
 
-    @app.get("/healthz", responses={503: {"model": ErrorResponse}})
-    @app.get("/health")  # vLLM's name for it
+    @app.api_route("/healthz", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})
+    @app.api_route("/health", methods=["GET", "HEAD"])  # vLLM's name for it; HEAD for probes that send it
     async def healthz():
         await ingress.check_engine_replicas()
         return {"status": "ok"}

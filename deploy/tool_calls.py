@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from replicas.engine import JSON_LAYOUT
-from replicas.speculation.schema_depth import DATA_KEYWORDS, NAME_MAPS, too_deep
+from replicas.speculation.schema_depth import too_deep
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -128,12 +128,13 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
     schema, or the calls."""
     if not functions:
         raise ValueError("tool_call_grammar needs at least one function")
-    if len(functions) == 1:
-        schema = _call_schema(functions[0], "#/properties/arguments")
-    else:
-        schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
-    schema["x-guidance"] = JSON_LAYOUT
-    body = f"body: %json {json.dumps(schema)}\n"
+    # A call is its fixed text around its arguments, a JSON document of their own: the schema's
+    # refs, anchors and "$id"s resolve in it alone, as they do in a response format (nested
+    # under one call object, local refs pointed at the wrong place; across functions in one
+    # document, two functions' anchors or ids were one another's).
+    body = f"body: {' | '.join(f'fn{i}' for i in range(len(functions)))}\n" + "".join(
+        f"fn{i}: {json.dumps(_call_head(f['name']))} %json {json.dumps(_arguments_schema(f))} \"}}\"\n"
+        for i, f in enumerate(functions))
     close_tag = json.dumps("\n" + TOOL_CALL_CLOSE)  # Lark strings are JSON strings
     if optional:
         start = "start: call* TEXT" if parallel else "start: TEXT | call"
@@ -171,43 +172,13 @@ def schema_error(parameters: dict | None) -> str | None:
         return str(exc)
 
 
-def _call_schema(function: dict, arguments_pointer: str) -> dict:
-    # The parameters schema is nested under the call object, so its local "$ref"s ("#/$defs/X")
-    # must be rebased onto where it now sits, or llguidance fails to resolve them.
-    parameters = _rebase_refs(function.get("parameters") or {"type": "object"}, arguments_pointer)
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _call_head(name: str) -> str:
+    """A call's text up to its arguments (what `_dumps` writes)."""
+    return f'{{"name": {_dumps(name)}, "arguments": '
 
 
-def _rebase_refs(schema: object, base: str) -> object:
-    # Only JSON pointers ("#", "#/...") into the document: an anchor ("#name") is found
-    # wherever it sits, and a schema with an "$id" of its own is a resource its refs resolve in.
-    # Without recursion: a body may nest ~950 deep, and two frames a level overflowed Python's
-    # stack (the grammar engine, not this copy, refuses what is too deep).
-    def empty(value: object) -> object:
-        return value if _has_id(value) else {} if isinstance(value, dict) else [] if isinstance(value, list) else value
-
-    out = empty(schema)
-    # (a container, its copy to fill, whether its keys are names rather than keywords)
-    pending = [(schema, out, False)] if out is not schema else []
-    while pending:
-        source, copy, names = pending.pop()
-        for key, value in source.items() if isinstance(source, dict) else enumerate(source):
-            keyword = isinstance(source, dict) and not names
-            if keyword and key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-                value = base + value[1:]
-            elif not (keyword and key in DATA_KEYWORDS) and isinstance(value, (dict, list)) and not _has_id(value):
-                value, inner = empty(value), value  # filled below: keys are names, values schemas
-                pending.append((inner, value, keyword and key in NAME_MAPS and isinstance(inner, dict)))
-            if isinstance(copy, list):
-                copy.append(value)
-            else:
-                copy[key] = value
-    return out
-
-
-def _has_id(value: object) -> bool:
-    return isinstance(value, dict) and isinstance(value.get("$id"), str)
+def _arguments_schema(function: dict) -> dict:
+    return {**(function.get("parameters") or {"type": "object"}), "x-guidance": JSON_LAYOUT}
 
 
 @dataclass(frozen=True)

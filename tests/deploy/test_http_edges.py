@@ -58,6 +58,9 @@ def test_bad_input(url, name, path, body, headers, status, param):
 
 @pytest.mark.parametrize("body,content_type,says", [
     (b'{"model": "fake", "prompt": "hi"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+    # a media type that only contains "json" is none (was "must be a JSON object")
+    (b'{"model": "fake", "prompt": "hi"}', "application/jsonx", "Content-Type: application/json"),
+    (b'{"model": "fake", "prompt": "hi"}', "application/json, text/plain", "Content-Type: application/json"),
     (b'{"model": "fake", "prompt": "\xff\xfe"}', "application/json", "not readable as JSON (not UTF-8"),
     (b'{"model": "fake", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "over 4,300 digits"),
     (b'{"model": "fake", "prompt": "hi", "temperature": NaN}', "application/json", "temperature: Input should be a "
@@ -219,6 +222,7 @@ def test_the_settings_replicas_took_go_with_their_application_not_with_a_replica
 
 def test_healthz_needs_no_key_and_everything_else_does(url):
     assert httpx.get(f"{url}/healthz").status_code == httpx.get(f"{url}/health").status_code == 200
+    assert httpx.head(f"{url}/healthz").status_code == httpx.head(f"{url}/health").status_code == 200  # (was 405)
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-second"}).json()

@@ -198,6 +198,9 @@ def test_input_tokens_counts_the_prompt_a_response_sends(agent_client):
     with pytest.raises(openai.BadRequestError) as err:
         agent_client.responses.input_tokens.count(input="Hi", previous_response_id="resp_gone")
     assert err.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError) as err:  # nothing to count (was a 500)
+        agent_client.responses.input_tokens.count(tools=[WEATHER])
+    assert err.value.param == "input"
 
 
 def test_parse_returns_a_validated_object(agent_client):

@@ -1,12 +1,14 @@
 """The llguidance grammar of the `<tool_call>` format (`tool_call_grammar`): it admits exactly
 the format, holds a call begun under `auto` to it, forces the fixed prefix; and the schemas
-given to it (`schema_error`, `_rebase_refs`)."""
+given to it (`schema_error`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from deploy.tool_calls import _rebase_refs, format_tool_calls, schema_error, tool_call_grammar, tools_system_prompt
+from deploy.tool_calls import format_tool_calls, schema_error, tool_call_grammar, tools_system_prompt
 from tests.deploy.test_tool_calls import ADD, NOW, PARIS, SUM, WEATHER, _block
 from tests.speculation.test_schema_depth import chain
 
@@ -117,7 +119,7 @@ def test_grammar_forces_the_fixed_prefix(lark, functions, at_least):
     assert call.startswith(text)
 
 
-def test_grammar_rebases_local_refs_of_nested_parameters(lark):
+def test_local_refs_of_parameters_resolve_in_them(lark):
     place = {"name": "place", "parameters": {
         "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
         "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
@@ -136,18 +138,6 @@ def test_a_schema_nested_too_deep_through_references_is_refused_unseen_by_the_gr
     assert "nested too deep" in schema_error(chain(2000))
 
 
-def test_rebasing_moves_local_refs_and_nothing_else():
-    inner = {"$id": "https://example.com/inner", "items": {"$ref": "#/$defs/C"}, "$defs": {"C": {}}}
-    schema = {"$ref": "#/$defs/A", "properties": {"$ref": {"$ref": "#/$defs/B"}, "s": "#/name"},
-              "anyOf": [{"$ref": "#"}, [{"$ref": "#/x"}], 1, {"$ref": "#an-anchor"}, inner],
-              "const": {"$ref": "#/data"}, "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
-    assert _rebase_refs(schema, "#/p") == {
-        "$ref": "#/p/$defs/A", "properties": {"$ref": {"$ref": "#/p/$defs/B"}, "s": "#/name"},
-        "anyOf": [{"$ref": "#/p"}, [{"$ref": "#/p/x"}], 1, {"$ref": "#an-anchor"}, inner],
-        "const": {"$ref": "#/data"}, "$defs": {"A": {"items": {"$ref": "other.json#/y"}}}}
-    assert _rebase_refs(inner, "#/p") is inner  # a resource of its own: its refs resolve in it
-
-
 @pytest.mark.parametrize("parameters,good,bad", [
     ({"type": "object", "$defs": {"A": {"$anchor": "three", "enum": [3]}}, "properties": {"v": {"$ref": "#three"}},
       "required": ["v"], "additionalProperties": False}, {"v": 3}, {"v": 4}),
@@ -161,12 +151,12 @@ def test_rebasing_moves_local_refs_and_nothing_else():
 ])
 def test_parameters_with_anchors_and_ids_of_their_own_hold_calls_as_a_format_would(lark, parameters, good, bad):
     """An anchor ref ("#three") and the refs under a nested "$id" were rebased onto the call
-    object as if JSON pointers into it, and a forced call's grammar failed to compile."""
-    import json
-
+    object as if JSON pointers into it, and a forced call's grammar failed to compile; and
+    two functions' anchors or ids, in one document, were one another's."""
     fn = {"name": "f", "parameters": parameters}
+    twin = {"name": "g", "parameters": json.loads(json.dumps(parameters).replace("3", "5").replace('"q"', '"r"'))}
     assert schema_error(parameters) is None
-    for functions in ([fn], [WEATHER, fn]):
+    for functions in ([fn], [WEATHER, fn], [twin, fn], [fn, twin]):
         grammar = tool_call_grammar(functions, parallel=False)
         assert _accepts(lark, grammar, _block(json.dumps({"name": "f", "arguments": good})))
         assert not _accepts(lark, grammar, _block(json.dumps({"name": "f", "arguments": bad})))
