@@ -108,8 +108,9 @@ class ReplicaStreams:
                 # ones yet, or a deploy whose build failed (the version before it serves on,
                 # unlisted): what this process's router can send to tells
                 running = bool(routable_replicas(self._replica.app_name))
-            if running and self._config.model_identity is not None:
-                running = routable_replicas(self._replica.app_name, self._config.model_identity) != 0
+            if running and self._config.model_identity is not None:  # (a router just built may list none yet)
+                running = not routable_replicas(self._replica.app_name) or \
+                    bool(routable_replicas(self._replica.app_name, self._config.model_identity))
             self._running = (time.monotonic(), running)
         return running
 

@@ -304,11 +304,13 @@ def test_a_deploy_that_changes_the_model_never_answers_with_the_model_before_it(
         assert wait_until(lambda: served() == "fake-b", timeout_s=60, interval_s=0.2)  # the new Ingress
         states = serve.status().applications["swap"].deployments["Replica"].replica_states
         assert states.get("RUNNING") == 2, states  # of the model before: the new one is loading
+        # no Replica of its model runs: not healthy (it was 200 while every request failed), as a
+        # load balancer's probe finds before any request has reached the new Ingress (its
+        # handle's router, built with it, already lists the Replicas and their models)
+        assert wait_until(lambda: healthz() == 503, timeout_s=10, interval_s=0.2)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(ask, "fake-b")
-            # no Replica of its model runs: not healthy (it was 200 while every request failed)
-            assert wait_until(lambda: healthz() == 503, timeout_s=10, interval_s=0.2)
-            assert not answer.done(), answer.result().text
+            assert not wait_until(answer.done, timeout_s=2, interval_s=0.1), answer.result().text
             marker.touch()  # the new model loaded
             assert answer.result().status_code == 200, answer.result().text
             assert answer.result().json()["choices"][0]["text"] == "ABC"

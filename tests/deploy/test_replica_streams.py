@@ -76,8 +76,17 @@ def test_what_serves_is_read_from_a_redeploys_status(monkeypatch):
             (status(replicas(RUNNING=1), "RUNNING"), 0, True), (status(replicas(UPDATING=1), "RUNNING"), 1, True),
             (status(replicas(PENDING_MIGRATION=1, STARTING=1)), 1, True)):
         monkeypatch.setattr(serve, "status", lambda: shown)
-        monkeypatch.setattr(replica_streams, "routable_replicas", lambda app: routable if app == "specserve" else None)
+        monkeypatch.setattr(replica_streams, "routable_replicas",
+                            lambda app, model=None: routable if app == "specserve" else None)
         assert asyncio.run(streams.engine_running()) is running, (shown, routable)
+    # Replicas running, but none of the Ingress's model (a deploy changing the model whose new
+    # Replicas fail to start: /healthz was 200 while every request was refused); a router
+    # just built, listing none yet, or none built, leaves Serve's word
+    monkeypatch.setattr(serve, "status", lambda: status(replicas(RUNNING=2), "DEPLOY_FAILED"))
+    for routable, of_model, running in ((2, 0, False), (2, 1, True), (0, 0, True), (None, None, True)):
+        monkeypatch.setattr(replica_streams, "routable_replicas",
+                            lambda app, model=None: routable if model is None else of_model)
+        assert asyncio.run(streams.engine_running()) is running, (routable, of_model)
 
 
 def test_a_request_back_in_the_engines_queue_is_not_idle():
