@@ -181,8 +181,8 @@ class Ingress:
 
             opening = [items.event("response.created", response=begun),
                        items.event("response.in_progress", response=begun)]
-            return self._typed_events(request, opened, routing, items, opening, completed, failed)
-        acc = await self._replicas.collect(request, *opened, routing)
+            return self._typed_events(request, opened, routing, responses.FIELDS, items, opening, completed, failed)
+        acc = await self._collect(request, opened, routing, responses.FIELDS)
         items.feed(acc.text, acc.finish_reason, acc.logprobs, acc.cut)
         return JSONResponse(await finished(acc))
 
@@ -241,9 +241,9 @@ class Ingress:
                         {"type": "message_stop"}]
 
             return self._typed_events(
-                request, opened, routing, blocks, [{"type": "message_start", "message": begun}], closing,
-                lambda err: [{"type": "error", **err.body(anthropic=True)}])
-        acc = await self._replicas.collect(request, *opened, routing)
+                request, opened, routing, messages.FIELDS, blocks, [{"type": "message_start", "message": begun}],
+                closing, lambda err: [{"type": "error", **err.body(anthropic=True)}])
+        acc = await self._collect(request, opened, routing, messages.FIELDS)
         blocks.feed(acc.text, acc.finish_reason, cut=acc.cut)
         return message_blocks.MessageResponse(message_blocks.message_body(request.request_id, model, blocks, acc))
 
@@ -286,12 +286,22 @@ class Ingress:
         except ApiError as exc:
             raise exc.renamed(fields) from None
 
+    async def _collect(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta], routing: asyncio.Lock,
+                       fields: dict[str, str]) -> fmt.Accumulated:
+        """Another API's request run to its end; an error the request's own field caused named
+        as that API names it (`fields`)."""
+        try:
+            return await self._replicas.collect(request, *opened, routing)
+        except ApiError as exc:
+            raise exc.renamed(fields) from None
+
     def _typed_events(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta], routing: asyncio.Lock,
-                      parts: OutputParts, opening: list[dict[str, Any]],
+                      fields: dict[str, str], parts: OutputParts, opening: list[dict[str, Any]],
                       closing: Callable[[fmt.Accumulated], Awaitable[list[dict[str, Any]]]],
                       failing: Callable[[ApiError], list[dict[str, Any]]]) -> StreamingResponse:
         """A Responses or Messages stream: `opening`, the events of `parts` as the deltas come, then
-        `closing`'s; a failure after the first event ends it with `failing`'s, so it never hangs."""
+        `closing`'s; a failure after the first event ends it with `failing`'s (its field named as
+        `fields` say), so it never hangs."""
 
         async def events() -> AsyncIterator[str]:
             for event in opening:
@@ -305,7 +315,7 @@ class Ingress:
                 last = await closing(acc)
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
                 logger.warning("stream %s failed: %r", request.request_id, exc)
-                last = failing(exc if isinstance(exc, ApiError) else server_error(exc))
+                last = failing((exc if isinstance(exc, ApiError) else server_error(exc)).renamed(fields))
             for event in last:
                 yield fmt.typed_sse(event)
 

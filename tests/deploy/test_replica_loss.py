@@ -102,6 +102,19 @@ def test_a_failure_the_request_caused_is_a_400_naming_its_field(url):
     events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
     error = json.loads(events[-2])["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "response_format"), error
+    # the other APIs name the field as they name it (was chat's)
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        for path, body, field in (("/v1/responses", respond(input="FAIL_FORMAT"), "text.format"),
+                                  ("/v1/messages", message(messages=[{"role": "user", "content": "FAIL_FORMAT"}]),
+                                   "output_config.format")):
+            plain = client.post(path, json=body)
+            assert plain.status_code == 400 and plain.json()["error"]["param"] == field, plain.text
+            assert plain.json()["error"]["message"].startswith(f"{field}: the grammar engine gave up")
+            streamed = client.post(path, json={**body, "stream": True})
+            events = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+                      if line.startswith("data: ")]
+            error = next(e for e in events if e["type"] == "error")
+            assert (error.get("param") or error["error"]["param"]) == field, error
 
 
 @pytest.mark.parametrize("prompt", ["FAIL_RAISE", "FAIL_DELTA"])
