@@ -24,7 +24,7 @@ from typing import Annotated, Any, Callable, Dict, Iterable, List, Literal, Opti
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
 from deploy.chat_protocol import (
-    AllowedTools, AllowedToolsChoice as ChatAllowedToolsChoice, AssistantToolCall, ChatCompletionRequest, ChatMessage,
+    AllowedTools, AllowedToolsChoice, AssistantToolCall, ChatCompletionRequest, ChatMessage,
     FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolChoiceFunction, joined_text,
 )
 from deploy.errors import ApiError
@@ -144,8 +144,8 @@ class FunctionToolChoice(RequestModel):
     name: FunctionName
 
 
-class AllowedToolsChoice(RequestModel):
-    """Chat's `allowed_tools` (its tools named as this API names them)."""
+class AllowedFunctionsChoice(RequestModel):
+    """Chat's `allowed_tools` choice (its tools named as this API names them)."""
 
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
@@ -198,7 +198,7 @@ class ResponsesRequest(RequestModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     tools: Annotated[List[FunctionTool], AfterValidator(unique_names)] = []
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, AllowedToolsChoice] = "auto"
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, AllowedFunctionsChoice] = "auto"
     parallel_tool_calls: bool = True
     max_tool_calls: Optional[int] = Field(None, ge=0)  # of built-in tools, of which none is served: unread
     text: TextConfig = TextConfig()
@@ -229,7 +229,7 @@ class ResponsesRequest(RequestModel):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        names = [t.name for t in choice.tools] if isinstance(choice, AllowedToolsChoice) else [
+        names = [t.name for t in choice.tools] if isinstance(choice, AllowedFunctionsChoice) else [
             choice.name if isinstance(choice, FunctionToolChoice) else None]
         for name in names:
             check_tool_choice(choice not in ("none", "auto"), name, {t.name for t in info.data.get("tools") or []})
@@ -365,8 +365,8 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
     tool_choice = body.tool_choice
     if isinstance(tool_choice, FunctionToolChoice):
         tool_choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=tool_choice.name))
-    elif isinstance(tool_choice, AllowedToolsChoice):
-        tool_choice = ChatAllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
+    elif isinstance(tool_choice, AllowedFunctionsChoice):
+        tool_choice = AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
             mode=tool_choice.mode, tools=[NamedToolChoice(type="function", function=ToolChoiceFunction(name=t.name))
                                           for t in tool_choice.tools]))
     return ChatCompletionRequest(

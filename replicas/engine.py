@@ -199,7 +199,8 @@ class GrammarSpec:
 
     An `optional` grammar is a guide, not a promise (the calls a model may make under
     tool_choice auto): an engine that cannot apply it, or cannot compile it, runs the request
-    unconstrained (then `SamplingParams.stop_after` is matched) instead of refusing it.
+    unconstrained (then `SamplingParams.stop_after` is matched) instead of refusing it. One
+    that meets the grammar engine's limits mid-answer fails the request, as any grammar does.
 
     `prefix` is text the output continues (a prefilled answer, which the prompt ends with):
     the grammar holds prefix + output, so the output starts where the prefix leaves it.

@@ -74,7 +74,7 @@ class GrammarCompiler:
         """A fresh matcher for one request; RequestError naming `spec.param` if the grammar is bad."""
         matcher = LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)  # a rejected draft is no warning
         if matcher.is_error():
-            raise RequestError(spec.param, f"the grammar is invalid: {matcher.get_error()}")
+            raise RequestError(spec.param, f"the grammar is invalid: {_reason(matcher)}")
         matcher.compute_bitmask()  # a grammar that admits no output (a schema that is only a
         if matcher.is_error():     # reference to itself) fails here, not at its build: "" came out
             raise RequestError(spec.param, f"the grammar admits no output at all ({_reason(matcher)})")
@@ -91,24 +91,20 @@ class GrammarCompiler:
         return Constraint(matcher, self.vocab_size, spec.param)
 
     def _first_step(self, matcher, param: str) -> None:
-        """Take the output's first token (the first forced, else the first admitted but EOS)
-        and step back: a grammar past the engine's limits fails there, as a 400 before the
-        answer starts rather than a failure in its first step (a schema with no finite instance,
-        `{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`, forces `{"a": ` without end;
-        an object of 1,000 optional properties fills a parser row)."""
+        """Take the output's first admitted token (the lowest id but EOS) and step back: a
+        grammar past the engine's limits at its start fails there, as a 400 before the answer
+        starts rather than a failure in its first step (a schema with no finite instance,
+        `{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}`, forces
+        `{"a": ` without end; an object of 1,000 optional properties fills a parser row). One
+        that meets a limit only down another path fails when the answer takes it."""
         if matcher.is_stopped():
             return
-        forced = matcher.compute_ff_tokens()
-        if forced:
-            token = forced[0]
-        else:
-            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-            token = next((int(t) for t in np.flatnonzero(bits[: self.vocab_size]) if t not in self._eos_ids), None)
-        if token is None or matcher.is_error():
-            return
-        if not matcher.consume_token(token):
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        token = next((int(t) for t in np.flatnonzero(bits[: self.vocab_size]) if t not in self._eos_ids), None)
+        if matcher.is_error() or token is not None and not matcher.consume_token(token):
             raise RequestError(param, f"the grammar engine cannot follow this format ({_reason(matcher)})")
-        matcher.rollback(1)
+        if token is not None:
+            matcher.rollback(1)
 
 
 def _reason(matcher) -> str:

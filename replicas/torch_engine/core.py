@@ -114,6 +114,7 @@ class EngineCore:
         started = time.perf_counter()
         self._step_tokens = 0
         self._to_feed = []  # not what a step that raised left: its requests were failed and removed
+        self._paused = []
         prefilled = self._admit()
         decoding = [s for s in self.running if s not in prefilled and not s.prefilling and s.finish_reason is None]
         if decoding:

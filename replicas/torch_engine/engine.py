@@ -221,7 +221,7 @@ class TorchEngine:
         if constraint is not None:
             try:
                 constraint.advance(resumed)
-            except RuntimeError as exc:
+            except RequestError as exc:
                 raise RequestError("resume", f"the grammar refuses the resumed tokens: {exc}") from None
         return Sequence(
             request_id=request.request_id,

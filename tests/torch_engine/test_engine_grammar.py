@@ -411,3 +411,13 @@ def test_a_grammar_that_meets_its_limits_midway_fails_the_request_naming_the_fie
     assert (last.finish_reason, last.error_param) == ("error", "text.format"), last
     assert last.error.startswith("text.format: the grammar engine gave up") and "\n" not in last.error
     assert run(engine, loop, constrained(chat_prompt(engine, "Hi"), max_tokens=8))[3].finish_reason is not None
+
+
+def test_resumed_tokens_the_grammar_refuses_are_refused_naming_resume(engine):
+    """(The grammar's own error, once advancing raised a RequestError, went out naming the format.)"""
+    from replicas.engine import Resume
+
+    refused = tuple(engine.tokenizer.encode("hello", add_special_tokens=False))
+    with pytest.raises(RequestError, match="the grammar refuses the resumed tokens") as info:
+        engine.generate(dataclasses.replace(constrained("hi"), resume=Resume(refused)))
+    assert info.value.param == "resume" and engine.num_live_requests == 0
