@@ -133,7 +133,7 @@ def ray_overhead(url: str, engine_config: dict, user_config: dict, pairs: int, m
 async def one_request(client: httpx.AsyncClient, payload: dict) -> dict:
     started = time.perf_counter()
     first = last = None
-    usage, error, text = None, None, 
+    usage, error, text = None, None, ""
     try:
         async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
             if response.status_code != 200:
@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-requests", type=int, default=8, help="requests per level: max(this, concurrency)")
     parser.add_argument("--autoscaling", action="store_true", help="keep deploy.yaml's autoscaling (default: 1 replica)")
-    parser.add_argument("--overhead-pairs", type=int, default=8, help="direct/HTTP pairs for Ray's overhead")
+    parser.add_argument("--overhead-pairs", type=int, default=8, help="direct/HTTP pairs for Ray's overhead (0: none)")
     parser.add_argument("--edit-chars", type=int, default=1500, help="longest code-edit file, in characters")
     parser.add_argument("--mtp-weights", default=None, help="override deploy.yaml's (path, default or none)")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
@@ -292,7 +292,7 @@ def main() -> None:
                 results[name][concurrency] = summarize(out, wall_s)
                 texts[name] += [r.get("text") for r in out]  # every setting answers the same prompts, greedy
                 print(name, concurrency, json.dumps(results[name][concurrency]), flush=True)
-            if key == "gate":
+            if key == "gate" and args.overhead_pairs > 0:
                 print("Ray overhead: alternating direct / HTTP requests", flush=True)
                 overhead = ray_overhead(url, {**app_args["engine"], "num_threads": threads}, replica_config(doc),
                                         args.overhead_pairs, max_tokens=8)

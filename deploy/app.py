@@ -45,7 +45,8 @@ def replica_deployment(args: AppArgs, speculation: SpeculationConfig = Speculati
                                          "gate_hold_s": opts.gate_hold_s,
                                          "gate_hold_min_acceptance": opts.gate_hold_min_acceptance,
                                          "prefix_affinity_chars": opts.prefix_affinity_chars,
-                                         "prefix_affinity_max_extra_load": opts.prefix_affinity_max_extra_load},
+                                         "prefix_affinity_max_extra_load": opts.prefix_affinity_max_extra_load,
+                                         "sole_router": args.ingress_replicas == 1},
                                      request_routing_stats_period_s=opts.routing_stats_period_s)
     return serve.deployment(Replica).options(
         name=DEPLOYMENT_NAME,

@@ -122,16 +122,21 @@ class SpeculationGateRouter(CountedRouter):
     gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE
     prefix_affinity_chars: int = AFFINITY_PREFIX_CHARS
     prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD
+    sole_router: bool = False
 
     def initialize_state(self, gate_hold_s: float = GATE_HOLD_S,
                          gate_hold_min_acceptance: float = GATE_HOLD_MIN_ACCEPTANCE,
                          prefix_affinity_chars: int = AFFINITY_PREFIX_CHARS,
-                         prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD) -> None:
+                         prefix_affinity_max_extra_load: int = AFFINITY_MAX_EXTRA_LOAD,
+                         sole_router: bool = False) -> None:
+        """`sole_router`: the application's one Ingress holds the only router of its Replicas,
+        so Serve's live count of a Replica's requests is the whole count (`ReplicaLoad.load`)."""
         super().initialize_state()
         self.gate_hold_s = float(gate_hold_s)
         self.gate_hold_min_acceptance = float(gate_hold_min_acceptance)
         self.prefix_affinity_chars = int(prefix_affinity_chars)
         self.prefix_affinity_max_extra_load = int(prefix_affinity_max_extra_load)
+        self.sole_router = bool(sole_router)
 
     def affinity_key(self, pending_request: PendingRequest) -> Optional[bytes]:
         """The key of a `generate` call's request: its conversation's (a chat's), else its
@@ -145,7 +150,8 @@ class SpeculationGateRouter(CountedRouter):
     def replica_loads(self, candidates: List[RunningReplica]) -> List[ReplicaLoad]:
         cache = self.replica_queue_len_cache
         return [
-            ReplicaLoad.from_stats(r.replica_id.unique_id, r.routing_stats or {}, cache.get(r.replica_id))
+            ReplicaLoad.from_stats(r.replica_id.unique_id, r.routing_stats or {}, cache.get(r.replica_id),
+                                   self.sole_router)
             for r in candidates
         ]
 

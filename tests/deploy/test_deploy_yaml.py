@@ -136,7 +136,10 @@ def test_the_router_gets_its_gate_hold_and_affinity_settings(document):
     assert router.request_router_kwargs == {
         "gate_hold_s": args.replica.gate_hold_s, "gate_hold_min_acceptance": args.replica.gate_hold_min_acceptance,
         "prefix_affinity_chars": args.replica.prefix_affinity_chars,
-        "prefix_affinity_max_extra_load": args.replica.prefix_affinity_max_extra_load}
+        "prefix_affinity_max_extra_load": args.replica.prefix_affinity_max_extra_load, "sole_router": True}
+    several = args.model_copy(update={"ingress_replicas": 2})  # several routers: none sees every request
+    assert replica_deployment(several)._deployment_config.request_router_config.request_router_kwargs[
+        "sole_router"] is False
     assert args.replica.prefix_affinity_chars > 0  # deploy.yaml routes by prefix
     assert args.replica.gate_hold_s > 0  # deploy.yaml holds
     plain_args = args.model_copy(update={"replica": args.replica.model_copy(update={"gate_router": False})})

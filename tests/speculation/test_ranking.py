@@ -26,6 +26,11 @@ RANKING = [
     ("waiting counts as load", [R("a", batch=1, waiting=3), R("b", batch=2)], ["b", "a"]),
     ("live queue beats stale stats", [R("a", batch=0, queue=4), R("b", batch=2)], ["b", "a"]),
     ("stale stats beat a short queue", [R("a", batch=4, queue=1), R("b", batch=2, queue=2)], ["b", "a"]),
+    # the sole router's live count is the whole count: the stats' requests have ended since
+    ("a sole router's queue beats stale stats", [ReplicaLoad("a", 4, 0, 4, 0.0, 1, sole_router=True),
+                                                  ReplicaLoad("b", 2, 0, 4, 0.0, 2, sole_router=True)], ["a", "b"]),
+    ("a sole router without a count reads the stats", [ReplicaLoad("a", 4, 0, 4, 0.0, None, sole_router=True),
+                                                       R("b", batch=2)], ["b", "a"]),
     ("above the gate: shorter queue first", [R("a", batch=9, acc=3.0), R("b", batch=6, acc=1.0)], ["b", "a"]),
     ("the gate is per replica", [R("a", batch=5, gate=8), R("b", batch=2, gate=2)], ["a", "b"]),
     ("gate 0 never speculates", [R("a", gate=0), R("b", batch=3)], ["b", "a"]),
@@ -80,6 +85,7 @@ def test_hold_at_gate(name, replicas, waited_s, hold_s, expected):
 def test_from_stats_reads_the_replica_keys():
     stats = {"batch_size": 3.0, "waiting": 1.0, "batch_gate": 6.0, "acceptance_length": 2.5, "step_ms": 9.0}
     assert ReplicaLoad.from_stats("x", stats, 2) == ReplicaLoad("x", 3, 1, 6, 2.5, 2)
+    assert ReplicaLoad.from_stats("x", stats, 2, sole_router=True).load == 2
     assert ReplicaLoad.from_stats("x", {}) == ReplicaLoad("x", 0, 0, UNKNOWN_GATE, 0.0, None)
 
 
