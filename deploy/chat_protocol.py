@@ -197,10 +197,9 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        names = choice.names if isinstance(choice, AllowedToolsChoice) else [
-            choice.function.name if isinstance(choice, NamedToolChoice) else None]
-        for name in names:
-            check_tool_choice(choice not in (None, "none"), name, {t.function.name for t in info.data.get("tools") or []})
+        names = (choice.names if isinstance(choice, AllowedToolsChoice) else
+                 [choice.function.name] if isinstance(choice, NamedToolChoice) else [])
+        check_tool_choice(choice not in (None, "none"), names, {t.function.name for t in info.data.get("tools") or []})
         return choice
 
     @property

@@ -270,7 +270,7 @@ class CountTokensRequest(RequestModel):
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
         forces = choice is not None and choice.type in ("any", "tool")
-        named = choice.name if forces and choice.type == "tool" else None
+        named = [choice.name] if forces and choice.type == "tool" else []
         check_tool_choice(forces, named, {t.name for t in info.data.get("tools") or []})
         return choice
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
                       model_validator)
@@ -118,13 +118,15 @@ ResponseFormat = Annotated[Union[
 ], Discriminator(type_tag)]
 
 
-def check_tool_choice(needs_tools: bool, name: Optional[str], tools: set[str]) -> None:
-    """A tool choice that forces a call has tools to call, and one that names a function names one
-    of `tools` (ValueError otherwise): chat's, the Responses API's and the Messages API's."""
+def check_tool_choice(needs_tools: bool, names: Iterable[str], tools: set[str]) -> None:
+    """A tool choice that forces a call has tools to call, and the functions one names (a named
+    choice's one, allowed_tools' several) are among `tools` (ValueError otherwise): chat's, the
+    Responses API's and the Messages API's."""
     if needs_tools and not tools:
         raise ValueError("needs tools")
-    if name is not None and name not in tools:
-        raise ValueError(f"names {name!r}, which is not among the tools")
+    for name in names:
+        if name not in tools:
+            raise ValueError(f"names {name!r}, which is not among the tools")
 
 
 def check_unique_names(names: List[str]) -> None:

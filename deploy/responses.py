@@ -229,10 +229,9 @@ class ResponsesRequest(RequestModel):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
-        names = [t.name for t in choice.tools] if isinstance(choice, AllowedFunctionsChoice) else [
-            choice.name if isinstance(choice, FunctionToolChoice) else None]
-        for name in names:
-            check_tool_choice(choice not in ("none", "auto"), name, {t.name for t in info.data.get("tools") or []})
+        names = ([t.name for t in choice.tools] if isinstance(choice, AllowedFunctionsChoice) else
+                 [choice.name] if isinstance(choice, FunctionToolChoice) else [])
+        check_tool_choice(choice not in ("none", "auto"), names, {t.name for t in info.data.get("tools") or []})
         return choice
 
     @field_validator("include", "top_logprobs")
@@ -363,12 +362,14 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
         fmt = {"type": "json_schema", "json_schema": {"name": fmt.name, "description": fmt.description,
                                                       "schema": fmt.schema_, "strict": fmt.strict}}
     tool_choice = body.tool_choice
+    def named(choice: FunctionToolChoice) -> NamedToolChoice:
+        return NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
+
     if isinstance(tool_choice, FunctionToolChoice):
-        tool_choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=tool_choice.name))
+        tool_choice = named(tool_choice)
     elif isinstance(tool_choice, AllowedFunctionsChoice):
         tool_choice = AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
-            mode=tool_choice.mode, tools=[NamedToolChoice(type="function", function=ToolChoiceFunction(name=t.name))
-                                          for t in tool_choice.tools]))
+            mode=tool_choice.mode, tools=[named(t) for t in tool_choice.tools]))
     return ChatCompletionRequest(
         model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,
