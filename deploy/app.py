@@ -20,7 +20,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deploy.config import AppArgs, IngressConfig
 from deploy.engine_factory import engine_factory
-from deploy.ingress import Ingress
+from deploy.routes import HttpIngress
 from deploy.response_store import ResponseStore
 from replicas.engine import Engine, SpeculationConfig
 from replicas.replica import DEPLOYMENT_NAME, Replica
@@ -69,7 +69,7 @@ def ingress_deployment(args: AppArgs):
     work by the Ingress the proxy picked: on the head (`ingress_placement: head`) that Ingress
     dies only with the head, whose proxy and controller the cluster cannot lose anyway."""
     placement = {"resources": ON_HEAD_NODE} if args.ingress_placement == "head" else {}
-    return serve.deployment(serve.ingress()(Ingress)).options(
+    return serve.deployment(serve.ingress()(HttpIngress)).options(
         name="Ingress",
         num_replicas=args.ingress_replicas,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,

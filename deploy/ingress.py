@@ -23,36 +23,31 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
-from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
-from deploy.auth import BearerAuth, load_keys
-from deploy.body_limit import BodyLimit
-from deploy.request_id import RequestIdHeader
+from deploy.auth import load_keys
 from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, misplaced_tool_message
 from deploy.config import IngressConfig
-from deploy.errors import RETRY_AFTER_S, ApiError, install_error_handlers, server_error
+from deploy.errors import RETRY_AFTER_S, ApiError, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
 from deploy.protocol import CompletionRequest
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel, no_engine_replica
-from deploy.response_bodies import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
-from deploy.response_store import KeptResponses, input_item_list
+from deploy.response_bodies import ModelCard
+from deploy.response_store import KeptResponses
 from deploy.responses import InputTokensRequest, ResponsesRequest
-from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion, TokenizeRequest
+from deploy.tokenizing import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 from replicas.engine import GenerationDelta, GenerationRequest
 from replicas.replica import log_through_serve
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
-_STREAM_DOC = {"content": {"text/event-stream": {}}, "description": "SSE chunks ending with data: [DONE]"}
-
 
 class Ingress:
-    """Serve ingress deployment; `deploy/app.py` wraps it with `serve.ingress()`."""
+    """What the HTTP API does; `deploy/routes.py` gives it its routes (`HttpIngress`, which
+    `deploy/app.py` deploys with `serve.ingress()`)."""
 
     def __init__(self, replica: Any, store: Any, config: IngressConfig) -> None:
         """`replica` and `store`: handles to the Replica and ResponseStore deployments."""
@@ -72,9 +67,6 @@ class Ingress:
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._prompts, functools.partial(fn, *args))
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self)
 
     # -- tokenizer, fetched lazily from a replica ---------------------------------------------
     async def tokenizer(self) -> Any:
@@ -384,84 +376,3 @@ class Ingress:
     def model_card(self) -> dict[str, Any]:
         return ModelCard(id=self.config.model_name, created=self._created).model_dump()
 
-
-def build_api(ingress: Ingress) -> FastAPI:
-    """The FastAPI app, its routes bound to one Ingress instance."""
-    config = ingress.config
-    app = FastAPI(title="specserve", version="0.1.0",
-                  description="OpenAI-compatible LLM serving with hybrid speculative decoding")
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(BearerAuth, keys=ingress.keys)  # auth before reading bodies
-    app.add_middleware(RequestIdHeader)  # outermost: on every answer, refusals too
-
-    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _STREAM_DOC})
-    async def completions(body: CompletionRequest):
-        return await ingress.handle("completion", body)
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={**_ERRORS, 200: _STREAM_DOC})
-    async def chat_completions(body: ChatCompletionRequest):
-        return await ingress.handle("chat", body)
-
-    @app.post("/v1/responses", responses={**_ERRORS, 200: _STREAM_DOC})
-    async def create_response(body: ResponsesRequest):
-        return await ingress.respond(body)
-
-    @app.post("/v1/messages", responses={**_ERRORS, 200: _STREAM_DOC})
-    async def create_message(body: MessagesRequest):
-        return await ingress.message(body)
-
-    @app.post("/v1/messages/count_tokens", responses=_ERRORS)
-    async def count_message_tokens(body: CountTokensRequest):
-        return await ingress.count_tokens(body)
-
-    @app.post("/v1/responses/input_tokens", responses=_ERRORS)
-    async def count_response_input_tokens(body: InputTokensRequest):
-        return await ingress.count_input_tokens(body)
-
-    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
-    async def get_response(response_id: str):
-        return (await ingress.stored.get(response_id))[0]
-
-    @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
-    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: Optional[str] = None):
-        # `include` asks for what an input item may add (an image's URL, ...): ours have nothing more
-        return input_item_list((await ingress.stored.get(response_id))[2], limit, order, after)
-
-    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
-    async def delete_response(response_id: str):
-        await ingress.stored.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-    async def models():
-        return {"object": "list", "data": [ingress.model_card()]}
-
-    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
-    async def model(model: str):
-        if model != config.model_name:
-            raise ApiError(404, f"model: {model!r} is not served here", "model", code="model_not_found")
-        return ingress.model_card()
-
-    @app.post("/tokenize", responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest):
-        return await ingress.tokenize(body)
-
-    @app.post("/detokenize", responses=_ERRORS)
-    async def detokenize(body: DetokenizeRequest):
-        return await ingress.detokenize(body)
-
-    @app.get("/tokenizer_info", responses=_ERRORS)
-    async def tokenizer_info():
-        return tokenizing.tokenizer_info(await ingress.tokenizer(), config.max_seq_len)
-
-    @app.get("/healthz", responses={503: {"model": ErrorResponse}})
-    @app.get("/health")  # vLLM's name for it
-    @app.head("/healthz", include_in_schema=False)  # for probes that send HEAD (one route of two
-    @app.head("/health", include_in_schema=False)   # methods named its operation by a set's order)
-    async def healthz():
-        await ingress.check_engine_replicas()
-        return {"status": "ok"}
-
-    return app

@@ -372,7 +372,8 @@ class _NoReplica:
 
 def _openapi_document() -> dict:
     from deploy.config import IngressConfig
-    from deploy.ingress import Ingress, build_api
+    from deploy.ingress import Ingress
+    from deploy.routes import build_api
 
     return build_api(Ingress(_NoReplica(), None, IngressConfig.from_args(fake_args()))).openapi()
 
