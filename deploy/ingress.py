@@ -103,7 +103,7 @@ class Ingress:
         output = fmt.Output(kind, num_top is not None, chat and bool(body.functions),
                             fmt.TokenTexts.for_tokenizer(tokenizer), chat and not body.parallel_tool_calls,
                             body.prompt_logprobs, chat and body.continue_final_message)
-        echoes = [None] * len(requests)
+        echoes, prompt_only = [None] * len(requests), not chat and body.echo and body.max_tokens == 0
         if not chat and body.echo:  # each choice's prompt: prompt-major, n choices each
             echoes = [fmt.Echo(p if isinstance(p, str) else tokenizer.decode(p), r.prompt[0], num_top or 0)
                       for r, p in zip(requests, (p for p in body.prompts for _ in range(body.n)))]
@@ -126,9 +126,10 @@ class Ingress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(output, request_id, requests, echoes, created, opened, routing,
-                                               include_usage, body.n),
+                                               include_usage, body.n, prompt_only),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        accs = await all_choices([self._replicas.collect(r, *o, routing) for r, o in zip(requests, opened)])
+        accs = await all_choices([self._replicas.collect(r, *o, routing, prompt_only)
+                                  for r, o in zip(requests, opened)])
         choices = [fmt.full_choice(kind, i, acc, output,
                                    fmt.answer_tool_calls(acc, output) if output.tools else None, echoes[i])
                    for i, acc in enumerate(accs)]
@@ -315,11 +316,11 @@ class Ingress:
 
     async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest],
                    echoes: list[Optional[fmt.Echo]], created: int, opened: list[tuple[Any, GenerationDelta]],
-                   routing: asyncio.Lock, include_usage: bool, n: int) -> AsyncIterator[str]:
+                   routing: asyncio.Lock, include_usage: bool, n: int, prompt_only: bool) -> AsyncIterator[str]:
         """The response's SSE: each choice's chunks as its replica stream delivers them (one
         task per choice), each choice's last chunk as it finishes, then the usage and [DONE]."""
         kind, model = output.kind, self.config.model_name
-        accs = [fmt.Accumulated.of(r) for r in requests]
+        accs = [fmt.Accumulated.of(r, prompt_only) for r in requests]
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
 
         async def choice(index: int) -> None:

@@ -38,11 +38,13 @@ class Accumulated:
     prediction: Sequence[int] = ()  # the request's predicted output (token ids), if any
     stops: Sequence[str] = ()  # the request's stop strings and stop ids: what stop_reason may name
     stop_token_ids: Sequence[int] = ()
+    prompt_only: bool = False  # completions' `max_tokens: 0` with echo: the token generated is left out
 
     @classmethod
-    def of(cls, request: GenerationRequest) -> "Accumulated":
+    def of(cls, request: GenerationRequest, prompt_only: bool = False) -> "Accumulated":
         sampling = request.sampling
-        return cls(prediction=request.prediction, stops=sampling.stop, stop_token_ids=sampling.stop_token_ids)
+        return cls(prediction=request.prediction, stops=sampling.stop, stop_token_ids=sampling.stop_token_ids,
+                   prompt_only=prompt_only)
 
     @property
     def stop_reason(self) -> Union[str, int, None]:
@@ -60,7 +62,11 @@ class Accumulated:
         string or stop token)? A call it ended inside is cut short, not malformed."""
         return self.finish_reason == "length" or self.stop_reason is not None
 
-    def add(self, delta: GenerationDelta) -> None:
+    def add(self, delta: GenerationDelta) -> GenerationDelta:
+        """Take in `delta`; returns it as the response shows it."""
+        if self.prompt_only:  # the prompt's logprobs alone, ended by the length asked for (0)
+            delta = replace(delta, token_ids=(), text="", logprobs=(), completion_tokens=0, stop_string=None,
+                            finish_reason=delta.finish_reason and "length")
         self.text += delta.text
         self.logprobs += delta.logprobs
         self.prompt_logprobs += delta.prompt_logprobs
@@ -72,6 +78,7 @@ class Accumulated:
             self.completion_tokens = delta.completion_tokens
             self.cached_tokens = delta.cached_tokens
             self.speculation = dict(delta.speculation)
+        return delta
 
 
 def usage(accs: Sequence[Accumulated], n: int = 1) -> dict[str, Any]:

@@ -237,7 +237,10 @@ def generation_request(
                        anthropic_message=f"input length and `max_tokens` exceed context limit: {len(prompt_ids)} + "
                                          f"{asked} > {config.max_seq_len}, decrease input length or `max_tokens` "
                                          f"and try again")
-    max_tokens = asked if asked is not None else min(config.default_max_tokens, room)
+    if asked == 0 and not request.echo:
+        raise ApiError(400, "max_tokens: 0 only with echo (the prompt scored, nothing generated)", "max_tokens")
+    # a prompt scored alone is the engine's prefill and one token, which the answer leaves out
+    max_tokens = max(asked, 1) if asked is not None else min(config.default_max_tokens, room)
     prompt_logprobs = request.prompt_logprobs  # vLLM's
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

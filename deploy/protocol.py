@@ -244,6 +244,8 @@ class CompletionRequest(SamplingRequest):
     of them (a list of texts or of token-id lists: `n` choices each, in the prompts' order)."""
 
     prompt: Union[Text, List[int], List[Text], List[List[int]]]
+    max_tokens: Optional[int] = Field(None, ge=0, description="capped by the server's limit; 0 with echo scores "
+                                                              "the prompt alone (nothing generated)")
     echo: bool = Field(False, description="the prompt before each choice's text (and, with logprobs, "
                                           "its tokens' logprobs, the first token's null)")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,

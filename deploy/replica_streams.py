@@ -263,7 +263,7 @@ class ReplicaStreams:
                     raise ApiError(500, f"generation failed: {delta.error or delta.finish_reason}")
                 waiting = delta.waiting  # back in the engine's queue: not idle, as before its first token
                 if not waiting:
-                    acc.add(delta)
+                    delta = acc.add(delta)
                     done = delta.finish_reason is not None
                     yield delta
                     if done:
@@ -277,8 +277,8 @@ class ReplicaStreams:
                 cancel(stream)
 
     async def collect(self, request: GenerationRequest, stream, delta: GenerationDelta,
-                       routing: asyncio.Lock) -> fmt.Accumulated:
-        acc = fmt.Accumulated.of(request)
+                       routing: asyncio.Lock, prompt_only: bool = False) -> fmt.Accumulated:
+        acc = fmt.Accumulated.of(request, prompt_only)
         try:
             async with contextlib.aclosing(self.deltas(request, stream, delta, acc, routing)) as deltas:
                 async for _ in deltas:

@@ -68,6 +68,7 @@ BAD_INPUT = [
      "messages[1].tool_calls[1].id"),
     ("negative max_tokens", "/v1/completions", completion(max_tokens=-5), {}, 400, "max_tokens"),
     ("zero max_tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "max_tokens"),
+    ("zero max_tokens, chat", "/v1/chat/completions", chat(max_tokens=0), {}, 400, "max_tokens"),
     ("huge max_tokens", "/v1/completions", completion(max_tokens=10**9), {}, 400, "max_tokens"),
     ("huge max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=10**6), {}, 400,
      "max_completion_tokens"),

@@ -418,6 +418,28 @@ def test_echo_scores_a_text_as_its_generation_did_streamed_or_not(client):
     assert client.completions.create(**{**kwargs, "logprobs": None}).choices[0].text == choice.text
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone_streamed_or_not(client):
+    """OpenAI's legacy scoring form (what older harnesses send): `max_tokens: 0` with `echo`
+    gives back the prompt and its logprobs, the figures a generation past it shows for them,
+    with nothing generated (no text, no logprob, 0 completion tokens, `length`)."""
+    kwargs = dict(model=MODEL, prompt="def add(a, b):\n    return a + b\n", temperature=0, logprobs=2, echo=True)
+    longer = client.completions.create(**kwargs, max_tokens=3)
+    scored = client.completions.create(**kwargs, max_tokens=0)
+    choice, lp, past = scored.choices[0], scored.choices[0].logprobs, longer.choices[0].logprobs
+    assert choice.text == kwargs["prompt"] and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == longer.usage.prompt_tokens
+    n = scored.usage.prompt_tokens
+    assert lp.tokens == past.tokens[:n] and lp.token_logprobs == past.token_logprobs[:n]
+    assert lp.top_logprobs == past.top_logprobs[:n] and lp.text_offset == past.text_offset[:n]
+    chunks = list(client.completions.create(**kwargs, max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens: 0 only with echo"):
+        client.completions.create(**{**kwargs, "echo": False}, max_tokens=0)
+
+
 def test_vllm_prompt_logprobs_are_echos_with_ranks_on_completions_and_chat(url):
     """vLLM's `prompt_logprobs` (what scripts written against `vllm serve` score prompts with):
     null, then per prompt token {id: logprob, rank, decoded_token}, the token's own first, then
