@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
 from deploy.auth import load_keys
+from deploy.background import BackgroundResponses
 from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, misplaced_tool_message
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, server_error
@@ -61,6 +62,7 @@ class Ingress:
         self._tokenizer = None
         self._created = int(time.time())
         self.stored = KeptResponses(store, config.stored_responses)
+        self.background = BackgroundResponses(self.stored)
         # Prompts are rendered and tokenized here, off the event loop: a 1 MB chat takes the
         # better part of a second, which on the loop held every other client's stream.
         self._prompts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompts")
@@ -148,7 +150,7 @@ class Ingress:
             fitted, conversation = responses.fitted(body, chat, conversation, build)
             return fitted
 
-        request, opened, routing = await self._begin(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
+        request = await self._build(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
         created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts.for_tokenizer(await self.tokenizer()) if body.logprobs else None
         items = response_items.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls)
@@ -160,6 +162,20 @@ class Ingress:
                                       response_items.input_items(body))
             return done
 
+        if body.background:
+            async def generate(begun: Callable[[], Awaitable[None]]) -> None:
+                routing = asyncio.Lock()
+                opened = await self._open(request, routing, responses.FIELDS)
+                await begun()
+                acc = await self._collect(request, opened, routing, responses.FIELDS)
+                items.feed(acc.text, acc.finish_reason, acc.logprobs, acc.cut)
+                await finished(acc)
+
+            queued = {**response_items.response_body(body, request.request_id, created, model), "status": "queued"}
+            await self.background.start(queued, response_items.input_items(body), generate)
+            return JSONResponse(queued)
+        routing = asyncio.Lock()
+        opened = await self._open(request, routing, responses.FIELDS)
         if body.stream:
             begun = response_items.response_body(body, request.request_id, created, model)
 
@@ -168,9 +184,8 @@ class Ingress:
                 return [items.event(f"response.{done['status']}", response=done)]
 
             def failed(err: ApiError) -> list[dict[str, Any]]:
-                error = {"code": "server_error", "message": err.message}
                 return [items.event("error", code=err.code or err.type, message=err.message, param=err.param),
-                        items.event("response.failed", response={**begun, "status": "failed", "error": error})]
+                        items.event("response.failed", response=response_items.failed(begun, err))]
 
             opening = [items.event("response.created", response=begun),
                        items.event("response.in_progress", response=begun)]
@@ -186,6 +201,9 @@ class Ingress:
             body = responses.with_items(body, await self.stored.items(referenced))
         previous = await self.stored.get(body.previous_response_id, "previous_response_id") \
             if body.previous_response_id else None
+        if previous and previous[0]["status"] not in ("completed", "incomplete"):
+            raise ApiError(400, f"previous_response_id: response {body.previous_response_id!r} is "
+                                f"{previous[0]['status']}: only a finished one can be continued", "previous_response_id")
         taken = [item["id"] for item in (*previous[0]["output"], *previous[2])] if previous else []
         if repeated := responses.repeated_id(body.items, taken) or responses.unmatched_call(
                 body.items, previous[1] if previous else []):
@@ -221,7 +239,8 @@ class Ingress:
         if body.thread is not None:
             raise messages.threads_refused()
         chat = messages.chat_request(body)
-        request, opened, routing = await self._begin(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS)
+        request, routing = await self._build(chat, f"msg_{uuid.uuid4().hex}", messages.FIELDS), asyncio.Lock()
+        opened = await self._open(request, routing, messages.FIELDS)
         model = self.config.model_name
         blocks = message_blocks.ContentBlocks(bool(chat.functions), not chat.parallel_tool_calls,
                                               chat.continue_final_message)
@@ -261,23 +280,37 @@ class Ingress:
         except ApiError as exc:
             raise exc.renamed(messages.FIELDS) from None
 
-    async def _begin(self, chat: ChatCompletionRequest, request_id: str, fields: dict[str, str],
+    async def _build(self, chat: ChatCompletionRequest, request_id: str, fields: dict[str, str],
                      fit: Optional[Callable[[Callable[[ChatCompletionRequest], GenerationRequest]],
-                                            GenerationRequest]] = None):
-        """(engine request, its opened stream, routing lock) for another API's request that means
-        `chat` (or the chat `fit` picks, given how a chat becomes an engine request); an error of
-        the chat pipeline or of the engine names the field as `fields` say."""
-        routing = asyncio.Lock()
+                                            GenerationRequest]] = None) -> GenerationRequest:
+        """The engine request for another API's request that means `chat` (or the chat `fit`
+        picks, given how a chat becomes an engine request); an error names the field as `fields` say."""
         try:
             tokenizer = await self.tokenizer()
 
             def build(c: ChatCompletionRequest) -> GenerationRequest:
                 return generation_request(request_id, tokenizer, c, self.config)
 
-            request = await (self._off_loop(build, chat) if fit is None else self._off_loop(fit, build))
-            return request, await self._replicas.open(request, routing), routing
+            return await (self._off_loop(build, chat) if fit is None else self._off_loop(fit, build))
         except ApiError as exc:
             raise exc.renamed(fields) from None
+
+    async def _open(self, request: GenerationRequest, routing: asyncio.Lock,
+                    fields: dict[str, str]) -> tuple[Any, GenerationDelta]:
+        """The request's stream, opened on a replica; the engine's refusal named as `fields` say."""
+        try:
+            return await self._replicas.open(request, routing)
+        except ApiError as exc:
+            raise exc.renamed(fields) from None
+
+    async def cancel_response(self, response_id: str) -> dict[str, Any]:
+        return await self.background.cancel(response_id)
+
+    def __del__(self):
+        """Serve's graceful stop awaits what this returns: the background responses this
+        replica still runs are kept as failed."""
+        background = getattr(self, "background", None)  # (an __init__ that raised)
+        return background.on_stop() if background is not None else None
 
     async def _collect(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta], routing: asyncio.Lock,
                        fields: dict[str, str]) -> fmt.Accumulated:

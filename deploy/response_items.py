@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
 from deploy.responses import InputMessage, ResponsesRequest
@@ -92,6 +93,11 @@ class OutputItems(OutputParts):
                                     item=copy.deepcopy(item))]
 
 
+def failed(response: dict[str, Any], error: ApiError) -> dict[str, Any]:
+    """A Response object that ended with `error`."""
+    return {**response, "status": "failed", "error": {"code": "server_error", "message": error.message}}
+
+
 def response_body(body: ResponsesRequest, response_id: str, created_at: int, model: str,
                   items: Optional[OutputItems] = None, acc: Optional[Accumulated] = None) -> dict[str, Any]:
     """The Response object: in progress (no `acc` yet), or finished with its output and usage."""
@@ -116,7 +122,7 @@ def response_body(body: ResponsesRequest, response_id: str, created_at: int, mod
         "tools": [t.model_dump() for t in body.tools], "text": text, "truncation": body.truncation,
         "store": body.store, "metadata": body.metadata or {}, "user": body.user, "usage": usage,
         # what the request set, echoed as OpenAI's object does (a hint, or a neutral value, here)
-        "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls, "background": False,
+        "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls, "background": body.background,
         "service_tier": "default", "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
         "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},

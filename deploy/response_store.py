@@ -1,6 +1,7 @@
 """The responses `/v1/responses` keeps (`store: true`, the default, as OpenAI's) for
 `previous_response_id`, `item_reference` input, `GET`/`DELETE /v1/responses/{id}` and `GET
-/v1/responses/{id}/input_items` (`input_item_list`: a page of them).
+/v1/responses/{id}/input_items` (`input_item_list`: a page of them), and a background
+response's status as it runs (`POST /v1/responses/{id}/cancel` stops it).
 
 `ResponseStore` is a Serve deployment of its own: one replica per application, on the head
 node beside Serve's controller (`deploy/app.py`), so a follow-up finds its response whichever
@@ -23,6 +24,7 @@ from replicas.replica import DEPLOYMENT_NAME, LastSettings
 logger = logging.getLogger(__name__)
 # the response body, its conversation as chat messages, its input items (`response_items.input_items`)
 Kept = tuple[dict[str, Any], List[ChatMessage], List[dict[str, Any]]]
+RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
 # Longest an Ingress waits on the store: Serve queues a call while the store's one replica
 # restarts, and a request waited as long, its answer made, for its put.
 STORE_TIMEOUT_S = 10.0
@@ -43,6 +45,9 @@ class ResponseStore:
         # response holding it, and reads as that one holds it (a client's id may name other
         # text in another response; a deleted response's is gone with it)
         self._items: dict[str, dict[str, dict[str, Any]]] = {}
+        # background responses deleted while they ran (the latest `capacity`): their runs stop,
+        # and what they put later is dropped
+        self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __del__(self):
         """Serve's graceful stop awaits what this returns (`LastSettings.on_stop`): a Replica's
@@ -51,7 +56,7 @@ class ResponseStore:
         return settings.on_stop() if settings is not None else None
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
-        if self.capacity <= 0:
+        if self.capacity <= 0 or await self.stopped(body["id"]):  # its run ended by the client: it stays so
             return
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
@@ -69,7 +74,25 @@ class ResponseStore:
                 if item_id in self._items}
 
     async def delete(self, response_id: str) -> bool:
+        kept = self._kept.get(response_id)
+        if kept is not None and kept[0].get("status") in RUNNING:
+            self._dropped[response_id] = None
+            while len(self._dropped) > self.capacity:
+                self._dropped.popitem(last=False)
         return self._forget(response_id)
+
+    async def cancel(self, response_id: str) -> Optional[dict[str, Any]]:
+        """The response, cancelled if it was running (None: not kept)."""
+        kept = self._kept.get(response_id)
+        if kept is not None and kept[0].get("status") in RUNNING:
+            kept = ({**kept[0], "status": "cancelled"}, *kept[1:])
+            self._kept[response_id] = kept
+        return None if kept is None else kept[0]
+
+    async def stopped(self, response_id: str) -> bool:
+        """Was this background response cancelled or deleted? (Its run then stops.)"""
+        kept = self._kept.get(response_id)
+        return response_id in self._dropped or (kept is not None and kept[0].get("status") == "cancelled")
 
     def _forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
@@ -112,6 +135,21 @@ class KeptResponses:
             await asyncio.wait_for(self._store.put.remote(body, messages, inputs), STORE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             logger.warning("response %s was not stored: %r", body["id"], exc)
+
+    async def start(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
+        """Keep a background response as it is queued: before the client has its id (a 503 if
+        the store cannot take it)."""
+        await self._call("put", body, [], inputs)
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """The response, cancelled if it ran (a 404 if it is not kept)."""
+        body = await self._call("cancel", response_id)
+        if body is None:
+            self._missing(response_id, None)
+        return body
+
+    async def stopped(self, response_id: str) -> bool:
+        return await self._call("stopped", response_id)
 
     async def delete(self, response_id: str) -> None:
         if not await self._call("delete", response_id):

@@ -13,8 +13,8 @@ state machine for the streamed events and the final body, so the two agree on ev
 Kept: with `store` (the default, as OpenAI's), a finished response, its conversation and its
 input items are kept (`deploy/response_store.py`) for `previous_response_id`, `item_reference`
 input, `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`
-(`response_items.input_items`). Only function tools and text in and out: another tool type
-or part is a 400.
+(`response_items.input_items`); a background response is kept as it is queued and runs.
+Only function tools and text in and out: another tool type or part is a 400.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class Reasoning(RequestModel):
 
 class ResponsesRequest(RequestModel):
     """`POST /v1/responses`. Fields OpenAI has and we do not implement are accepted only at
-    their neutral values (`background: false`); `include` takes
+    their neutral values; `include` takes
     logprobs (`top_logprobs` alone asks for them too; not beside tools) and what needs nothing
     from us (no output of ours has reasoning or search results)."""
 
@@ -207,7 +207,7 @@ class ResponsesRequest(RequestModel):
                           "web_search_call.results"]] = []
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     truncation: Literal["disabled", "auto"] = "disabled"
-    background: Literal[False] = False
+    background: bool = Field(False, description="answered at once as queued; poll GET /v1/responses/{id}")
     service_tier: ServiceTier = None
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -225,6 +225,15 @@ class ResponsesRequest(RequestModel):
         return value
 
     _stream_options = field_validator("stream_options")(only_streamed)
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, value, info: ValidationInfo):
+        if value and not info.data.get("store", True):
+            raise ValueError("needs store=true (the response is kept for GET /v1/responses/{id})")
+        if value and info.data.get("stream"):
+            raise ValueError("not with stream=true here: poll GET /v1/responses/{id}")
+        return value
 
     @field_validator("tool_choice")
     @classmethod

@@ -66,6 +66,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def get_response(response_id: str):
         return (await ingress.stored.get(response_id))[0]
 
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
+    async def cancel_response(response_id: str):
+        return await ingress.cancel_response(response_id)
+
     @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: Optional[str] = None):
         # `include` asks for what an input item may add (an image's URL, ...): ours have nothing more

@@ -344,3 +344,54 @@ def test_an_id_names_one_item_in_the_conversation_references_resolved():
     assert repeated_id(ResponsesRequest(model="m", input=[call, result]).items, ["fc_1"]) == (
         "input[0].id", "'fc_1' is the id of an item of the previous_response_id response")
     assert repeated_id(ResponsesRequest(model="m", input=[result]).items, ["fc_1"]) is None
+
+
+class _Handle:
+    """A ResponseStore called as a deployment handle calls it (`handle.method.remote(...)`)."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self._store = store
+
+    def __getattr__(self, method: str):
+        return SimpleNamespace(remote=getattr(self._store, method))
+
+
+def test_a_cancelled_or_deleted_background_response_stays_so_whatever_its_run_puts_later():
+    store = ResponseStore(capacity=3)
+    run = asyncio.run
+    for rid in ("resp_c", "resp_d", "resp_e"):
+        run(store.put({"id": rid, "output": [], "status": "queued"}, [], []))
+    run(store.put({"id": "resp_c", "output": [], "status": "in_progress"}, [], []))
+    assert run(store.cancel("resp_c"))["status"] == "cancelled" and run(store.stopped("resp_c"))
+    run(store.put({"id": "resp_c", "output": [], "status": "completed"}, [], []))  # the run's last put, too late
+    assert run(store.get("resp_c"))[0]["status"] == "cancelled"
+    assert run(store.cancel("resp_c"))["status"] == "cancelled"  # again: as it is
+    assert run(store.delete("resp_d")) and run(store.stopped("resp_d"))
+    run(store.put({"id": "resp_d", "output": [], "status": "completed"}, [], []))
+    assert run(store.get("resp_d")) is None
+    # evicted (the store full of newer ones) is not cancelled: its run goes on and is kept when done
+    for rid in ("resp_f", "resp_g", "resp_h"):
+        run(store.put({"id": rid, "output": [], "status": "completed"}, [], []))
+    assert run(store.get("resp_e")) is None and not run(store.stopped("resp_e"))
+    assert run(store.cancel("resp_h"))["status"] == "completed" and run(store.cancel("resp_none")) is None
+
+
+def test_an_ingress_that_stops_keeps_its_running_background_responses_as_failed():
+    """Its background runs die with it: what Serve's graceful stop awaits marks them failed, so
+    a client polling one is not left waiting on `in_progress` for ever."""
+    from deploy.config import IngressConfig
+    from deploy.ingress import Ingress
+    from tests.deploy.fakes import fake_args
+
+    store = ResponseStore(capacity=4)
+    ingress = Ingress(SimpleNamespace(options=lambda **_: None), _Handle(store), IngressConfig.from_args(fake_args()))
+    running = {"id": "resp_run", "output": [], "status": "in_progress", "error": None}
+    done = {"id": "resp_done", "output": [], "status": "completed", "error": None}
+    for body in (running, done):
+        asyncio.run(store.put(body, [], [{"id": "msg_in"}]))
+        ingress.background._running[body["id"]] = None  # as its run registers itself
+    asyncio.run(ingress.__del__())
+    failed, kept_inputs = asyncio.run(store.get("resp_run"))[0::2]
+    assert failed["status"] == "failed" and "stopped" in failed["error"]["message"] and kept_inputs == [{"id": "msg_in"}]
+    assert asyncio.run(store.get("resp_done"))[0] == done
+    assert ingress.__del__() is None  # once

@@ -238,6 +238,70 @@ def test_store_false_keeps_nothing_and_delete_forgets(agent_client):
 
 
 
+def _polled(client: openai.OpenAI, response_id: str, until: tuple[str, ...]) -> Response:
+    seen = []
+    assert wait_until(lambda: seen.append(client.responses.retrieve(response_id)) or seen[-1].status in until,
+                      timeout_s=120, interval_s=0.1), seen[-1].status
+    return seen[-1]
+
+
+def test_a_background_response_is_queued_then_done_as_the_same_request_answered_at_once(agent_client):
+    kwargs = dict(model=MODEL, instructions="Answer briefly.", input="Name three colours.", max_output_tokens=24,
+                  temperature=0)
+    plain = agent_client.responses.create(**kwargs)
+    queued = agent_client.responses.create(**kwargs, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = _polled(agent_client, queued.id, ("completed", "incomplete", "failed"))
+    assert done.status == plain.status and done.output_text == plain.output_text and done.background
+    assert done.usage.output_tokens == plain.usage.output_tokens
+    assert [i.type for i in agent_client.responses.input_items.list(queued.id).data] == ["message"]
+    follow = agent_client.responses.create(model=MODEL, input="One more?", max_output_tokens=4,
+                                           previous_response_id=queued.id)
+    assert follow.previous_response_id == queued.id
+    with pytest.raises(openai.BadRequestError) as err:  # only a background response can be cancelled
+        agent_client.responses.cancel(plain.id)
+    assert err.value.param == "response_id" and "background" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # nor one that is done
+        agent_client.responses.cancel(queued.id)
+    assert err.value.param == "response_id" and done.status in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        agent_client.responses.cancel("resp_none")
+    for refused in (dict(stream=True), dict(store=False)):
+        with pytest.raises(openai.BadRequestError) as err:
+            agent_client.responses.create(**kwargs, background=True, **refused)
+        assert err.value.param == "background"
+
+
+@pytest.mark.parametrize("stop", ["cancel", "delete"])
+def test_a_background_response_cancelled_or_deleted_stops_in_the_engine_and_stays_so(agent_client, stop):
+    """The app runs two Ingress replicas: the cancel may reach the one running it (which stops
+    it at once) or the other (the run reads it from the store)."""
+    from ray import serve
+
+    replica = serve.get_deployment_handle("Replica", APP)
+
+    def live() -> int:
+        return int(replica.stats.remote().result()["live_requests"])
+
+    long = agent_client.responses.create(model=MODEL, input="Once upon a time", max_output_tokens=900,
+                                         temperature=0, background=True, extra_body=OFF)
+    assert _polled(agent_client, long.id, ("in_progress",)) and live() == 1
+    with pytest.raises(openai.BadRequestError) as err:  # not a conversation to continue yet
+        agent_client.responses.create(model=MODEL, input="And then?", previous_response_id=long.id)
+    assert err.value.param == "previous_response_id" and "in_progress" in err.value.message
+    if stop == "cancel":
+        assert agent_client.responses.cancel(long.id).status == "cancelled"
+    else:
+        agent_client.responses.delete(long.id)
+    assert wait_until(lambda: live() == 0, timeout_s=60, interval_s=0.1)
+    if stop == "cancel":
+        assert agent_client.responses.retrieve(long.id).status == "cancelled"
+        assert agent_client.responses.cancel(long.id).status == "cancelled"  # again: as it is
+    else:
+        with pytest.raises(openai.NotFoundError):
+            agent_client.responses.retrieve(long.id)
+
+
 def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(agent_client):
     """A conversation past the context window (1,024 tokens here) is a 400, or with `truncation:
     "auto"` the answer to its latest whole turns that fit: the same as sending just those."""
