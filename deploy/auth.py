@@ -24,13 +24,14 @@ def check_key(keys: tuple[str, ...], path: str, authorization: Optional[str], ap
     """Raise a 401 ApiError unless the request may pass (`api_key`: its x-api-key header)."""
     if not keys or path in OPEN_PATHS:
         return
-    scheme, _, token = (authorization or "").partition(" ")
-    token = (token if scheme.lower() == "bearer" else "").strip() or (api_key or "").strip()
-    if not token:
+    scheme, _, bearer = (authorization or "").partition(" ")
+    # either header may carry the key (a client can send both: an OAuth token beside an API key)
+    tokens = [t for t in ((bearer if scheme.lower() == "bearer" else "").strip(), (api_key or "").strip()) if t]
+    if not tokens:
         raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        code="invalid_api_key")
     # compare against every key so timing does not reveal which prefix matched
-    if not any([hmac.compare_digest(token.encode(), key.encode()) for key in keys]):
+    if not any([hmac.compare_digest(token.encode(), key.encode()) for token in tokens for key in keys]):
         raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
 

@@ -22,6 +22,8 @@ _TYPES = {
 }
 # Anthropic's types where they differ (its SDK's ErrorType; Claude Code retries an overloaded_error)
 _ANTHROPIC_TYPES = {413: "request_too_large", 500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+# and its statuses: an overloaded_error is a 529 (its SDK's OverloadedError; retried like a 503)
+_ANTHROPIC_STATUSES = {503: 529}
 RETRY_AFTER_S = 1.0  # what a 503 asks a client to wait
 
 
@@ -68,10 +70,13 @@ class ApiError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The HTTP answer; to Anthropic's API (`path` under /v1/messages) the body says `"type": "error"`
-        too, as Anthropic's do (its `error` has their `type` and `message`, and ours besides)."""
+        too, as Anthropic's do (its `error` has their `type` and `message`, and ours besides), with
+        Anthropic's status where it differs (529 for an overloaded server)."""
         headers = {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s else None
-        body = {"type": "error", **self.body(anthropic=True)} if path.startswith("/v1/messages") else self.body()
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        if path.startswith("/v1/messages"):
+            return JSONResponse({"type": "error", **self.body(anthropic=True)},
+                                status_code=_ANTHROPIC_STATUSES.get(self.status, self.status), headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def app_path(scope: dict[str, Any]) -> str:
@@ -157,16 +162,17 @@ def http_error(exc: StarletteHTTPException) -> ApiError:
 
 
 def install_error_handlers(app) -> None:
-    """Every error the app can raise leaves as an OpenAI error body (Anthropic's, to its API)."""
+    """Every error the app can raise leaves as an OpenAI error body (Anthropic's, to its API,
+    whatever route prefix the app is served under)."""
 
     async def on_api_error(request, exc: ApiError):
-        return exc.response(request.url.path)
+        return exc.response(app_path(request.scope))
 
     async def on_validation(request, exc: RequestValidationError):
-        return validation_error(exc, request.headers.get("content-type", "")).response(request.url.path)
+        return validation_error(exc, request.headers.get("content-type", "")).response(app_path(request.scope))
 
     async def on_http(request, exc: StarletteHTTPException):
-        return http_error(exc).response(request.url.path)
+        return http_error(exc).response(app_path(request.scope))
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

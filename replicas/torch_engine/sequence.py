@@ -177,7 +177,8 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
         seq.finish_reason, seq.stop_string = "stop", found[1]
     elif detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
         seq.settled_text, seq.settled_tokens = text, len(ids)
-    releasable = len(_whole_characters(text, seq.finish_reason is not None))  # not an incomplete character
+    # not an incomplete character: until the output ends, nor the one max_tokens cut it inside
+    releasable = len(_whole_characters(text, seq.finish_reason not in (None, "length")))
     if seq.finish_reason is None:
         for s in stops:  # hold back a tail that may be the start of a stop string
             for n in range(min(len(s) - 1, releasable), 0, -1):

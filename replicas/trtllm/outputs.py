@@ -21,15 +21,16 @@ FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "
 
 
 def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: bool,
-                    kept: Sequence[str] = ()) -> tuple[str, int, str | None]:
+                    kept: Sequence[str] = (), cut: bool = False) -> tuple[str, int, str | None]:
     """(text ended at any stop string, how much of it may be sent, the stop string that hit);
-    `kept` ones stay in the text (`SamplingParams.stop_after`)."""
+    `kept` ones stay in the text (`SamplingParams.stop_after`). `cut`: max_tokens ended it."""
     found = find_stop(text, sent_chars, stops, kept)
     if found is not None:
         return text[: found[0]], found[0], found[1]
     end = len(text)
+    if not finished or cut:  # an incomplete multi-byte character, still to come or cut off
+        end = len(text.rstrip("\ufffd"))
     if not finished:
-        end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
         for s in stops:  # a tail that may be the start of a stop string
             for n in range(min(len(s) - 1, end), 0, -1):
                 if text[end - n : end] == s[:n]:
@@ -109,7 +110,7 @@ class OutputTracker:
         if upstream_finish and finish is None:
             finish = "error"
         text, end, self.stop_string = releasable_text(text, self.sent_chars, self.stops, finish is not None,
-                                                      self.stop_after)
+                                                      self.stop_after, finish == "length")
         if self.stop_string is not None:
             finish = "stop"
         ids = list(token_ids)

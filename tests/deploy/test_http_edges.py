@@ -147,6 +147,15 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
     assert [(r.status_code, r.json()["type"]) for r in (unknown, huge, refused)] == [
         (401, "error"), (413, "error"), (400, "error")]
     assert refused.json()["error"]["type"] == "invalid_request_error" and refused.json()["error"]["message"]
+    # under a route prefix, the endpoint's own refusals too (they were OpenAI's shape there)
+    prefixed = [post("/tight/v1/messages", message(**bad), **{"x-api-key": KEY})
+                for bad in ({"temperature": 3}, {"model": "other"}, {"max_tokens": 10**9})]
+    assert [(r.status_code, r.json()["type"]) for r in prefixed] == [(400, "error"), (404, "error"), (400, "error")]
+    # a key in either header passes, whatever the other holds (an OAuth token beside an API key)
+    both = {"x-api-key": KEY, "Authorization": "Bearer sk-oauth-token"}
+    assert post("/v1/messages", message(), **both).status_code == 200
+    assert post("/v1/messages", message(), **{"x-api-key": "sk-wrong", "Authorization": f"Bearer {KEY}"}).status_code \
+        == 200
     # Anthropic's request-id header on each (the anthropic SDK's `_request_id`), one per request
     answered = post("/v1/messages", message(), **{"x-api-key": KEY})
     ids = [r.headers.get("request-id") for r in (answered, unknown, huge, refused)]

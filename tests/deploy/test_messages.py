@@ -152,8 +152,12 @@ def test_errors_to_messages_clients_carry_anthropics_types(status, anthropic_typ
     from anthropic.types.shared import ErrorResponse, ErrorType
 
     error = ApiError(status, "no")
-    body = json.loads(error.response("/v1/messages").body)
+    answer = error.response("/v1/messages")
+    body = json.loads(answer.body)
     assert body["type"] == "error" and body["error"]["type"] == anthropic_type
+    # an overloaded server is Anthropic's 529, which its SDK raises as OverloadedError
+    assert answer.status_code == (529 if anthropic_type == "overloaded_error" else status)
+    assert error.response("/v1/chat/completions").status_code == status
     if anthropic_type in typing.get_args(ErrorType):
         assert ErrorResponse.model_validate(body).error.type == anthropic_type
     assert json.loads(error.response("/v1/chat/completions").body)["error"]["type"] == error.type  # OpenAI's

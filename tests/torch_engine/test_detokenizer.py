@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,7 +37,7 @@ def stream(tokenizer, detokenizer: Detokenizer, ids: list[int], seed: int) -> st
         seq.output_ids += ids[i:i + n]
         i += n
         if i >= len(ids):
-            seq.finish_reason = "length"
+            seq.finish_reason = "stop"  # the model's end: nothing held back
         delta = release_text(seq, detokenizer)
         sent += delta.text if delta is not None else ""
         assert seq.text == decode(tokenizer, seq.output_ids)
@@ -92,6 +93,22 @@ def test_a_stop_string_matches_whole_characters_not_an_incomplete_ones_bytes(tok
     assert (emoji.finish_reason, emoji.stop_string, emoji.text) == ("length", None, "🐶🐱🐭")
     real = one_token_a_step("a\ufffdbc")
     assert (real.finish_reason, real.stop_string, real.text) == ("stop", "\ufffd", "a")
+
+
+def test_a_character_max_tokens_cuts_inside_is_left_out_of_the_text(tokenizer):
+    """Its first bytes decode to U+FFFD, which is not sent: the text ends on whole characters
+    (as Anthropic's; a client sending the cut answer back as a prefill gets the character
+    whole). A U+FFFD that ends an output the model ended stays."""
+    detokenizer = Detokenizer.for_tokenizer(tokenizer)
+    ids = tokenizer.encode("ok 🐶")
+    cut = next(n for n in range(1, len(ids)) if decode(tokenizer, ids[:n]).endswith("\ufffd"))
+    for split in ([ids[:cut]], [[t] for t in ids[:cut]]):  # in one step, one token a step
+        seq = Sequence("r", 0, [1], SamplingParams(max_tokens=cut), RequestSpeculation(), None, frozenset())
+        sent = ""
+        for tokens in split:
+            seq.append(tokens)
+            sent += (release_text(seq, detokenizer) or SimpleNamespace(text="")).text
+        assert seq.finish_reason == "length" and sent == "ok " and sent == decode(tokenizer, ids[:cut]).rstrip("\ufffd")
 
 
 

@@ -25,9 +25,14 @@ def test_finish_reason_mapping(upstream, ours):
     ("a stop b end", 0, ("end", "stop"), False, ("a ", 2, "stop")),  # the first in the text, not in the list
     ("hello wo", 0, ("wor",), True, ("hello wo", 8, None)),
     ("caf\ufffd", 0, (), False, ("caf\ufffd", 3, None)),  # an incomplete UTF-8 character
+    ("caf\ufffd", 0, (), True, ("caf\ufffd", 4, None)),  # ended by the model: as it is
 ])
 def test_releasable_text(text, sent, stops, finished, expected):
     assert releasable_text(text, sent, stops, finished) == expected
+
+
+def test_a_character_max_tokens_cut_inside_is_left_out():
+    assert releasable_text("caf\ufffd", 0, (), True, cut=True) == ("caf\ufffd", 3, None)
 
 
 @pytest.mark.parametrize("text,stops,kept,expected", [
