@@ -144,13 +144,13 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
         if fmt is not None and fmt.type == "json_schema":
             _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
         return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls and not named),
-                           "tool_choice")
+                           _calls_field(request, functions, "tool_choice"))
     if fmt is None or fmt.type == "text":
         # auto: text, or a call held to the grammar once its open tag is written; unless
         # min_tokens, which a grammar that may allow only the end refuses (then unconstrained)
         if functions and not request.min_tokens:
             return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, optional=True),
-                               "tools", optional=True)
+                               _calls_field(request, functions, "tools"), optional=True)
         return None
     # a prefilled answer (continue_final_message) is the output's start: held to the format too
     continued = isinstance(request, ChatCompletionRequest) and request.continue_final_message
@@ -164,6 +164,15 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
         return GrammarSpec("json_object", prefix=prefix)
     return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema",
                        prefix=prefix)
+
+
+def _calls_field(request: ChatCompletionRequest, functions: list[dict[str, Any]], several: str) -> str:
+    """The field a grammar of calls to `functions` comes from: the one function's parameters,
+    else `several` (the grammar engine's limit is met by the calls' grammar as a whole)."""
+    if len(functions) != 1:
+        return several
+    i = next(i for i, tool in enumerate(request.tools) if tool.function.name == functions[0]["name"])
+    return f"tools[{i}].function.parameters"
 
 
 def _check_schema(schema: Optional[dict], param: str) -> None:

@@ -401,6 +401,26 @@ def test_grammar_errors_are_400s_naming_the_field(agent_url):
     assert response.json()["error"]["param"] == "response_format.json_schema.schema"
 
 
+def test_a_tool_schema_past_the_grammar_engines_limits_is_named_as_each_api_names_it(agent_url):
+    """A forced call to a function whose parameters have no finite instance (the grammar engine
+    gives up once the arguments begin): a 400 naming that function's schema (was `tool_choice`)."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    ask = [{"role": "user", "content": "Call it."}]
+    for path, body, field in (
+            ("/v1/chat/completions", {"messages": ask, "max_tokens": 40, "tool_choice": {
+                "type": "function", "function": {"name": "f"}}, "tools": [
+                WEATHER, {"type": "function", "function": {"name": "f", "parameters": endless}}]},
+             "tools[1].function.parameters"),
+            ("/v1/responses", {"input": "Call it.", "max_output_tokens": 40, "tool_choice": "required",
+                               "tools": [{"type": "function", "name": "f", "parameters": endless}]},
+             "tools[0].parameters"),
+            ("/v1/messages", {"messages": ask, "max_tokens": 40, "tool_choice": {"type": "any"},
+                              "tools": [{"name": "f", "input_schema": endless}]}, "tools[0].input_schema")):
+        response = httpx.post(f"{agent_url}{path}", json={"model": MODEL, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field, response.text
+
+
 def test_predicted_outputs(agent_client, agent_url):
     # OpenAI's Predicted Outputs (`prediction`), as editors send a file they expect back: the
     # answer is the one without it, streamed or not, and usage counts the prediction's tokens
