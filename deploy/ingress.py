@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy import message_blocks, messages, openai_format as fmt, response_items, responses, tokenizing
 from deploy.auth import load_keys
-from deploy.background import BackgroundResponses
+from deploy.background import FINAL_PUT_ATTEMPTS, BackgroundResponses
 from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, misplaced_tool_message
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, server_error
@@ -157,17 +157,25 @@ class Ingress:
 
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = response_items.response_body(body, request.request_id, created, model, items, acc)
-            if body.store:  # kept before the client can see it done and ask for it
+            if body.store:  # kept before the client can see it done and ask for it (its poll, in background)
                 await self.stored.put(done, responses.continued(conversation, done["output"]),
-                                      response_items.input_items(body))
+                                      response_items.input_items(body), FINAL_PUT_ATTEMPTS if body.background else 1)
             return done
 
         if body.background:
+            if self.config.stored_responses <= 0:
+                raise ApiError(400, "background: needs stored responses (limits.stored_responses is 0 here)",
+                               "background")
+
             async def generate(begun: Callable[[], Awaitable[None]]) -> None:
                 routing = asyncio.Lock()
                 opened = await self._open(request, routing, responses.FIELDS)
-                await begun()
-                acc = await self._collect(request, opened, routing, responses.FIELDS)
+                try:
+                    await begun()
+                    acc = await self._collect(request, opened, routing, responses.FIELDS)
+                except BaseException:  # cancelled before the stream was read: stopped in the engine too
+                    cancel(opened[0])
+                    raise
                 items.feed(acc.text, acc.finish_reason, acc.logprobs, acc.cut)
                 await finished(acc)
 
@@ -203,7 +211,8 @@ class Ingress:
             if body.previous_response_id else None
         if previous and previous[0]["status"] not in ("completed", "incomplete"):
             raise ApiError(400, f"previous_response_id: response {body.previous_response_id!r} is "
-                                f"{previous[0]['status']}: only a finished one can be continued", "previous_response_id")
+                                f"{previous[0]['status']}: only a completed or incomplete one can be continued",
+                           "previous_response_id")
         taken = [item["id"] for item in (*previous[0]["output"], *previous[2])] if previous else []
         if repeated := responses.repeated_id(body.items, taken) or responses.unmatched_call(
                 body.items, previous[1] if previous else []):
@@ -302,15 +311,6 @@ class Ingress:
             return await self._replicas.open(request, routing)
         except ApiError as exc:
             raise exc.renamed(fields) from None
-
-    async def cancel_response(self, response_id: str) -> dict[str, Any]:
-        return await self.background.cancel(response_id)
-
-    def __del__(self):
-        """Serve's graceful stop awaits what this returns: the background responses this
-        replica still runs are kept as failed."""
-        background = getattr(self, "background", None)  # (an __init__ that raised)
-        return background.on_stop() if background is not None else None
 
     async def _collect(self, request: GenerationRequest, opened: tuple[Any, GenerationDelta], routing: asyncio.Lock,
                        fields: dict[str, str]) -> fmt.Accumulated:

@@ -246,9 +246,8 @@ def generation_request(
                        anthropic_message=f"input length and `max_tokens` exceed context limit: {len(prompt_ids)} + "
                                          f"{asked} > {config.max_seq_len}, decrease input length or `max_tokens` "
                                          f"and try again")
-    if asked == 0 and not request.echo:
-        raise ApiError(400, "max_tokens: 0 only with echo (the prompt scored, nothing generated)", "max_tokens")
-    # a prompt scored alone is the engine's prefill and one token, which the answer leaves out
+    # a prompt scored alone (completions' max_tokens 0) is the engine's prefill and one token,
+    # which the answer leaves out
     max_tokens = max(asked, 1) if asked is not None else min(config.default_max_tokens, room)
     prompt_logprobs = request.prompt_logprobs  # vLLM's
     if isinstance(request, ChatCompletionRequest):
@@ -294,6 +293,10 @@ def engine_requests(request_id: str, tokenizer: Any, request: Union[CompletionRe
     `prompt[i]`, or say they are prompt i's, as one of its max_tokens)."""
     if isinstance(request, ChatCompletionRequest):
         return choice_requests(generation_request(request_id, tokenizer, request, config), request.n)
+    if request.max_tokens == 0 and not request.echo:
+        raise ApiError(400, "max_tokens: 0 only with echo (the prompt scored, nothing generated)", "max_tokens")
+    if request.max_tokens == 0 and request.min_tokens:
+        raise ApiError(400, "min_tokens: must be 0 with max_tokens 0 (nothing is generated)", "min_tokens")
     prompts = request.prompts
     if len(prompts) * request.n > MAX_PROMPTS:
         raise ApiError(400, f"n: {len(prompts)} prompts x {request.n} choices exceed the limit of {MAX_PROMPTS}", "n")

@@ -94,8 +94,9 @@ class OutputItems(OutputParts):
 
 
 def failed(response: dict[str, Any], error: ApiError) -> dict[str, Any]:
-    """A Response object that ended with `error`."""
-    return {**response, "status": "failed", "error": {"code": "server_error", "message": error.message}}
+    """A Response object that ended with `error` (the request's own fault: `invalid_prompt`)."""
+    code = "server_error" if error.status >= 500 else "invalid_prompt"
+    return {**response, "status": "failed", "error": {"code": code, "message": error.message}}
 
 
 def response_body(body: ResponsesRequest, response_id: str, created_at: int, model: str,

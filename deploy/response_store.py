@@ -56,14 +56,17 @@ class ResponseStore:
         return settings.on_stop() if settings is not None else None
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
-        if self.capacity <= 0 or await self.stopped(body["id"]):  # its run ended by the client: it stays so
+        if self.capacity <= 0 or await self.stopped([body["id"]]):  # its run ended by the client: it stays so
             return
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
         for item in (*body["output"], *inputs):
             self._items.setdefault(item["id"], {})[body["id"]] = item
-        while len(self._kept) > self.capacity:
-            self._forget(next(iter(self._kept)))
+        while len(self._kept) > self.capacity:  # the oldest out, a background one only once it has ended
+            oldest = next((rid for rid, kept in self._kept.items() if kept[0].get("status") not in RUNNING), None)
+            if oldest is None:
+                break
+            self._forget(oldest)
 
     async def get(self, response_id: str) -> Optional[Kept]:
         return self._kept.get(response_id)
@@ -74,8 +77,7 @@ class ResponseStore:
                 if item_id in self._items}
 
     async def delete(self, response_id: str) -> bool:
-        kept = self._kept.get(response_id)
-        if kept is not None and kept[0].get("status") in RUNNING:
+        if self._status(response_id) in RUNNING:
             self._dropped[response_id] = None
             while len(self._dropped) > self.capacity:
                 self._dropped.popitem(last=False)
@@ -89,10 +91,13 @@ class ResponseStore:
             self._kept[response_id] = kept
         return None if kept is None else kept[0]
 
-    async def stopped(self, response_id: str) -> bool:
-        """Was this background response cancelled or deleted? (Its run then stops.)"""
+    async def stopped(self, response_ids: List[str]) -> List[str]:
+        """Those of these background responses that were cancelled or deleted (their runs stop)."""
+        return [rid for rid in response_ids if rid in self._dropped or self._status(rid) == "cancelled"]
+
+    def _status(self, response_id: str) -> Optional[str]:
         kept = self._kept.get(response_id)
-        return response_id in self._dropped or (kept is not None and kept[0].get("status") == "cancelled")
+        return None if kept is None else kept[0].get("status")
 
     def _forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
@@ -128,13 +133,19 @@ class KeptResponses:
                                code="item_not_found")
         return found
 
-    async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
-        """Keep a finished response. The answer has been made: a store that cannot take it is
-        logged, not the request's failure."""
-        try:
-            await asyncio.wait_for(self._store.put.remote(body, messages, inputs), STORE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("response %s was not stored: %r", body["id"], exc)
+    async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]],
+                  attempts: int = 1) -> None:
+        """Keep a response (in `attempts` tries, a second apart). The answer has been made: a
+        store that cannot take it is logged, not the request's failure."""
+        for attempt in range(attempts):
+            try:
+                await asyncio.wait_for(self._store.put.remote(body, messages, inputs), STORE_TIMEOUT_S)
+                return
+            except Exception as exc:  # noqa: BLE001
+                if attempt + 1 == attempts:
+                    logger.error("response %s was not stored: %r", body["id"], exc)
+                else:
+                    await asyncio.sleep(1.0)
 
     async def start(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
         """Keep a background response as it is queued: before the client has its id (a 503 if
@@ -148,8 +159,8 @@ class KeptResponses:
             self._missing(response_id, None)
         return body
 
-    async def stopped(self, response_id: str) -> bool:
-        return await self._call("stopped", response_id)
+    async def stopped(self, response_ids: List[str]) -> List[str]:
+        return await self._call("stopped", response_ids)
 
     async def delete(self, response_id: str) -> None:
         if not await self._call("delete", response_id):

@@ -63,12 +63,14 @@ def build_api(ingress: Ingress) -> FastAPI:
         return await ingress.count_input_tokens(body)
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
-    async def get_response(response_id: str):
+    async def get_response(response_id: str, stream: bool = False):
+        if stream:  # the SDK's retrieve(stream=True) would read a JSON answer as no events at all
+            raise ApiError(400, "stream: a response's events are not kept here: GET it without stream", "stream")
         return (await ingress.stored.get(response_id))[0]
 
     @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
     async def cancel_response(response_id: str):
-        return await ingress.cancel_response(response_id)
+        return await ingress.background.cancel(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: Optional[str] = None):
@@ -118,3 +120,11 @@ class HttpIngress(Ingress):
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
+
+    async def __del__(self):
+        """Serve's graceful stop awaits this (`serve.ingress`'s wrapper awaits a coroutine
+        destructor only): the background responses this replica still runs stop and are kept
+        as failed."""
+        background = getattr(self, "background", None)  # (an __init__ that raised)
+        if background is not None:
+            await background.stop()

@@ -272,10 +272,11 @@ def test_a_background_response_is_queued_then_done_as_the_same_request_answered_
         assert err.value.param == "background"
 
 
-@pytest.mark.parametrize("stop", ["cancel", "delete"])
+@pytest.mark.parametrize("stop", ["cancel", "cancel in the store", "delete"])
 def test_a_background_response_cancelled_or_deleted_stops_in_the_engine_and_stays_so(agent_client, stop):
-    """The app runs two Ingress replicas: the cancel may reach the one running it (which stops
-    it at once) or the other (the run reads it from the store)."""
+    """The app runs two Ingress replicas: a cancel may reach the one running it (which stops it
+    at once) or the other, which only marks it in the store, as a cancel made in the store
+    itself does: the replica running it reads that within a second."""
     from ray import serve
 
     replica = serve.get_deployment_handle("Replica", APP)
@@ -291,10 +292,12 @@ def test_a_background_response_cancelled_or_deleted_stops_in_the_engine_and_stay
     assert err.value.param == "previous_response_id" and "in_progress" in err.value.message
     if stop == "cancel":
         assert agent_client.responses.cancel(long.id).status == "cancelled"
-    else:
+    elif stop == "delete":
         agent_client.responses.delete(long.id)
+    else:
+        assert serve.get_deployment_handle("ResponseStore", APP).cancel.remote(long.id).result()["status"] == "cancelled"
     assert wait_until(lambda: live() == 0, timeout_s=60, interval_s=0.1)
-    if stop == "cancel":
+    if stop != "delete":
         assert agent_client.responses.retrieve(long.id).status == "cancelled"
         assert agent_client.responses.cancel(long.id).status == "cancelled"  # again: as it is
     else:

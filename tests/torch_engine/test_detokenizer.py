@@ -27,8 +27,9 @@ def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def stream(tokenizer, detokenizer: Detokenizer, ids: list[int], seed: int) -> str:
-    """Emit `ids` in runs of 1-17 tokens (a verify step's), releasing after each; the text sent."""
+def stream(tokenizer, detokenizer: Detokenizer, ids: list[int], seed: int, finish: str = "stop") -> str:
+    """Emit `ids` in runs of 1-17 tokens (a verify step's), releasing after each, the last run
+    ending the output with `finish`; the text sent."""
     rng = random.Random(seed)
     seq = Sequence("r", 0, [1], SamplingParams(max_tokens=len(ids)), RequestSpeculation(), None, frozenset())
     sent, i = "", 0
@@ -37,7 +38,7 @@ def stream(tokenizer, detokenizer: Detokenizer, ids: list[int], seed: int) -> st
         seq.output_ids += ids[i:i + n]
         i += n
         if i >= len(ids):
-            seq.finish_reason = "stop"  # the model's end: nothing held back
+            seq.finish_reason = finish
         delta = release_text(seq, detokenizer)
         sent += delta.text if delta is not None else ""
         assert seq.text == decode(tokenizer, seq.output_ids)
@@ -57,13 +58,15 @@ def test_the_shipped_tokenizer_decodes_only_new_tokens(tokenizer):
 @pytest.mark.parametrize("joins", [True, False])
 @pytest.mark.parametrize("seed", range(4))
 def test_streamed_text_is_the_decode_of_the_output(tokenizer, joins, seed):
-    """Multi-byte characters split across tokens, random ids (invalid UTF-8, special tokens)."""
+    """Multi-byte characters split across tokens, random ids (invalid UTF-8, special tokens);
+    ended by the model, or by max_tokens (which leaves out a last character it cut)."""
     rng = random.Random(seed)
     special = sorted(tokenizer.all_special_ids)
     ids = tokenizer.encode(TEXT[seed * 40:])[:600]
     ids += [rng.choice(special) if rng.random() < 0.05 else rng.randrange(len(tokenizer)) for _ in range(600)]
     detokenizer = Detokenizer(lambda ids: decode(tokenizer, ids), joins)
     assert stream(tokenizer, detokenizer, ids, seed) == decode(tokenizer, ids)
+    assert stream(tokenizer, detokenizer, ids, seed, "length") == decode(tokenizer, ids).rstrip("\ufffd")
 
 
 def test_space_clean_up_decodes_the_whole_output(tokenizer):
