@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import datasets  # noqa: E402
+from benchmarks.machine import cpu_description  # noqa: E402
 from benchmarks.peers.replay import DrafterSpec, replay_mat, time_steps  # noqa: E402
 
 OURS, OURS_GLOBAL = "ours SA", "ours SA + global"
@@ -91,7 +92,7 @@ def load_workloads(n_pairs: int, tokenizer) -> tuple[dict[str, list], dict]:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version(), "machine": platform.machine(),
+    out = {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_description(),
            "processor_count": os.cpu_count(),
            # Other processes inflate wall-clock timings; this says how busy the machine was.
            "load_average_1m_at_start": os.getloadavg()[0]}

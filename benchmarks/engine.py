@@ -350,7 +350,7 @@ def plot(result: dict, path: Path) -> None:
         rows = table_rows(result, batch)
         for ax, workload in zip(axes[row], WORKLOADS):
             x = range(len(rows))
-            decode = [figures[workload][0] for _, figures in rows]
+            decode = [figures[workload][0] or 0.0 for _, figures in rows]
             e2e = [figures[workload][1] or 0.0 for _, figures in rows]
             colors = ["#4a7" if name.startswith("ours") else "#57b" if "llama" in name else "#c66" for name, _ in rows]
             ax.bar([i - 0.2 for i in x], decode, width=0.4, color=colors, label="decode")
@@ -377,11 +377,9 @@ def compute_ratios(result: dict) -> dict[str, float]:
             ratios[f"{batch}/{workload}/hybrid_vs_hybrid_fixed"] = adaptive["tokens_per_s"] / fixed["tokens_per_s"]
             ratios[f"{batch}/{workload}/hybrid_vs_hybrid_fixed_e2e"] = (
                 adaptive["e2e_tokens_per_s"] / fixed["e2e_tokens_per_s"])
-        b1 = result["batch1"]
-        ratios[f"batch1/{workload}/hybrid_vs_hf_prompt_lookup"] = (
-            b1[f"{workload}/hybrid"]["tokens_per_s"] / result["transformers"][f"{workload}/hf_prompt_lookup"]["tokens_per_s"])
-        ratios[f"batch1/{workload}/off_vs_hf_plain"] = (
-            b1[f"{workload}/off"]["tokens_per_s"] / result["transformers"][f"{workload}/hf_plain"]["tokens_per_s"])
+        for mode, peer in (("hybrid", "hf_prompt_lookup"), ("off", "hf_plain")):
+            if (theirs := result["transformers"][f"{workload}/{peer}"]["tokens_per_s"]) is not None:
+                ratios[f"batch1/{workload}/{mode}_vs_{peer}"] = result["batch1"][f"{workload}/{mode}"]["tokens_per_s"] / theirs
         if result.get("llamacpp"):
             for batch in ("batch1", "batch8"):
                 plain_decode, _ = llamacpp_figures(result, batch, workload, "plain")

@@ -152,6 +152,8 @@ def main() -> None:
     for key, value in result["ratios"].items():
         print(f"  {key:50s} {value:5.2f}x")
     print(f"wrote {args.out} and its .png")
+    if differing := [k for k, v in r.items() if isinstance(v, dict) and v.get("identical_to_off") is False]:
+        raise SystemExit(f"a prediction or speculation changed the output: {', '.join(differing)}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from replicas.torch_engine.loader import resolve_model_dir  # noqa: E402
 from training.corpora import SPEC_BENCH, code_edits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+ENDING = 32  # tokens of a multiple-choice question's each ending
 
 
 def texts(tokenizer, count: int, tokens: int) -> list[list[int]]:
@@ -59,7 +60,7 @@ async def ours(engine: TorchEngine, ids: list[int], scored: bool) -> tuple[float
     return time.perf_counter() - started, logprobs
 
 
-def questions(batch: list[list[int]], choices: int, ending: int = 32) -> list[list[list[int]]]:
+def questions(batch: list[list[int]], choices: int, ending: int = ENDING) -> list[list[list[int]]]:
     """Each text as a question's prompts: its head, then the last `ending` tokens of it and of
     the next `choices - 1` texts."""
     return [[ids[:-ending] + batch[(i + k) % len(batch)][-ending:] for k in range(choices)]
@@ -93,6 +94,9 @@ def main() -> None:
     parser.add_argument("--choices", type=int, default=4, help="endings per multiple-choice question")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scoring.json")
     args = parser.parse_args()
+    if args.tokens <= 2 * ENDING or args.texts < args.choices:  # else the questions have no context or one ending
+        parser.error(f"--tokens must exceed {2 * ENDING} (a question's context and its {ENDING}-token ending) and "
+                     f"--texts be at least --choices (each choice another text's ending)")
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -147,7 +151,7 @@ def main() -> None:
                                  "max_abs_logprob_diff": round(max(diffs), 3),
                                  "same_likeliest_token": round(sum(agree) / len(agree), 4)},
         "multiple_choice": {
-            "choices": args.choices, "ending_tokens": 32,
+            "choices": args.choices, "ending_tokens": ENDING,
             "ms_per_question_median": {"without_prefix_cache": round(statistics.median(cold_s) * 1e3, 1),
                                        "with_prefix_cache": round(statistics.median(cached_s) * 1e3, 1)},
             "speedup": round(statistics.median(c / w for c, w in zip(cold_s, cached_s)), 2),
@@ -156,6 +160,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
+    if not same:
+        raise SystemExit("a choice scored after its cached context got other logprobs than scored whole")
 
 
 if __name__ == "__main__":
