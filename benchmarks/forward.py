@@ -35,7 +35,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import torch  # noqa: E402
 
-from benchmarks.llamacpp_peer import run_peer  # noqa: E402
+from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description, read_bandwidth_gbs  # noqa: E402
 from replicas.torch_engine.kv_cache import PagedKVCache  # noqa: E402
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
@@ -113,7 +113,7 @@ def time_to_first_token_ms(model, prompt_ids: torch.Tensor, repeats: int) -> flo
     return round(statistics.median(_timed(prefill) for _ in range(repeats)) * 1e3, 1)
 
 
-def run(context: int, repeats: int, threads: list[int], warmup: int = 2) -> tuple[list[Row], dict]:
+def run(context: int, repeats: int, threads: list[int], llamacpp: bool, warmup: int = 2) -> tuple[list[Row], dict]:
     fp32 = LlamaModel.from_pretrained(resolve_model_dir())
     gen = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(100, fp32.cfg.vocab_size, (context,), generator=gen)
@@ -130,7 +130,7 @@ def run(context: int, repeats: int, threads: list[int], warmup: int = 2) -> tupl
                         "fp32": time_to_first_token_ms(fp32, long_prompt, 3)},
             "llamacpp": run_peer(str(packaged_gguf_path()), "--step-costs-json",
                                  {"context": prompt_ids.tolist(), "rows": [t for b, t in CASES if b == 1],
-                                  "repeats": repeats}, "--threads", str(num_threads)),
+                                  "repeats": repeats}, "--threads", str(num_threads)) if llamacpp else None,
         }
         for batch in sorted({b for b, _ in CASES}):
             sides = Side(native, prompt_ids, batch), Side(fp32, prompt_ids, batch)
@@ -162,7 +162,7 @@ def summarize(rows: list[Row], per_threads: dict, bandwidth: dict[int, float]) -
     for num_threads, extra in per_threads.items():
         ms = {(r.batch, r.new_tokens): r for r in rows if r.threads == num_threads}
         one = ms[(1, 1)]
-        peer_ms = {int(t): v for t, v in extra["llamacpp"]["step_ms"].items()}
+        peer_ms = {int(t): v for t, v in extra["llamacpp"]["step_ms"].items()} if extra["llamacpp"] else None
         bytes_per_token = extra["weight_bytes"] + extra["kv_bytes_per_token"]
         roofline = bandwidth[num_threads] * 1e9 / bytes_per_token
         decode = 1e3 / one.ours_ms
@@ -170,7 +170,7 @@ def summarize(rows: list[Row], per_threads: dict, bandwidth: dict[int, float]) -
             **extra,
             "verify_cost_vs_one_row": {str(t): {"ours": round(ms[(1, t)].ours_ms / one.ours_ms, 2),
                                                 "fp32": round(ms[(1, t)].fp32_ms / one.fp32_ms, 2),
-                                                "llamacpp": round(peer_ms[t] / peer_ms[1], 2)}
+                                                "llamacpp": round(peer_ms[t] / peer_ms[1], 2) if peer_ms else None}
                                        for b, t in CASES if b == 1},
             "batch8_verify9_vs_decode": round(ms[(8, 9)].ours_ms / ms[(8, 1)].ours_ms, 2),
             "decode_tok_s": {"ours": round(decode, 1), "fp32": round(1e3 / one.fp32_ms, 1)},
@@ -195,9 +195,10 @@ def plot(rows: list[Row], per_threads: dict, path: Path, title: str) -> None:
             base = getattr(own[0], field)
             label = f"{'native' if field == 'ours_ms' else 'fp32 torch'}, {num_threads} thread(s)"
             ax.plot([r.new_tokens for r in own], [getattr(r, field) / base for r in own], style, label=label)
-        peer = {int(t): ms for t, ms in per_threads[num_threads]["llamacpp"]["step_ms"].items()}
-        ax.plot(sorted(peer), [peer[t] / peer[1] for t in sorted(peer)], ":^",
-                label=f"llama.cpp (last row's logits only), {num_threads} thread(s)")
+        if per_threads[num_threads]["llamacpp"]:
+            peer = {int(t): ms for t, ms in per_threads[num_threads]["llamacpp"]["step_ms"].items()}
+            ax.plot(sorted(peer), [peer[t] / peer[1] for t in sorted(peer)], ":^",
+                    label=f"llama.cpp (last row's logits only), {num_threads} thread(s)")
     ax.set_xlabel("rows in the step (1 = plain decode, K+1 = verify of K drafts)")
     ax.set_ylabel("step time / 1-row step")
     ax.set_title(title, fontsize=9)
@@ -213,12 +214,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, nargs="+", default=[len(os.sched_getaffinity(0))])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "forward.json")
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
     args = parser.parse_args()
+    llamacpp = not args.no_llamacpp and BENCH_PYTHON.exists()
+    if not args.no_llamacpp and not llamacpp:
+        print(f"llama.cpp peer skipped: {BENCH_PYTHON} missing (`make bench-forward` installs it)")
     cpu = cpu_description()
     print(f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), features {cpu['features']}; "
           f"context {args.context} tokens, {args.repeats} repeats, medians in ms")
     print(HEADER)
-    rows, per_threads = run(args.context, args.repeats, args.threads)
+    rows, per_threads = run(args.context, args.repeats, args.threads, llamacpp)
     bandwidth = {t: read_bandwidth_gbs(t) for t in args.threads}
     summary = summarize(rows, per_threads, bandwidth)
     print(json.dumps(summary, indent=1))

@@ -83,7 +83,7 @@ def test_drafters(tmp_path):
 
 def test_forward(tmp_path):
     out = tmp_path / "forward.json"
-    result = report(bench("forward", "--context", "64", "--repeats", "2", out=out), out)
+    result = report(bench("forward", "--context", "64", "--repeats", "2", "--no-llamacpp", out=out), out)
     (summary,) = result["summary"].values()
     assert summary["weight_bytes"] > 0 and rate(summary["ttft_ms"]["ours"])
     assert all(rate(row["ours_ms"]) for row in result["rows"])
