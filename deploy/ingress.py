@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import logging
 import time
@@ -408,5 +409,7 @@ class Ingress:
 
     # -- models ---------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
-        return ModelCard(id=self.config.model_name, created=self._created).model_dump()
+        created_at = datetime.datetime.fromtimestamp(self._created, datetime.timezone.utc)
+        return ModelCard(id=self.config.model_name, created=self._created, display_name=self.config.model_name,
+                         created_at=created_at.isoformat().replace("+00:00", "Z")).model_dump()
 

@@ -104,15 +104,23 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, with the fields of Anthropic's (its SDK's `models.list` reads them)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str  # RFC 3339
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: List[ModelCard]
+    has_more: bool = False  # Anthropic's page fields
+    first_id: Optional[str] = None
+    last_id: Optional[str] = None
 
 
 class ErrorBody(BaseModel):

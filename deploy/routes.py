@@ -84,7 +84,8 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models():
-        return {"object": "list", "data": [ingress.model_card()]}
+        card = ingress.model_card()
+        return ModelList(data=[card], first_id=card["id"], last_id=card["id"]).model_dump()
 
     @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
     async def model(model: str):

@@ -238,6 +238,18 @@ def test_healthz_needs_no_key_and_everything_else_does(url):
     assert [m["id"] for m in models["data"]] == ["fake"]
 
 
+def test_both_sdks_list_the_model(url):
+    """One model object for both: OpenAI's fields and Anthropic's (its SDK read None for them)."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    (model,) = claude.models.list().data
+    assert (model.id, model.type, model.display_name) == ("fake", "model", "fake")
+    assert claude.models.retrieve("fake") == model
+    (card,) = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY).models.list().data
+    assert (card.id, card.owned_by, card.created) == ("fake", "specserve", int(model.created_at.timestamp()))
+
+
 def test_openai_client_with_key(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
     out = client.completions.create(model="fake", prompt="hi", max_tokens=5, temperature=0)
