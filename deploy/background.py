@@ -4,8 +4,10 @@ ResponseStore as they go, so any Ingress replica answers `GET /v1/responses/{id}
 /v1/responses/{id}/cancel`.
 
 A replica asks the store every BACKGROUND_POLL_S which of its runs were cancelled or deleted
-(one call for all of them) and stops those; a cancel reaching the replica that runs it stops
-it at once. A replica's graceful stop stops its runs and keeps them as failed. Each run and
+(one call for all of them) and stops those; a cancel or delete reaching the replica that runs
+it stops it at once. The poll also tells the store the replica lives: a running response not
+asked about for `response_store.ORPHANED_S` is failed there. A replica's graceful stop stops
+its runs and keeps them as failed (in a store started anew by the same redeploy too). Each run and
 the watch run in a context of their own: the handle calls they make (the engine's, the
 store's) are not the POST's, whose id Serve's router indexes its pending calls by (two at once
 under one id: one was never placed).
@@ -34,6 +36,7 @@ class BackgroundResponses:
     def __init__(self, stored: KeptResponses) -> None:
         self._stored = stored
         self._running: dict[str, asyncio.Task] = {}  # by response id
+        self._queued: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}  # their first bodies, inputs
         self._watch: Optional[asyncio.Task] = None
 
     async def start(self, queued: dict[str, Any], inputs: list[dict[str, Any]],
@@ -57,7 +60,8 @@ class BackgroundResponses:
 
         loop = asyncio.get_running_loop()
         task = self._running[response_id] = loop.create_task(run(), context=contextvars.Context())
-        task.add_done_callback(lambda _: self._running.pop(response_id, None))
+        self._queued[response_id] = queued, inputs
+        task.add_done_callback(lambda _: (self._running.pop(response_id, None), self._queued.pop(response_id, None)))
         if self._watch is None or self._watch.done():
             self._watch = loop.create_task(self._watched(), context=contextvars.Context())
 
@@ -84,16 +88,26 @@ class BackgroundResponses:
             running.cancel()
         return body
 
+    async def delete(self, response_id: str) -> None:
+        """`DELETE /v1/responses/{id}`; a run of this replica's stops at once."""
+        await self._stored.delete(response_id)
+        if (running := self._running.get(response_id)) is not None:
+            running.cancel()
+
     async def stop(self) -> None:
-        """The replica stops: its runs stop (in the engine too) and are kept as failed."""
-        running, self._running = dict(self._running), {}
+        """The replica stops: its runs stop (in the engine too) and are kept as failed, also
+        where a redeploy started the store anew before this replica's stop (it holds none)."""
+        running, queued = dict(self._running), dict(self._queued)
         for task in (*running.values(), self._watch):
             if task is not None:
                 task.cancel()
         await asyncio.gather(*running.values(), return_exceptions=True)
         error = ApiError(503, "the Ingress replica that ran it stopped (a redeploy or a shutdown): create it again")
-        for response_id in running:
-            with contextlib.suppress(ApiError):  # gone from the store, or the store gone with the app
-                kept = await self._stored.get(response_id)
-                if kept[0]["status"] in RUNNING:
-                    await self._stored.put(failed(kept[0], error), [], kept[2])
+        for response_id, (body, inputs) in queued.items():
+            try:
+                if (await self._stored.get(response_id))[0]["status"] not in RUNNING:
+                    continue  # it ended (or was cancelled) first
+            except ApiError as exc:
+                if exc.status != 404:  # the store unreachable (a 404: deleted, or a store started anew)
+                    continue
+            await self._stored.put(failed(body, error), [], inputs)  # (a deleted one's is dropped)

@@ -15,16 +15,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import Any, List, Optional
 
 from deploy.chat_protocol import ChatMessage
 from deploy.errors import RETRY_AFTER_S, ApiError, server_error
+from deploy.response_items import failed
 from replicas.replica import DEPLOYMENT_NAME, LastSettings
 
 logger = logging.getLogger(__name__)
 # the response body, its conversation as chat messages, its input items (`response_items.input_items`)
 Kept = tuple[dict[str, Any], List[ChatMessage], List[dict[str, Any]]]
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+# A running background response its Ingress replica has not asked about for this long (it asks
+# every second) is failed: that replica was lost.
+ORPHANED_S = 30.0
 # Longest an Ingress waits on the store: Serve queues a call while the store's one replica
 # restarts, and a request waited as long, its answer made, for its put.
 STORE_TIMEOUT_S = 10.0
@@ -48,6 +53,7 @@ class ResponseStore:
         # background responses deleted while they ran (the latest `capacity`): their runs stop,
         # and what they put later is dropped
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._seen: dict[str, float] = {}  # running background responses: when their replica last asked
 
     def __del__(self):
         """Serve's graceful stop awaits what this returns (`LastSettings.on_stop`): a Replica's
@@ -56,10 +62,13 @@ class ResponseStore:
         return settings.on_stop() if settings is not None else None
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
-        if self.capacity <= 0 or await self.stopped([body["id"]]):  # its run ended by the client: it stays so
+        self._reap()
+        if self.capacity <= 0 or self._stopped(body["id"]):  # its run ended by the client: it stays so
             return
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
+        if body.get("status") in RUNNING:
+            self._seen[body["id"]] = time.monotonic()
         for item in (*body["output"], *inputs):
             self._items.setdefault(item["id"], {})[body["id"]] = item
         while len(self._kept) > self.capacity:  # the oldest out, a background one only once it has ended
@@ -69,6 +78,7 @@ class ResponseStore:
             self._forget(oldest)
 
     async def get(self, response_id: str) -> Optional[Kept]:
+        self._reap()
         return self._kept.get(response_id)
 
     async def items(self, item_ids: List[str]) -> dict[str, dict[str, Any]]:
@@ -85,21 +95,42 @@ class ResponseStore:
 
     async def cancel(self, response_id: str) -> Optional[dict[str, Any]]:
         """The response, cancelled if it was running (None: not kept)."""
+        self._reap()
         kept = self._kept.get(response_id)
         if kept is not None and kept[0].get("status") in RUNNING:
-            kept = ({**kept[0], "status": "cancelled"}, *kept[1:])
-            self._kept[response_id] = kept
-        return None if kept is None else kept[0]
+            self._ended(response_id, {**kept[0], "status": "cancelled"})
+        return None if kept is None else self._kept[response_id][0]
 
     async def stopped(self, response_ids: List[str]) -> List[str]:
-        """Those of these background responses that were cancelled or deleted (their runs stop)."""
-        return [rid for rid in response_ids if rid in self._dropped or self._status(rid) == "cancelled"]
+        """An Ingress replica's poll of the background responses it runs: those cancelled or
+        deleted (their runs stop). The others were seen now."""
+        now = time.monotonic()
+        for rid in response_ids:
+            if rid in self._seen:
+                self._seen[rid] = now
+        return [rid for rid in response_ids if self._stopped(rid)]
+
+    def _stopped(self, response_id: str) -> bool:
+        return response_id in self._dropped or self._status(response_id) == "cancelled"
+
+    def _reap(self) -> None:
+        """Fail the running background responses whose replica stopped asking about them."""
+        lost = ApiError(503, "the Ingress replica that ran it was lost: create it again")
+        now = time.monotonic()
+        for rid in [rid for rid, seen in self._seen.items() if now - seen > ORPHANED_S]:
+            self._ended(rid, failed(self._kept[rid][0], lost))
+
+    def _ended(self, response_id: str, body: dict[str, Any]) -> None:
+        """A running background response ended here (cancelled, or its replica lost)."""
+        self._kept[response_id] = (body, *self._kept[response_id][1:])
+        self._seen.pop(response_id, None)
 
     def _status(self, response_id: str) -> Optional[str]:
         kept = self._kept.get(response_id)
         return None if kept is None else kept[0].get("status")
 
     def _forget(self, response_id: str) -> bool:
+        self._seen.pop(response_id, None)
         kept = self._kept.pop(response_id, None)
         for item in (*kept[0]["output"], *kept[2]) if kept else ():
             holders = self._items.get(item["id"], {})

@@ -79,7 +79,7 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str):
-        await ingress.stored.delete(response_id)
+        await ingress.background.delete(response_id)  # (a background one it runs stops at once)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)

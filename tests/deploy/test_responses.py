@@ -381,6 +381,25 @@ def test_a_cancelled_or_deleted_background_response_stays_so_whatever_its_run_pu
     assert run(store.cancel("resp_h"))["status"] == "completed" and run(store.cancel("resp_none")) is None
 
 
+def test_a_running_background_response_its_replica_stopped_asking_about_is_failed(monkeypatch):
+    """A killed Ingress replica's runs would stay in_progress (and in the store) for ever: the
+    store fails one no replica has asked about for ORPHANED_S; a replica's polls keep its own."""
+    now = [0.0]
+    monkeypatch.setattr(response_store, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    store, run = ResponseStore(capacity=4), asyncio.run
+    for rid in ("resp_alive", "resp_orphan"):
+        run(store.put({"id": rid, "output": [], "status": "in_progress", "error": None}, [], []))
+    for _ in range(3):  # the replica running resp_alive asks every second; nobody asks about resp_orphan
+        now[0] += response_store.ORPHANED_S / 2
+        assert run(store.stopped(["resp_alive"])) == []
+    alive, orphan = (run(store.get(rid))[0] for rid in ("resp_alive", "resp_orphan"))
+    assert alive["status"] == "in_progress"
+    assert orphan["status"] == "failed" and "was lost" in orphan["error"]["message"]
+    run(store.put({"id": "resp_alive", "output": [], "status": "completed", "error": None}, [], []))
+    now[0] += 10 * response_store.ORPHANED_S  # an ended one is not failed later
+    assert run(store.get("resp_alive"))[0]["status"] == "completed"
+
+
 # Python's own finalizer calls the coroutine destructor too, and drops it (as Serve's wrapper's)
 @pytest.mark.filterwarnings("ignore:coroutine 'HttpIngress.__del__' was never awaited")
 def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_failed():
@@ -405,12 +424,16 @@ def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_faile
             await begun()
             await asyncio.sleep(3600)  # an answer far from done
 
-        queued = {"id": "resp_run", "output": [], "status": "queued", "error": None, "background": True}
-        await ingress.background.start(queued, [{"id": "msg_in"}], generate)
-        assert await async_wait_until(lambda: store._status("resp_run") == "in_progress", 5)
+        for rid in ("resp_run", "resp_new_store"):
+            queued = {"id": rid, "output": [], "status": "queued", "error": None, "background": True}
+            await ingress.background.start(queued, [{"id": "msg_in"}], generate)
+        assert await async_wait_until(lambda: store._status("resp_new_store") == "in_progress", 5)
+        store._forget("resp_new_store")  # as a redeploy that started the store anew before this replica's stop
         await ingress.__del__()
 
     asyncio.run(scenario())
-    failed, kept_inputs = asyncio.run(store.get("resp_run"))[0::2]
-    assert failed["status"] == "failed" and "stopped" in failed["error"]["message"] and kept_inputs == [{"id": "msg_in"}]
-    assert started[0].cancelled()  # its generation (the engine stream with it) stopped
+    for rid in ("resp_run", "resp_new_store"):
+        failed, kept_inputs = asyncio.run(store.get(rid))[0::2]
+        assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
+        assert kept_inputs == [{"id": "msg_in"}]
+    assert all(task.cancelled() for task in started)  # their generations (the engine streams with them) stopped
