@@ -345,11 +345,15 @@ def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(agent_client):
 def test_kept_responses_outlive_the_ingress_replicas_that_made_them(agent_client, agent_url):
     """The app runs two Ingress replicas; the responses they keep live in the ResponseStore
     deployment, so after both Ingress replicas are killed and Serve has made new ones, every
-    kept response is still there, and a conversation continues from it."""
+    kept response is still there, and a conversation continues from it. A background response
+    one of them ran is failed, not left in_progress."""
     from ray import serve
 
     kept = [agent_client.responses.create(model=MODEL, input=f"Name a {thing}.", max_output_tokens=6, temperature=0)
             for thing in ("colour", "fruit", "river", "planet")]
+    running = agent_client.responses.create(model=MODEL, input="Once upon a time", max_output_tokens=900,
+                                            temperature=0, background=True, extra_body=OFF)
+    assert _polled(agent_client, running.id, ("in_progress",))
     dead = live_actors(":Ingress")
     assert len(dead) == 2
     for actor in dead:
@@ -373,6 +377,9 @@ def test_kept_responses_outlive_the_ingress_replicas_that_made_them(agent_client
     follow = agent_client.responses.create(model=MODEL, input="And another?", max_output_tokens=6,
                                            previous_response_id=kept[0].id)
     assert follow.previous_response_id == kept[0].id
+    # the background response its killed replica ran: failed once the store missed that replica's polls
+    lost = _polled(agent_client, running.id, ("failed", "completed", "incomplete"))
+    assert lost.status == "failed" and "was lost" in lost.error.message
 
 
 def test_a_client_gone_mid_stream_aborts_in_the_engine(agent_url):
