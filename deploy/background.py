@@ -19,15 +19,17 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import time
 from typing import Any, Awaitable, Callable, Optional
 
 from deploy.errors import ApiError, server_error
 from deploy.response_items import failed
-from deploy.response_store import RUNNING, KeptResponses
+from deploy.response_store import KeptResponses
 
 logger = logging.getLogger(__name__)
 BACKGROUND_POLL_S = 1.0  # how often a replica asks the store whether any of its runs was cancelled
 FINAL_PUT_ATTEMPTS = 4  # a run's last status, kept through a store that restarts (10 s a try)
+STOP_WAIT_S = 5.0  # longest a replica's stop waits for its runs to end once cancelled
 
 
 class BackgroundResponses:
@@ -90,24 +92,25 @@ class BackgroundResponses:
 
     async def delete(self, response_id: str) -> None:
         """`DELETE /v1/responses/{id}`; a run of this replica's stops at once."""
-        await self._stored.delete(response_id)
         if (running := self._running.get(response_id)) is not None:
             running.cancel()
+        await self._stored.delete(response_id)
 
     async def stop(self) -> None:
         """The replica stops: its runs stop (in the engine too) and are kept as failed, also
         where a redeploy started the store anew before this replica's stop (it holds none)."""
         running, queued = dict(self._running), dict(self._queued)
-        for task in (*running.values(), self._watch):
-            if task is not None:
+        if self._watch is not None:
+            self._watch.cancel()
+        pending, deadline = set(running.values()), time.monotonic() + STOP_WAIT_S
+        while pending and time.monotonic() < deadline:
+            for task in pending:  # again: Python 3.11's wait_for loses a cancel that meets its call's end
                 task.cancel()
-        await asyncio.gather(*running.values(), return_exceptions=True)
+            _, pending = await asyncio.wait(pending, timeout=0.1)
         error = ApiError(503, "the Ingress replica that ran it stopped (a redeploy or a shutdown): create it again")
-        for response_id, (body, inputs) in queued.items():
-            try:
-                if (await self._stored.get(response_id))[0]["status"] not in RUNNING:
-                    continue  # it ended (or was cancelled) first
-            except ApiError as exc:
-                if exc.status != 404:  # the store unreachable (a 404: deleted, or a store started anew)
-                    continue
-            await self._stored.put(failed(body, error), [], inputs)  # (a deleted one's is dropped)
+
+        async def fail(body: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
+            with contextlib.suppress(ApiError):  # the store unreachable: it fails them ORPHANED_S later
+                await self._stored.fail_if_running(failed(body, error), inputs)
+
+        await asyncio.gather(*(fail(body, inputs) for body, inputs in queued.values()))

@@ -28,8 +28,10 @@ logger = logging.getLogger(__name__)
 Kept = tuple[dict[str, Any], List[ChatMessage], List[dict[str, Any]]]
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
 # A running background response its Ingress replica has not asked about for this long (it asks
-# every second) is failed: that replica was lost.
+# every second) is failed: that replica was lost. A store that itself heard from no one for
+# STORE_PAUSE_S (its loop stalled) does not count that time against the replicas.
 ORPHANED_S = 30.0
+STORE_PAUSE_S = 5.0
 # Longest an Ingress waits on the store: Serve queues a call while the store's one replica
 # restarts, and a request waited as long, its answer made, for its put.
 STORE_TIMEOUT_S = 10.0
@@ -50,10 +52,11 @@ class ResponseStore:
         # response holding it, and reads as that one holds it (a client's id may name other
         # text in another response; a deleted response's is gone with it)
         self._items: dict[str, dict[str, dict[str, Any]]] = {}
-        # background responses deleted while they ran (the latest `capacity`): their runs stop,
-        # and what they put later is dropped
-        self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # background responses ended here while they ran (cancelled, deleted, failed for a lost
+        # replica; the latest `capacity`): their runs stop at their next poll, what they put is dropped
+        self._stopped_runs: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._seen: dict[str, float] = {}  # running background responses: when their replica last asked
+        self._last_call = time.monotonic()
 
     def __del__(self):
         """Serve's graceful stop awaits what this returns (`LastSettings.on_stop`): a Replica's
@@ -63,7 +66,7 @@ class ResponseStore:
 
     async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
         self._reap()
-        if self.capacity <= 0 or self._stopped(body["id"]):  # its run ended by the client: it stays so
+        if self.capacity <= 0 or body["id"] in self._stopped_runs:  # its run was ended here: it stays so
             return
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
@@ -88,10 +91,15 @@ class ResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         if self._status(response_id) in RUNNING:
-            self._dropped[response_id] = None
-            while len(self._dropped) > self.capacity:
-                self._dropped.popitem(last=False)
+            self._stop_run(response_id)
         return self._forget(response_id)
+
+    async def fail_if_running(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
+        """`body` (failed) kept where its response still runs, or is not kept (a store started
+        anew); one that ended first stays as it ended."""
+        self._reap()
+        if self._status(body["id"]) in (*RUNNING, None):
+            await self.put(body, [], inputs)
 
     async def cancel(self, response_id: str) -> Optional[dict[str, Any]]:
         """The response, cancelled if it was running (None: not kept)."""
@@ -102,21 +110,24 @@ class ResponseStore:
         return None if kept is None else self._kept[response_id][0]
 
     async def stopped(self, response_ids: List[str]) -> List[str]:
-        """An Ingress replica's poll of the background responses it runs: those cancelled or
-        deleted (their runs stop). The others were seen now."""
+        """An Ingress replica's poll of the background responses it runs: those ended here
+        (cancelled, deleted, failed for a lost replica): their runs stop. The others were seen now."""
+        self._reap()
         now = time.monotonic()
         for rid in response_ids:
             if rid in self._seen:
                 self._seen[rid] = now
-        return [rid for rid in response_ids if self._stopped(rid)]
-
-    def _stopped(self, response_id: str) -> bool:
-        return response_id in self._dropped or self._status(response_id) == "cancelled"
+        return [rid for rid in response_ids if rid in self._stopped_runs]
 
     def _reap(self) -> None:
-        """Fail the running background responses whose replica stopped asking about them."""
-        lost = ApiError(503, "the Ingress replica that ran it was lost: create it again")
+        """Fail the running background responses whose replica stopped asking about them (a
+        pause of the store's own not counted)."""
         now = time.monotonic()
+        if now - self._last_call > STORE_PAUSE_S:
+            for rid in self._seen:
+                self._seen[rid] += now - self._last_call
+        self._last_call = now
+        lost = ApiError(503, "the Ingress replica that ran it was lost: create it again")
         for rid in [rid for rid, seen in self._seen.items() if now - seen > ORPHANED_S]:
             self._ended(rid, failed(self._kept[rid][0], lost))
 
@@ -124,6 +135,12 @@ class ResponseStore:
         """A running background response ended here (cancelled, or its replica lost)."""
         self._kept[response_id] = (body, *self._kept[response_id][1:])
         self._seen.pop(response_id, None)
+        self._stop_run(response_id)
+
+    def _stop_run(self, response_id: str) -> None:
+        self._stopped_runs[response_id] = None
+        while len(self._stopped_runs) > self.capacity:
+            self._stopped_runs.popitem(last=False)
 
     def _status(self, response_id: str) -> Optional[str]:
         kept = self._kept.get(response_id)
@@ -192,6 +209,9 @@ class KeptResponses:
 
     async def stopped(self, response_ids: List[str]) -> List[str]:
         return await self._call("stopped", response_ids)
+
+    async def fail_if_running(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
+        await self._call("fail_if_running", body, inputs)
 
     async def delete(self, response_id: str) -> None:
         if not await self._call("delete", response_id):

@@ -174,20 +174,31 @@ def test_a_cancelled_or_deleted_background_response_stays_so_whatever_its_run_pu
 
 def test_a_running_background_response_its_replica_stopped_asking_about_is_failed(monkeypatch):
     """A killed Ingress replica's runs would stay in_progress (and in the store) for ever: the
-    store fails one no replica has asked about for ORPHANED_S; a replica's polls keep its own."""
+    store fails one no replica has asked about for ORPHANED_S; a replica's polls keep its own.
+    Failed so, it stays failed: a run still alive is stopped at its next poll and what it puts
+    is dropped, deleted or not. A pause of the store's own (no call at all) counts for no one."""
     now = [0.0]
     monkeypatch.setattr(response_store, "time", SimpleNamespace(monotonic=lambda: now[0]))
     store, run = ResponseStore(capacity=4), asyncio.run
+    running = {"output": [], "status": "in_progress", "error": None}
     for rid in ("resp_alive", "resp_orphan"):
-        run(store.put({"id": rid, "output": [], "status": "in_progress", "error": None}, [], []))
-    for _ in range(3):  # the replica running resp_alive asks every second; nobody asks about resp_orphan
-        now[0] += response_store.ORPHANED_S / 2
+        run(store.put({"id": rid, **running}, [], []))
+    for _ in range(int(response_store.ORPHANED_S) + 2):  # resp_alive's replica asks every second
+        now[0] += 1.0
         assert run(store.stopped(["resp_alive"])) == []
     alive, orphan = (run(store.get(rid))[0] for rid in ("resp_alive", "resp_orphan"))
     assert alive["status"] == "in_progress"
     assert orphan["status"] == "failed" and "was lost" in orphan["error"]["message"]
+    for late in ({**running}, {**running, "status": "completed"}):  # its run was alive after all
+        run(store.put({"id": "resp_orphan", **late}, [], []))
+        assert run(store.get("resp_orphan"))[0] == orphan
+    assert run(store.stopped(["resp_orphan", "resp_alive"])) == ["resp_orphan"]
+    assert run(store.delete("resp_orphan"))
+    run(store.put({"id": "resp_orphan", **running, "status": "completed"}, [], []))
+    assert run(store.get("resp_orphan")) is None
+    now[0] += 10 * response_store.ORPHANED_S  # the store heard from no one meanwhile (stalled)
+    assert run(store.get("resp_alive"))[0]["status"] == "in_progress"
     run(store.put({"id": "resp_alive", "output": [], "status": "completed", "error": None}, [], []))
-    now[0] += 10 * response_store.ORPHANED_S  # an ended one is not failed later
     assert run(store.get("resp_alive"))[0]["status"] == "completed"
 
 
@@ -205,8 +216,7 @@ def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_faile
 
     assert inspect.iscoroutinefunction(HttpIngress.__del__)
     store = ResponseStore(capacity=4)
-    ingress = HttpIngress(SimpleNamespace(options=lambda **_: None), _Handle(store),
-                          IngressConfig.from_args(fake_args()))
+    ingress = _ingress(store)
     started = []
 
     async def scenario():
@@ -215,11 +225,11 @@ def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_faile
             await begun()
             await asyncio.sleep(3600)  # an answer far from done
 
-        for rid in ("resp_run", "resp_new_store"):
-            queued = {"id": rid, "output": [], "status": "queued", "error": None, "background": True}
-            await ingress.background.start(queued, [{"id": "msg_in"}], generate)
+        for rid in ("resp_run", "resp_new_store", "resp_done"):
+            await ingress.background.start(_queued(rid), [{"id": "msg_in"}], generate)
         assert await async_wait_until(lambda: store._status("resp_new_store") == "in_progress", 5)
         store._forget("resp_new_store")  # as a redeploy that started the store anew before this replica's stop
+        await store.put({**_queued("resp_done"), "status": "completed"}, [], [])  # its last put landed first
         await ingress.__del__()
 
     asyncio.run(scenario())
@@ -227,4 +237,52 @@ def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_faile
         failed, kept_inputs = asyncio.run(store.get(rid))[0::2]
         assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
         assert kept_inputs == [{"id": "msg_in"}]
+    assert asyncio.run(store.get("resp_done"))[0]["status"] == "completed"
     assert all(task.cancelled() for task in started)  # their generations (the engine streams with them) stopped
+
+
+def _ingress(store: ResponseStore):
+    from deploy.config import IngressConfig
+    from deploy.routes import HttpIngress
+    from tests.deploy.fakes import fake_args
+
+    return HttpIngress(SimpleNamespace(options=lambda **_: None), _Handle(store), IngressConfig.from_args(fake_args()))
+
+
+def _queued(response_id: str) -> dict:
+    return {"id": response_id, "output": [], "status": "queued", "error": None, "background": True}
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'HttpIngress.__del__' was never awaited")
+@pytest.mark.parametrize("stop", ["cancel made in the store", "delete through this replica"])
+def test_a_run_stops_at_its_replicas_next_poll_or_at_once_on_its_own_replica(monkeypatch, stop):
+    """A cancel made through another replica reaches the run through the store (the replica's
+    poll); a delete through its own replica stops it before any poll."""
+    from deploy import background
+
+    polls = []
+    monkeypatch.setattr(background, "BACKGROUND_POLL_S", 0.01 if stop.startswith("cancel") else 3600.0)
+    store = ResponseStore(capacity=4)
+    handle = _Handle(store)
+    ingress = _ingress(store)
+    ingress.background._stored._store = SimpleNamespace(**{
+        m: getattr(handle, m) for m in ("put", "get", "cancel", "delete", "fail_if_running")},
+        stopped=SimpleNamespace(remote=lambda ids: polls.append(ids) or store.stopped(ids)))
+    started = []
+
+    async def scenario():
+        async def generate(begun):
+            started.append(asyncio.current_task())
+            await begun()
+            await asyncio.sleep(3600)
+
+        await ingress.background.start(_queued("resp_x"), [], generate)
+        assert await async_wait_until(lambda: store._status("resp_x") == "in_progress", 5)
+        if stop.startswith("cancel"):
+            await store.cancel("resp_x")
+        else:
+            await ingress.background.delete("resp_x")
+        assert await async_wait_until(lambda: started[0].done(), 5)
+
+    asyncio.run(scenario())
+    assert started[0].cancelled() and bool(polls) == stop.startswith("cancel")
