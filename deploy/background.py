@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
 from deploy.errors import ApiError, server_error
 from deploy.response_items import failed
@@ -32,13 +32,18 @@ FINAL_PUT_ATTEMPTS = 4  # a run's last status, kept through a store that restart
 STOP_WAIT_S = 5.0  # longest a replica's stop waits for its runs to end once cancelled
 
 
+class _Run(NamedTuple):
+    task: asyncio.Task
+    queued: dict[str, Any]  # the response as it was queued
+    inputs: list[dict[str, Any]]
+
+
 class BackgroundResponses:
     """The background responses one Ingress replica runs."""
 
     def __init__(self, stored: KeptResponses) -> None:
         self._stored = stored
-        self._running: dict[str, asyncio.Task] = {}  # by response id
-        self._queued: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}  # their first bodies, inputs
+        self._running: dict[str, _Run] = {}  # by response id
         self._watch: Optional[asyncio.Task] = None
 
     async def start(self, queued: dict[str, Any], inputs: list[dict[str, Any]],
@@ -61,9 +66,9 @@ class BackgroundResponses:
                 await self._stored.put(failed(queued, error), [], inputs, FINAL_PUT_ATTEMPTS)
 
         loop = asyncio.get_running_loop()
-        task = self._running[response_id] = loop.create_task(run(), context=contextvars.Context())
-        self._queued[response_id] = queued, inputs
-        task.add_done_callback(lambda _: (self._running.pop(response_id, None), self._queued.pop(response_id, None)))
+        task = loop.create_task(run(), context=contextvars.Context())
+        self._running[response_id] = _Run(task, queued, inputs)
+        task.add_done_callback(lambda _: self._running.pop(response_id, None))
         if self._watch is None or self._watch.done():
             self._watch = loop.create_task(self._watched(), context=contextvars.Context())
 
@@ -73,8 +78,7 @@ class BackgroundResponses:
             await asyncio.sleep(BACKGROUND_POLL_S)
             with contextlib.suppress(ApiError):  # the store unreachable: asked again next time
                 for response_id in await self._stored.stopped(list(self._running)):
-                    if (task := self._running.get(response_id)) is not None:
-                        task.cancel()
+                    self._cancel(response_id)
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """`POST /v1/responses/{id}/cancel`: a running background response cancelled (one
@@ -86,23 +90,25 @@ class BackgroundResponses:
         if body["status"] != "cancelled":
             raise ApiError(400, f"response_id: {response_id!r} is {body['status']}: it cannot be cancelled",
                            "response_id")
-        if (running := self._running.get(response_id)) is not None:
-            running.cancel()
+        self._cancel(response_id)
         return body
 
     async def delete(self, response_id: str) -> None:
         """`DELETE /v1/responses/{id}`; a run of this replica's stops at once."""
-        if (running := self._running.get(response_id)) is not None:
-            running.cancel()
+        self._cancel(response_id)
         await self._stored.delete(response_id)
+
+    def _cancel(self, response_id: str) -> None:
+        if (run := self._running.get(response_id)) is not None:
+            run.task.cancel()
 
     async def stop(self) -> None:
         """The replica stops: its runs stop (in the engine too) and are kept as failed, also
         where a redeploy started the store anew before this replica's stop (it holds none)."""
-        running, queued = dict(self._running), dict(self._queued)
+        runs = list(self._running.values())
         if self._watch is not None:
             self._watch.cancel()
-        pending, deadline = set(running.values()), time.monotonic() + STOP_WAIT_S
+        pending, deadline = {run.task for run in runs}, time.monotonic() + STOP_WAIT_S
         while pending and time.monotonic() < deadline:
             for task in pending:  # again: Python 3.11's wait_for loses a cancel that meets its call's end
                 task.cancel()
@@ -113,4 +119,4 @@ class BackgroundResponses:
             with contextlib.suppress(ApiError):  # the store unreachable: it fails them ORPHANED_S later
                 await self._stored.fail_if_running(failed(body, error), inputs)
 
-        await asyncio.gather(*(fail(body, inputs) for body, inputs in queued.values()))
+        await asyncio.gather(*(fail(run.queued, run.inputs) for run in runs))
