@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer
+from benchmarks.llamacpp_peer import peer_available, run_peer
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir
 
 MIN_DECODE_SHARE = 0.1  # of a generation's time, the least its decode must take to be told apart
@@ -71,8 +71,7 @@ def bench_transformers_apart(prompts: dict[str, list[str]], max_tokens: int, thr
 
 def bench_llamacpp(prompts: dict[str, list[str]], max_tokens: int, threads: int) -> dict | None:
     """llama.cpp's server (xllamacpp, the bench venv) on the same GGUF and prompts, batch 1 and 8."""
-    if not BENCH_PYTHON.exists():
-        print(f"  skipped: {BENCH_PYTHON} missing (`make bench-engine` installs it)", flush=True)
+    if not peer_available("bench-engine"):
         return None
     out = {}
     for batch in (1, 8):

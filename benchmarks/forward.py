@@ -35,7 +35,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import torch  # noqa: E402
 
-from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
+from benchmarks.llamacpp_peer import peer_available, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description, read_bandwidth_gbs  # noqa: E402
 from replicas.torch_engine.kv_cache import PagedKVCache  # noqa: E402
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
@@ -216,9 +216,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "forward.json")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
     args = parser.parse_args()
-    llamacpp = not args.no_llamacpp and BENCH_PYTHON.exists()
-    if not args.no_llamacpp and not llamacpp:
-        print(f"llama.cpp peer skipped: {BENCH_PYTHON} missing (`make bench-forward` installs it)")
+    llamacpp = not args.no_llamacpp and peer_available("bench-forward")
     cpu = cpu_description()
     print(f"{cpu['model']} (family {cpu['family']} model {cpu['model_number']}), features {cpu['features']}; "
           f"context {args.context} tokens, {args.repeats} repeats, medians in ms")

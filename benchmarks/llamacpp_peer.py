@@ -297,6 +297,14 @@ def run_step_costs(gguf_path: str, context: list[int], rows: list[int], repeats:
             "step_ms": {n: round(statistics.median(v), 2) for n, v in samples.items()}}
 
 
+def peer_available(make_target: str) -> bool:
+    """Is the bench venv here? If not, say the llama.cpp peer is skipped and what installs it."""
+    if BENCH_PYTHON.exists():
+        return True
+    print(f"llama.cpp skipped: {BENCH_PYTHON} missing (`make {make_target}` installs it)", flush=True)
+    return False
+
+
 def run_peer(gguf_path: str, input_flag: str, payload: Any, *args: str) -> dict:
     """Run this module in the bench venv (from the project's venv, where xllamacpp is not):
     `payload` goes in as a JSON file named by `input_flag` (--prompts-json, --conversations-json

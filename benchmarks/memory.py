@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine import workloads  # noqa: E402
-from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
+from benchmarks.llamacpp_peer import peer_available, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from replicas.torch_engine.loader import packaged_gguf_path, resolve_model_dir  # noqa: E402
 from replicas.torch_engine.model_config import ModelConfig  # noqa: E402
@@ -143,8 +143,7 @@ def reserved(doc: dict) -> dict[str, Any]:
 
 
 def bench_llamacpp(prompts: list[str], max_tokens: int, slots: int, slot_ctx: int) -> dict | None:
-    if not BENCH_PYTHON.exists():
-        print(f"llama.cpp skipped: {BENCH_PYTHON} missing (`make bench-memory` installs it)", flush=True)
+    if not peer_available("bench-memory"):
         return None
     run = run_peer(str(packaged_gguf_path()), "--prompts-json", {"full": prompts}, "--max-tokens", str(max_tokens),
                    "--batch", str(slots), "--modes", "plain", "--slot-ctx", str(slot_ctx))

@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
+from benchmarks.llamacpp_peer import peer_available, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from benchmarks.serve import percentile  # noqa: E402
 from deploy.app import compose_app  # noqa: E402
@@ -145,8 +145,7 @@ def deploy(replicas: int, engine: dict, replica: dict, max_seq_len: int) -> None
 
 
 def bench_llamacpp(conversations: list[list[str]], max_tokens: int, threads: int) -> dict | None:
-    if not BENCH_PYTHON.exists():
-        print(f"llama.cpp skipped: {BENCH_PYTHON} missing (`make bench-multiturn` installs it)", flush=True)
+    if not peer_available("bench-multiturn"):
         return None
     run = run_peer(str(packaged_gguf_path()), "--conversations-json", conversations, "--max-tokens", str(max_tokens),
                    "--threads", str(threads))

@@ -36,7 +36,7 @@ import jsonschema
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import ROOT  # noqa: E402
-from benchmarks.llamacpp_peer import BENCH_PYTHON, run_peer  # noqa: E402
+from benchmarks.llamacpp_peer import peer_available, run_peer  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from deploy.tool_calls import (TOOL_CALL_CLOSE, format_tool_calls, parse_tool_calls, tool_call_grammar,  # noqa: E402
                                tools_system_prompt)
@@ -240,8 +240,7 @@ def summarize(workload: str, runs: list[dict], clock: GrammarClock) -> dict:
 
 def bench_llamacpp(prompts: dict[str, dict], max_tokens: int, threads: int) -> dict | None:
     """llama.cpp's server on the same prompts under the same constraint, plain and ngram_mod."""
-    if not BENCH_PYTHON.exists():
-        print(f"  skipped: {BENCH_PYTHON} missing (`make bench-structured` installs it)", flush=True)
+    if not peer_available("bench-structured"):
         return None
     peer = {"json_records": {"prompts": prompts["json_records"]["prompts"],
                              "json_schema": RECORD_SCHEMA | {"x-guidance": JSON_LAYOUT}}}  # our ", " and ": "
