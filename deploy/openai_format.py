@@ -173,7 +173,9 @@ def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: Token
                   text_offset: int = 0, unscored: Sequence[int] = ()) -> dict[str, Any]:
     """A choice's `logprobs`: chat's list of objects, or completions' parallel lists whose
     `text_offset` counts characters from `text_offset` (where this chunk's text starts), led
-    by the `unscored` tokens' (an echoed prompt's first: its logprob and top are null)."""
+    by the `unscored` tokens' (an echoed prompt's first: its logprob and top are null).
+    Completions' `top_logprobs` also holds the token itself where it is not one of the k
+    likeliest (up to k + 1 entries, as OpenAI's legacy API and vLLM)."""
     if kind == "chat":
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = token_text(token_id)
@@ -188,7 +190,14 @@ def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: Token
         text_offset += len(token)
     none = [None] * len(unscored)
     return {"tokens": tokens, "token_logprobs": none + [e.logprob for e in entries],
-            "top_logprobs": none + [{token_text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": none + [completion_top(e, token_text) for e in entries], "text_offset": offsets}
+
+
+def completion_top(entry: TokenLogprob, token_text: TokenTexts) -> dict[str, float]:
+    top = {token_text(i): lp for i, lp in entry.top}
+    if all(i != entry.token_id for i, _ in entry.top):
+        top.setdefault(token_text(entry.token_id), entry.logprob)  # a text two tokens share keeps the likelier
+    return top
 
 
 def tool_call_id() -> str:

@@ -12,7 +12,8 @@ import pytest
 
 from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
-from deploy.openai_format import Echo, TokenTexts, prediction_details, shown_logprobs, vllm_prompt_logprobs
+from deploy.openai_format import (Echo, TokenTexts, logprobs_body, prediction_details, shown_logprobs,
+                                  vllm_prompt_logprobs)
 from deploy.prompts import engine_requests, generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.chat_protocol import ChatCompletionRequest
 from deploy.protocol import CompletionRequest
@@ -342,6 +343,17 @@ def test_prompt_logprobs_ask_the_engine_for_the_most_alternatives_either_field_s
     texts = TokenTexts(lambda ids: chr(ord("a") + ids[0]))
     assert vllm_prompt_logprobs(scored, 2, texts) == [None, {  # the token's own first, once
         "7": {"logprob": -1.0, "rank": 2, "decoded_token": "h"}, "8": {"logprob": -0.5, "rank": 1, "decoded_token": "i"}}]
+
+
+def test_completions_top_logprobs_hold_the_token_itself_beside_the_k_likeliest():
+    """OpenAI's legacy API (and vLLM): up to k + 1 entries, the token's own added where it is
+    not among the k; chat's `top_logprobs` are the k alone."""
+    texts = TokenTexts(lambda ids: chr(ord("a") + ids[0]))
+    entries = [TokenLogprob(7, -1.0, ((8, -0.5),), rank=2), TokenLogprob(8, -0.5, ((8, -0.5),), rank=1),
+               TokenLogprob(9, -3.0, (), rank=4)]
+    assert logprobs_body("completion", entries, texts)["top_logprobs"] == [
+        {"i": -0.5, "h": -1.0}, {"i": -0.5}, {"j": -3.0}]
+    assert [len(e["top_logprobs"]) for e in logprobs_body("chat", entries, texts)["content"]] == [1, 1, 0]
 
 
 def test_logprob_bytes_are_each_tokens_own(chatml):
