@@ -230,7 +230,8 @@ class CountTokensRequest(RequestModel):
     @classmethod
     def _contents(cls, messages: List[Message]) -> List[Message]:
         """Anthropic's rules: text that says something (the final assistant message, a prefill,
-        may be empty), and a prefill that ends in no whitespace."""
+        may be empty), and a prefill that ends in no whitespace. Consecutive messages of a role
+        are then one (`_merged`)."""
         for i, message in enumerate(messages):
             blocks = [message.content] if isinstance(message.content, str) else message.content
             texts = [block if isinstance(block, str) else block.text for block in blocks
@@ -242,7 +243,8 @@ class CountTokensRequest(RequestModel):
                                  f"optional final assistant message")
             if any(not text.strip() for text in texts):
                 raise ValueError(f"messages[{i}]: text content blocks must contain non-whitespace text")
-        _check_tool_ids(messages)
+        messages, at = _merged(messages)
+        _check_tool_ids(messages, at)
         begun = _answer_begun(messages)
         if begun and begun != begun.rstrip():
             raise ValueError("the final assistant content (a prefill) cannot end with whitespace")
@@ -300,16 +302,34 @@ class MessagesRequest(CountTokensRequest):
         return check_stops(stops, MAX_STOP_SEQUENCES)
 
 
-def _check_tool_ids(messages: List[Message]) -> None:
+def _merged(messages: List[Message]) -> tuple[List[Message], List[int]]:
+    """The conversation with each run of user (or assistant) messages one message of their
+    blocks, as Anthropic's API combines consecutive turns of a role; and where each begins."""
+    merged: List[Message] = []
+    at: List[int] = []
+    for i, message in enumerate(messages):
+        if not merged or message.role == "system" or message.role != merged[-1].role:
+            merged.append(message)
+            at.append(i)
+            continue
+        blocks = [block for m in (merged[-1], message)
+                  for block in ([TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content)
+                  if block.type != "text" or block.text]  # an empty last answer adds nothing
+        merged[-1] = Message.model_construct(role=message.role, content=blocks)
+    return merged, at
+
+
+def _check_tool_ids(messages: List[Message], at: List[int]) -> None:
     """Anthropic's pairing: tool_use ids are unique, and the user message after an assistant
     message with tool_use blocks (system messages may come between) answers each of them, once,
-    with tool_result blocks that come first in its content; a tool_result answers nothing else."""
+    with tool_result blocks that come first in its content; a tool_result answers nothing else.
+    An error names the client's message (`at`: where each of `messages` began)."""
     seen: set[str] = set()
     unanswered: list[str] = []  # the tool_use ids of the last assistant message, until answered
     asked_at = 0
 
     def missing() -> ValueError:
-        return ValueError(f"messages[{asked_at}]: tool_use ids were found without tool_result blocks immediately "
+        return ValueError(f"messages[{at[asked_at]}]: tool_use ids were found without tool_result blocks immediately "
                           f"after: {', '.join(unanswered)}; each tool_use needs its tool_result in the next message")
 
     for i, message in enumerate(messages):
@@ -320,17 +340,17 @@ def _check_tool_ids(messages: List[Message]) -> None:
             unanswered, asked_at = [b.id for b in blocks if b.type == "tool_use"], i
             for use in unanswered:
                 if use in seen:
-                    raise ValueError(f"messages[{i}]: tool_use ids must be unique, {use!r} is used twice")
+                    raise ValueError(f"messages[{at[i]}]: tool_use ids must be unique, {use!r} is used twice")
                 seen.add(use)
             continue
         if message.role != "user":
             continue
         results = [b.tool_use_id for b in blocks if b.type == "tool_result"]
         if any(b.type == "tool_result" for b in blocks[len(results):]):
-            raise ValueError(f"messages[{i}]: tool_result blocks must come first in the content, before any other")
+            raise ValueError(f"messages[{at[i]}]: tool_result blocks must come first in the content, before any other")
         for k, result in enumerate(results):
             if result not in unanswered or result in results[:k]:
-                raise ValueError(f"messages[{i}]: unexpected tool_use_id {result!r} in a tool_result block: each "
+                raise ValueError(f"messages[{at[i]}]: unexpected tool_use_id {result!r} in a tool_result block: each "
                                  f"answers, once, a tool_use block of the assistant message before it")
         unanswered = [use for use in unanswered if use not in results]
         if unanswered:

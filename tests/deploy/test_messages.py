@@ -139,6 +139,33 @@ def test_a_messages_text_blocks_are_lines_and_the_system_blocks_one_text():
     assert chat.continue_final_message
 
 
+def test_consecutive_messages_of_a_role_are_one_turn():
+    """As Anthropic's API combines them: a run of user (or assistant) messages is one message of
+    their blocks, so results split over two user messages answer one assistant's calls, and an
+    error names the client's message where the turn begins."""
+    def use(id_):
+        return {"type": "tool_use", "id": id_, "name": "get_weather", "input": {"city": id_}}
+
+    def result(id_):
+        return {"type": "tool_result", "tool_use_id": id_, "content": f"{id_}: 18 C"}
+
+    body = MessagesRequest(model="m", max_tokens=8, tools=[TOOL], messages=[
+        {"role": "user", "content": "Weather?"}, {"role": "user", "content": [{"type": "text", "text": "Both."}]},
+        {"role": "assistant", "content": "Looking."}, {"role": "assistant", "content": [use("a"), use("b")]},
+        {"role": "user", "content": [result("a")]}, {"role": "user", "content": [result("b")]},
+        {"role": "assistant", "content": "Both"}, {"role": "assistant", "content": ""}])
+    chat = chat_request(body)
+    assert [(m.role, m.text) for m in chat.messages] == [
+        ("user", "Weather?\nBoth."), ("assistant", "Looking."), ("tool", "a: 18 C"), ("tool", "b: 18 C"),
+        ("assistant", "Both")]
+    assert [c.id for c in chat.messages[1].tool_calls] == ["a", "b"] and chat.continue_final_message
+    with pytest.raises(pydantic.ValidationError, match=r"messages\[2\]: tool_use ids were found without"):
+        MessagesRequest(model="m", max_tokens=8, tools=[TOOL], messages=[
+            {"role": "user", "content": "Weather?"}, {"role": "user", "content": "In Oslo."},
+            {"role": "assistant", "content": "Looking."}, {"role": "assistant", "content": [use("a")]},
+            {"role": "user", "content": "Well?"}])
+
+
 @pytest.mark.parametrize("status, anthropic_type", [
     (400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
     (413, "request_too_large"), (429, "rate_limit_error"), (500, "api_error"), (503, "overloaded_error"),
