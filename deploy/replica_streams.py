@@ -99,7 +99,8 @@ class ReplicaStreams:
 
         asked_at, running = self._running
         if time.monotonic() - asked_at > max_age_s:
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+            async with asyncio.timeout(STATUS_TIMEOUT_S):
+                status = await asyncio.to_thread(serve.status)
             app = status.applications.get(self._replica.app_name)
             states = app.deployments.get(self._replica.deployment_name) if app is not None else None
             if states is not None:
@@ -223,8 +224,10 @@ class ReplicaStreams:
         already has (`Resume`): the rest of the stream comes from the new replica, exactly what
         the dead one would have produced."""
         try:
-            timeout_s = self._config.stream_idle_timeout_s if idle_timeout else None
-            return stream, await asyncio.wait_for(stream.__anext__(), timeout_s)
+            # not asyncio.wait_for: Python 3.11's returns a delta that came as its task was cancelled
+            # (the client gone), and the stream then ran on to its end for nobody
+            async with asyncio.timeout(self._config.stream_idle_timeout_s if idle_timeout else None):
+                return stream, await stream.__anext__()
         except StopAsyncIteration:
             raise
         except Exception as exc:

@@ -187,7 +187,8 @@ class KeptResponses:
         store that cannot take it is logged, not the request's failure."""
         for attempt in range(attempts):
             try:
-                await asyncio.wait_for(self._store.put.remote(body, messages, inputs), STORE_TIMEOUT_S)
+                async with asyncio.timeout(STORE_TIMEOUT_S):  # (keeps a cancel, as wait_for may not: _following)
+                    await self._store.put.remote(body, messages, inputs)
                 return
             except Exception as exc:  # noqa: BLE001
                 if attempt + 1 == attempts:
@@ -219,7 +220,8 @@ class KeptResponses:
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await asyncio.wait_for(getattr(self._store, method).remote(*args), STORE_TIMEOUT_S)
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                return await getattr(self._store, method).remote(*args)
         except asyncio.TimeoutError:
             raise ApiError(503, f"the response store did not answer within {STORE_TIMEOUT_S:g} s, retry later",
                            retry_after_s=RETRY_AFTER_S) from None

@@ -199,7 +199,8 @@ class LastSettings:
         from ray.experimental import internal_kv
 
         try:
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), CONTROLLER_TIMEOUT_S)
+            async with asyncio.timeout(CONTROLLER_TIMEOUT_S):
+                status = await asyncio.to_thread(serve.status)
         except Exception as exc:  # kept: a later refused start falls back on them, and says so
             logger.warning("could not ask Serve whether application %r is being deleted: %r", self._app, exc)
             return
