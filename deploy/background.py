@@ -110,7 +110,7 @@ class BackgroundResponses:
             self._watch.cancel()
         pending, deadline = {run.task for run in runs}, time.monotonic() + STOP_WAIT_S
         while pending and time.monotonic() < deadline:
-            for task in pending:  # again: a cancel that meets an awaited call's end can be lost (Python 3.11's wait_for)
+            for task in pending:  # again: a cancel meeting an awaited call's end can be lost (3.11's wait_for)
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.1)
         error = ApiError(503, "the Ingress replica that ran it stopped (a redeploy or a shutdown): create it again")
