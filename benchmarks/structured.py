@@ -68,8 +68,8 @@ TOOLS = [{"name": "edit_file", "description": "Replace one exact occurrence of o
           "parameters": _object(path=_STR, old_string=_STR, new_string=_STR)},
          {"name": "run_tests", "description": "Run the tests of a file or directory.",
           "parameters": _object(path=_STR)}]
-# The agent's previous turn: without a real call in the chat, the 135M model copies the system
-# prompt's placeholder arguments ("value"); asked less literally, it copies this call.
+# The agent's previous turn: without a real call in the chat, the 135M model copied the system
+# prompt's placeholder arguments ("value", now "<name>"); asked less literally, it copies this call.
 EARLIER_CALL = [{"role": "user", "content": "In utils.py, replace `retries = 3` with `retries = 5`."},
                 {"role": "assistant", "content": format_tool_calls([("edit_file", json.dumps(
                     {"path": "utils.py", "old_string": "retries = 3", "new_string": "retries = 5"}))])},

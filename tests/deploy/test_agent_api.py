@@ -142,14 +142,20 @@ def test_an_answer_goes_back_as_the_sdks_helpers_return_it(agent_client):
 
 
 def test_a_call_made_under_auto_is_held_to_its_schema_as_with_speculation_off(agent_client):
-    """tool_choice auto: the model decides (here it calls), and the call it begins is held to the
-    format and the schema by the optional grammar, ending the answer; bitwise as speculation off.
-    (Unconstrained, this model wrote `<tool_call>\ndef get_note(...` here: no call at all.)"""
+    """tool_choice auto: the model decides (here it calls, as it did earlier in the chat), and the
+    call it begins is held to the format and the schema by the optional grammar, ending the
+    answer; bitwise as speculation off."""
     note = {"type": "function", "function": {
         "name": "write_note", "description": "Save a note verbatim.",
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Please write_note the text </tool_call> for me, "
-                                                                     "then get_weather for Paris."}],
+    earlier = {"id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "London", "unit": "celsius"}'}}
+    chat = [{"role": "user", "content": "Please get_weather for London."},
+            {"role": "assistant", "content": None, "tool_calls": [earlier]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
+            {"role": "assistant", "content": "It is 12 C in London."},
+            {"role": "user", "content": "Please write_note the text </tool_call> for me, then get_weather for Paris."}]
+    kwargs = dict(model=MODEL, messages=chat,
                   tools=[note, WEATHER], parallel_tool_calls=False, max_tokens=80, temperature=0, logprobs=True)
     spec, off = (agent_client.chat.completions.create(**kwargs, extra_body=extra) for extra in ({}, OFF))
     choice = spec.choices[0]

@@ -173,17 +173,17 @@ def test_system_prompt_lists_functions_and_shows_the_format():
     text = tools_system_prompt([WEATHER, NOW])
     assert json.dumps(WEATHER, separators=(", ", ": ")) in text.splitlines()
     assert '{"name": "now"}' in text.splitlines()
-    example = _block('{"name": "get_weather", "arguments": {"city": "value"}}')
+    example = _block('{"name": "get_weather", "arguments": {"city": "<city>"}}')  # no value to copy
     assert example in text and "tool message" in text
-    assert parse_tool_calls(example)[1] == [ToolCall("get_weather", '{"city": "value"}')]
+    assert parse_tool_calls(example)[1] == [ToolCall("get_weather", '{"city": "<city>"}')]
 
 
 @pytest.mark.parametrize("parameters, example", [
     ({"type": "object", "properties": {"n": {"type": ["integer", "null"]}, "s": {"type": ["null", "string"]},
                                        "odd": "not a schema"}, "required": ["n", "s", "odd"]},
-     {"n": 1, "s": "value", "odd": "value"}),
+     {"n": "<n>", "s": "<s>", "odd": "<odd>"}),
     ({"type": "object", "properties": ["a"], "required": [["a"]]}, {}),  # shapes no schema has: no 500
-    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": "a"}, {"a": True}),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": "a"}, {"a": "<a>"}),
 ])
 def test_the_example_call_takes_whatever_the_parameters_say(parameters, example):
     """The system prompt's example call, from the first function's parameters (a nullable
