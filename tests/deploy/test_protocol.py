@@ -7,7 +7,6 @@ import pydantic
 import pytest
 
 from deploy.chat_protocol import ChatCompletionRequest, misplaced_tool_message
-from deploy.protocol import CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -210,9 +210,7 @@ def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_faile
     ingress wrapper awaits the destructor only if it is a coroutine function."""
     import inspect
 
-    from deploy.config import IngressConfig
     from deploy.routes import HttpIngress
-    from tests.deploy.fakes import fake_args
 
     assert inspect.iscoroutinefunction(HttpIngress.__del__)
     store = ResponseStore(capacity=4)
