@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, List, Literal, Optional, Union
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from deploy.protocol import (
@@ -19,6 +19,10 @@ from replicas.engine import MAX_TOP_LOGPROBS
 
 
 class TextPart(RequestModel):
+    # other keys are taken and not read: the Agents SDK (JavaScript) sends an answer back with
+    # its other fields in its text part (`role`, `tool_calls`; `annotations` streamed), and
+    # a 400 for them ended its runs at their second turn (found by QA)
+    model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: Text
 
@@ -108,7 +112,7 @@ class Prediction(RequestModel):
 class FunctionDefinition(RequestModel):
     name: FunctionName
     description: Optional[Text] = None
-    parameters: Optional[ParametersSchema] = None  # none: any object
+    parameters: Optional[ParametersSchema] = None  # none: the function takes no arguments
     strict: Optional[bool] = None
 
 

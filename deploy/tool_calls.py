@@ -70,17 +70,27 @@ def tools_system_prompt(functions: list[dict]) -> str:
             "The result comes back to you in a tool message.")
 
 
+_PLACEHOLDERS = {"integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
+
+
 def _example_arguments(parameters: dict) -> dict:
     """A concrete example beats a described one for a 135M model (it calls more under auto), but
-    values it can copy are copied: each argument's value is its name in angle brackets (with
-    "value" for each, Oslo's weather asked for "value": 3 of 6 cities right, 6 of 6 so, the
-    calls under auto as many; found by QA). Whatever shape the schema has (a property list
-    where a mapping goes) makes no error."""
+    a string it can copy is copied: a string argument's value is its name in angle brackets
+    (with "value" for each, Oslo's weather asked for "value": 3 of 6 cities right, 6 of 6 so,
+    the calls under auto as many; found by QA); another type's a placeholder of its type, from
+    whatever the schema says (a nullable `["integer", "null"]` type, or a shape no schema has:
+    a property of any type is a string's)."""
     props = parameters.get("properties")
     props = props if isinstance(props, dict) else {}
     required = parameters.get("required")
     names = [n for n in required if isinstance(n, str)] if isinstance(required, list) and required else list(props)
-    return {n: f"<{n}>" for n in names}
+
+    def placeholder(name: str, schema: object) -> object:
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        kinds = kind if isinstance(kind, list) else [kind]
+        return next((_PLACEHOLDERS[k] for k in kinds if isinstance(k, str) and k in _PLACEHOLDERS), f"<{name}>")
+
+    return {n: placeholder(n, props.get(n)) for n in names}
 
 
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[^\s",:\[\]{}]+|[,:\[\]{}]')
@@ -171,9 +181,11 @@ def _call_head(name: str) -> str:
 
 
 def _arguments_schema(function: dict) -> dict:
-    # OpenAI's rule: a function without parameters takes none (was any object: sampled, `{"": ""}`)
+    # OpenAI's rule: a function without parameters takes none (was any object: sampled, `{"": ""}`);
+    # a schema of {} is JSON Schema's any value, so any object here
+    parameters = function.get("parameters")
     no_parameters = {"type": "object", "properties": {}, "additionalProperties": False}
-    return {**(function.get("parameters") or no_parameters), "x-guidance": JSON_LAYOUT}
+    return {**(no_parameters if parameters is None else parameters), "x-guidance": JSON_LAYOUT}
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,15 @@ def test_tool_messages_answer_the_calls_of_the_assistant_message_before_them():
     assert misplaced_tool_message(messages(user, called("a"), user, result("a")))[0] == "messages[3].tool_call_id"
     assert misplaced_tool_message(messages(user, called("a", "a")))[0] == "messages[1].tool_calls[1].id"
 
+
+
+def test_a_text_part_takes_the_keys_an_sdk_carries_back_in_it():
+    """The Agents SDK (JavaScript, chat completions) sends an earlier answer back with its other
+    fields inside its text part: taken and not read, the text the same."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    part = {"type": "text", "text": "Hello", "role": "assistant", "tool_calls": [call], "annotations": []}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [part], "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    assert body.messages[1].text == "Hello" and body.messages[1].content[0].model_dump() == {"type": "text",
+                                                                                            "text": "Hello"}

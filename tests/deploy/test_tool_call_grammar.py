@@ -44,6 +44,7 @@ def _accepts(lark, grammar, text):
     ([WEATHER, ADD, NOW], SUM, False, True),
     ([WEATHER, ADD, NOW], _block('{"name": "now", "arguments": {}}'), False, True),
     ([WEATHER, ADD, NOW], _block('{"name": "now", "arguments": {"any": [1, 2]}}'), False, False),  # takes none
+    ([{"name": "any", "parameters": {}}], _block('{"name": "any", "arguments": {"x": 1}}'), False, True),  # any value
     ([WEATHER, ADD], format_tool_calls([("add", '{"a": -3, "b": 0.5}')]), False, True),
     ([WEATHER, {"name": 'say "hé"'}], _block('{"name": "say \\"hé\\"", "arguments": {}}'), False, True),
     ([WEATHER, ADD], _block('{"name": "get_time", "arguments": {"city": "Paris"}}'), False, False),  # unknown
@@ -55,7 +56,6 @@ def _accepts(lark, grammar, text):
     ([WEATHER, ADD], PARIS + "\n" + SUM, True, True),
     ([WEATHER, ADD], PARIS + "\n" + SUM + "\n" + PARIS, True, True),
     ([WEATHER, ADD], PARIS + "\n\n" + SUM, True, False),
-
     ([WEATHER, ADD], PARIS + SUM, True, False),
 ])
 def test_grammar_admits_exactly_the_format(lark, functions, text, parallel, accepted):

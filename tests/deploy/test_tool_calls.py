@@ -181,9 +181,9 @@ def test_system_prompt_lists_functions_and_shows_the_format():
 @pytest.mark.parametrize("parameters, example", [
     ({"type": "object", "properties": {"n": {"type": ["integer", "null"]}, "s": {"type": ["null", "string"]},
                                        "odd": "not a schema"}, "required": ["n", "s", "odd"]},
-     {"n": "<n>", "s": "<s>", "odd": "<odd>"}),
+     {"n": 1, "s": "<s>", "odd": "<odd>"}),
     ({"type": "object", "properties": ["a"], "required": [["a"]]}, {}),  # shapes no schema has: no 500
-    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": "a"}, {"a": "<a>"}),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": "a"}, {"a": True}),
 ])
 def test_the_example_call_takes_whatever_the_parameters_say(parameters, example):
     """The system prompt's example call, from the first function's parameters (a nullable
