@@ -111,6 +111,9 @@ class ToolResultBlock(RequestModel):
         return f"Error: {text}" if self.is_error else text
 
 
+THINKING = ("thinking", "redacted_thinking")
+
+
 class ThinkingBlock(RequestModel):
     """Another model's thinking in an earlier answer (a session begun on Claude): not rendered,
     as Anthropic's API drops earlier turns' thinking."""
@@ -362,11 +365,13 @@ def _check_tool_ids(messages: List[Message], at: List[int]) -> None:
 # -- the chat request it means -----------------------------------------------------------------
 def _answer_begun(messages: List[Message]) -> Optional[str]:
     """The start of the answer the conversation ends with (Anthropic's prefill: a last
-    assistant message of text only, which the answer continues; "" is no prefill), or None."""
+    assistant message of text only, which the answer continues; "" is no prefill), or None.
+    Thinking blocks, never rendered, do not count."""
     last = messages[-1]
-    if last.role != "assistant" or (not isinstance(last.content, str) and any(b.type != "text" for b in last.content)):
+    blocks = [] if isinstance(last.content, str) else [b for b in last.content if b.type not in THINKING]
+    if last.role != "assistant" or any(b.type != "text" for b in blocks):
         return None
-    return last.content if isinstance(last.content, str) else PART_SEPARATOR.join(b.text for b in last.content)
+    return last.content if isinstance(last.content, str) else PART_SEPARATOR.join(b.text for b in blocks)
 
 
 # Claude Code leads its system prompt with a block of its own that changes with every request

@@ -194,9 +194,10 @@ def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: Token
 
 
 def completion_top(entry: TokenLogprob, token_text: TokenTexts) -> dict[str, float]:
-    top = {token_text(i): lp for i, lp in entry.top}
-    if all(i != entry.token_id for i, _ in entry.top):
-        top.setdefault(token_text(entry.token_id), entry.logprob)  # a text two tokens share keeps the likelier
+    """Text -> logprob; a text two tokens share (byte tokens' "\ufffd") keeps the likelier's."""
+    top: dict[str, float] = {}
+    for i, lp in (*entry.top, (entry.token_id, entry.logprob)):
+        top.setdefault(token_text(i), lp)
     return top
 
 

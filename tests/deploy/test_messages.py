@@ -141,8 +141,9 @@ def test_a_messages_text_blocks_are_lines_and_the_system_blocks_one_text():
 
 def test_consecutive_messages_of_a_role_are_one_turn():
     """As Anthropic's API combines them: a run of user (or assistant) messages is one message of
-    their blocks, so results split over two user messages answer one assistant's calls, and an
-    error names the client's message where the turn begins."""
+    their blocks, so results split over two user messages answer one assistant's calls, a
+    thinking block (never rendered) before a prefill leaves it one, and an error names the
+    client's message where the turn begins."""
     def use(id_):
         return {"type": "tool_use", "id": id_, "name": "get_weather", "input": {"city": id_}}
 
@@ -159,6 +160,12 @@ def test_consecutive_messages_of_a_role_are_one_turn():
         ("user", "Weather?\nBoth."), ("assistant", "Looking."), ("tool", "a: 18 C"), ("tool", "b: 18 C"),
         ("assistant", "Both")]
     assert [c.id for c in chat.messages[1].tool_calls] == ["a", "b"] and chat.continue_final_message
+    thought = {"type": "thinking", "thinking": "Hm.", "signature": "s"}
+    for answer in ([{"role": "assistant", "content": [thought]}, {"role": "assistant", "content": "Both"}],
+                   [{"role": "assistant", "content": [thought, {"type": "text", "text": "Both"}]}]):
+        chat = chat_request(MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "Go"},
+                                                                               *answer]))
+        assert chat.continue_final_message and [(m.role, m.text) for m in chat.messages][-1] == ("assistant", "Both")
     with pytest.raises(pydantic.ValidationError, match=r"messages\[2\]: tool_use ids were found without"):
         MessagesRequest(model="m", max_tokens=8, tools=[TOOL], messages=[
             {"role": "user", "content": "Weather?"}, {"role": "user", "content": "In Oslo."},

@@ -459,7 +459,7 @@ def test_vllm_prompt_logprobs_are_echos_with_ranks_on_completions_and_chat(url):
         assert sorted(ranks) == [1, 2, 3]  # the token's own rank among them if it is one of the 3
         best = next(e for e in (own, *likeliest) if e["rank"] == 1)
         # the likeliest, and the token's own where it is not (OpenAI's legacy k + 1)
-        assert list(top.values()) == [best["logprob"]] + ([own["logprob"]] if own["rank"] > 1 else [])
+        assert max(top.values()) == best["logprob"] and top[token] == logprob and len(top) <= 2
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0,
             "prompt_logprobs": 0}
     response = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()
