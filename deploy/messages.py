@@ -305,56 +305,68 @@ class MessagesRequest(CountTokensRequest):
         return check_stops(stops, MAX_STOP_SEQUENCES)
 
 
-def _merged(messages: List[Message]) -> tuple[List[Message], List[int]]:
+def _blocks_of(message: Message) -> list:
+    return [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+
+
+def _merged(messages: List[Message]) -> tuple[List[Message], List[List[int]]]:
     """The conversation with each run of user (or assistant) messages one message of their
-    blocks, as Anthropic's API combines consecutive turns of a role; and where each begins."""
+    blocks, as Anthropic's API combines consecutive turns of a role; and, for each message,
+    the client's message each of its blocks came from (text content: one block)."""
     merged: List[Message] = []
-    at: List[int] = []
+    at: List[List[int]] = []
     for i, message in enumerate(messages):
+        blocks = _blocks_of(message)
         if not merged or message.role == "system" or message.role != merged[-1].role:
             merged.append(message)
-            at.append(i)
+            at.append([i] * max(1, len(blocks)))
             continue
-        blocks = [block for m in (merged[-1], message)
-                  for block in ([TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content)
-                  if block.type != "text" or block.text]  # an empty last answer adds nothing
-        merged[-1] = Message.model_construct(role=message.role, content=blocks)
+        kept = [(b, where) for b, where in (*zip(_blocks_of(merged[-1]), at[-1]), *((b, i) for b in blocks))
+                if b.type != "text" or b.text]  # an empty last answer adds nothing
+        merged[-1] = Message.model_construct(role=message.role, content=[b for b, _ in kept])
+        at[-1] = [where for _, where in kept] or [at[-1][0]]
     return merged, at
 
 
-def _check_tool_ids(messages: List[Message], at: List[int]) -> None:
+def _check_tool_ids(messages: List[Message], at: List[List[int]]) -> None:
     """Anthropic's pairing: tool_use ids are unique, and the user message after an assistant
     message with tool_use blocks (system messages may come between) answers each of them, once,
     with tool_result blocks that come first in its content; a tool_result answers nothing else.
-    An error names the client's message (`at`: where each of `messages` began)."""
+    An error names the client's message the block came from (`at`, `_merged`'s)."""
     seen: set[str] = set()
     unanswered: list[str] = []  # the tool_use ids of the last assistant message, until answered
     asked_at = 0
 
     def missing() -> ValueError:
-        return ValueError(f"messages[{at[asked_at]}]: tool_use ids were found without tool_result blocks immediately "
-                          f"after: {', '.join(unanswered)}; each tool_use needs its tool_result in the next message")
+        return ValueError(f"messages[{at[asked_at][0]}]: tool_use ids were found without tool_result blocks "
+                          f"immediately after: {', '.join(unanswered)}; each tool_use needs its tool_result in the "
+                          f"next message")
 
     for i, message in enumerate(messages):
         blocks = [] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
             if unanswered:
                 raise missing()
-            unanswered, asked_at = [b.id for b in blocks if b.type == "tool_use"], i
-            for use in unanswered:
-                if use in seen:
-                    raise ValueError(f"messages[{at[i]}]: tool_use ids must be unique, {use!r} is used twice")
-                seen.add(use)
+            unanswered, asked_at = [], i
+            for k, block in enumerate(blocks):
+                if block.type != "tool_use":
+                    continue
+                if block.id in seen:
+                    raise ValueError(f"messages[{at[i][k]}]: tool_use ids must be unique, {block.id!r} is used twice")
+                seen.add(block.id)
+                unanswered.append(block.id)
             continue
         if message.role != "user":
             continue
         results = [b.tool_use_id for b in blocks if b.type == "tool_result"]
-        if any(b.type == "tool_result" for b in blocks[len(results):]):
-            raise ValueError(f"messages[{at[i]}]: tool_result blocks must come first in the content, before any other")
+        late = next((k for k, b in enumerate(blocks) if k >= len(results) and b.type == "tool_result"), None)
+        if late is not None:
+            raise ValueError(f"messages[{at[i][late]}]: tool_result blocks must come first in the content, before "
+                             f"any other")
         for k, result in enumerate(results):
             if result not in unanswered or result in results[:k]:
-                raise ValueError(f"messages[{at[i]}]: unexpected tool_use_id {result!r} in a tool_result block: each "
-                                 f"answers, once, a tool_use block of the assistant message before it")
+                raise ValueError(f"messages[{at[i][k]}]: unexpected tool_use_id {result!r} in a tool_result block: "
+                                 f"each answers, once, a tool_use block of the assistant message before it")
         unanswered = [use for use in unanswered if use not in results]
         if unanswered:
             raise missing()

@@ -143,7 +143,7 @@ def test_consecutive_messages_of_a_role_are_one_turn():
     """As Anthropic's API combines them: a run of user (or assistant) messages is one message of
     their blocks, so results split over two user messages answer one assistant's calls, a
     thinking block (never rendered) before a prefill leaves it one, and an error names the
-    client's message where the turn begins."""
+    client's message its block came from (or, for calls unanswered, where their turn begins)."""
     def use(id_):
         return {"type": "tool_use", "id": id_, "name": "get_weather", "input": {"city": id_}}
 
@@ -166,11 +166,16 @@ def test_consecutive_messages_of_a_role_are_one_turn():
         chat = chat_request(MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "Go"},
                                                                                *answer]))
         assert chat.continue_final_message and [(m.role, m.text) for m in chat.messages][-1] == ("assistant", "Both")
-    with pytest.raises(pydantic.ValidationError, match=r"messages\[2\]: tool_use ids were found without"):
-        MessagesRequest(model="m", max_tokens=8, tools=[TOOL], messages=[
-            {"role": "user", "content": "Weather?"}, {"role": "user", "content": "In Oslo."},
-            {"role": "assistant", "content": "Looking."}, {"role": "assistant", "content": [use("a")]},
-            {"role": "user", "content": "Well?"}])
+    asked = [{"role": "user", "content": "Weather?"}, {"role": "user", "content": "In Oslo."},
+             {"role": "assistant", "content": "Looking."}, {"role": "assistant", "content": [use("a"), use("b")]}]
+    for answers, error in (
+            ([{"role": "user", "content": "Well?"}], r"messages\[2\]: tool_use ids were found without"),  # the turn
+            ([{"role": "user", "content": [result("a"), {"type": "text", "text": "x"}]},
+              {"role": "user", "content": [result("b")]}], r"messages\[5\]: tool_result blocks must come first"),
+            ([{"role": "user", "content": [result("a")]}, {"role": "user", "content": [result("a")]}],
+             r"messages\[5\]: unexpected tool_use_id 'a'")):
+        with pytest.raises(pydantic.ValidationError, match=error):
+            MessagesRequest(model="m", max_tokens=8, tools=[TOOL], messages=asked + answers)
 
 
 @pytest.mark.parametrize("status, anthropic_type", [
