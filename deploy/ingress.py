@@ -35,7 +35,7 @@ from deploy.errors import RETRY_AFTER_S, ApiError, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
-from deploy.protocol import CompletionRequest
+from deploy.protocol import CompletionRequest, StreamOptions
 from deploy.replica_streams import ReplicaStreams, all_choices, cancel, no_engine_replica
 from deploy.response_bodies import ModelCard
 from deploy.response_store import KeptResponses
@@ -127,9 +127,9 @@ class Ingress:
             raise
         created = int(time.time())
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or StreamOptions()
             return StreamingResponse(self._sse(output, request_id, requests, echoes, created, opened, routing,
-                                               include_usage, body.n, prompt_only),
+                                               options, body.n, prompt_only),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         accs = await all_choices([self._replicas.collect(r, *o, routing, prompt_only)
                                   for r, o in zip(requests, opened)])
@@ -350,12 +350,20 @@ class Ingress:
 
     async def _sse(self, output: fmt.Output, response_id: str, requests: list[GenerationRequest],
                    echoes: list[Optional[fmt.Echo]], created: int, opened: list[tuple[Any, GenerationDelta]],
-                   routing: asyncio.Lock, include_usage: bool, n: int, prompt_only: bool) -> AsyncIterator[str]:
+                   routing: asyncio.Lock, options: StreamOptions, n: int, prompt_only: bool) -> AsyncIterator[str]:
         """The response's SSE: each choice's chunks as its replica stream delivers them (one
-        task per choice), each choice's last chunk as it finishes, then the usage and [DONE]."""
+        task per choice), each choice's last chunk as it finishes, then the usage and [DONE].
+        With `include_usage` every chunk but the last has usage null (OpenAI's), or, with
+        `continuous_usage_stats`, the usage as it was when the chunk was made (vLLM's)."""
         kind, model = output.kind, self.config.model_name
         accs = [fmt.Accumulated.of(r, prompt_only) for r in requests]
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
+        include_usage = options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
+        prompts = [r.prompt for r in requests]
+
+        def counted(chunk: dict) -> dict:
+            return {**chunk, "usage": fmt.running_usage(prompts, accs, n)} if continuous else chunk
 
         async def choice(index: int) -> None:
             pieces = fmt.StreamPieces(output, echoes[index])
@@ -365,19 +373,19 @@ class Ingress:
                     async for delta in deltas:
                         text, tool_calls, logprobs = pieces.of(delta, accs[index].cut)
                         if text or tool_calls or logprobs:
-                            events.put_nowait(fmt.chunk(kind, response_id, created, model, text, logprobs=logprobs,
-                                                        tool_calls=tool_calls, index=index))
+                            events.put_nowait(counted(fmt.chunk(kind, response_id, created, model, text,
+                                                                logprobs=logprobs, tool_calls=tool_calls, index=index)))
                         if delta.finish_reason is not None:
-                            events.put_nowait(fmt.chunk(kind, response_id, created, model,
-                                                        None if kind == "chat" else "",
-                                                        pieces.finish_reason(accs[index]), index=index,
-                                                        stop_reason=accs[index].stop_reason))
+                            events.put_nowait(counted(fmt.chunk(kind, response_id, created, model,
+                                                                None if kind == "chat" else "",
+                                                                pieces.finish_reason(accs[index]), index=index,
+                                                                stop_reason=accs[index].stop_reason)))
                             events.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs
                 events.put_nowait(exc)
 
-        def sse(chunk: dict) -> str:  # with include_usage, every chunk but the last has usage null (OpenAI's)
-            return fmt.sse({**chunk, "usage": None} if include_usage else chunk)
+        def sse(chunk: dict) -> str:
+            return fmt.sse({"usage": None, **chunk} if include_usage else chunk)
 
         tasks = [asyncio.ensure_future(choice(i)) for i in range(len(requests))]
         try:
@@ -385,7 +393,7 @@ class Ingress:
                 if kind == "chat":  # content null where the answer may be calls alone, as OpenAI's
                     opening = None if output.tools else ""
                     for i in range(len(requests)):
-                        yield sse(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i))
+                        yield sse(counted(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i)))
                 finished = 0
                 while finished < len(requests):
                     event = await events.get()

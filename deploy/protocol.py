@@ -174,6 +174,10 @@ PromptCacheRetention = Optional[Literal["in_memory", "24h"]]  # our prefix cache
 class StreamOptions(RequestModel):
     include_usage: bool = False
     include_obfuscation: bool = True  # no obfuscation padding is sent either way
+    # vLLM's (guidellm sends it with every stream; aiperf's --per-chunk-usage): with
+    # include_usage, each chunk carries the usage so far; a step of speculation sends several
+    # tokens in one chunk, which a client counting chunks as tokens would miscount
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(RequestModel):

@@ -115,6 +115,24 @@ def test_chat_streamed_equals_plain_equals_engine(client, reference):
     assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # the role's chunk too
 
 
+def test_continuous_usage_stats_count_each_chunks_tokens(client):
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm sends it with every stream: was a
+    400): every chunk carries the usage so far, its count the tokens sent, several in a chunk
+    where a verify step accepted drafts; the last is the answer's usage."""
+    kwargs = dict(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=40, temperature=0, logprobs=0)
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage.prompt_tokens == plain.usage.prompt_tokens for c in chunks)
+    sent, counts = 0, []
+    for chunk in chunks[:-1]:
+        sent += len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
+        counts.append(chunk.usage.completion_tokens)
+        assert chunk.choices[0].finish_reason is not None or chunk.usage.completion_tokens == sent
+    assert counts == sorted(counts) and max(b - a for a, b in zip(counts, counts[1:])) > 1
+    assert chunks[-1].usage.completion_tokens == chunks[-2].usage.completion_tokens == plain.usage.completion_tokens
+
+
 def test_chat_continues_a_prefilled_answer(client, reference):
     out = client.chat.completions.create(
         model=MODEL, messages=PREFILL_CHAT, max_tokens=16, temperature=0,
