@@ -296,6 +296,9 @@ class MessagesRequest(CountTokensRequest):
     diagnostics: Optional[Any] = None  # Claude Code's, not read
     user_profile_id: Optional[str] = None  # a label, not read
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+    # vLLM's, as load generators send them here too (aiperf): an output of a set length
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="EOS held back until this many tokens")
     thread: Optional[Any] = Field(None, description="Anthropic's message threads (the conversation kept by the "
                                   "server): refused so that the client sends the whole conversation instead")
 
@@ -444,6 +447,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fmt = body.output_config and body.output_config.format
         sampling = dict(max_completion_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                         top_k=body.top_k, stop=body.stop_sequences, stream=body.stream, speculation=body.speculation,
+                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                         user=body.metadata.user_id if body.metadata else None, response_format=fmt and {
                             "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
     prefill = bool(_answer_begun(body.messages))

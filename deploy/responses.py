@@ -174,6 +174,7 @@ class TextConfig(RequestModel):
 
 class ResponsesStreamOptions(RequestModel):
     include_obfuscation: bool = True  # no obfuscation padding is sent either way
+    include_usage: bool = False  # chat's, as aiperf sends it here too: the usage is in the last event anyway
 
 
 class Reasoning(RequestModel):
@@ -216,6 +217,10 @@ class ResponsesRequest(RequestModel):
     reasoning: Optional[Reasoning] = None  # hints: no output of ours has reasoning
     stream_options: Optional[ResponsesStreamOptions] = None
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+    # vLLM's, as load generators send them here too (guidellm, aiperf): an output of a set length
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="EOS held back until this many tokens")
+    stop: Optional[Union[Text, List[Text]]] = None
 
     @field_validator("input")
     @classmethod
@@ -386,7 +391,8 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
                for t in body.tools] or None,
         tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
         response_format=fmt, user=body.user, logprobs=body.logprobs,
-        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens, stop=body.stop)
 
 
 def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[ChatMessage],

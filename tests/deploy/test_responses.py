@@ -217,3 +217,21 @@ def test_an_id_names_one_item_in_the_conversation_references_resolved():
     assert repeated_id(ResponsesRequest(model="m", input=[call, result]).items, ["fc_1"]) == (
         "input[0].id", "'fc_1' is the id of an item of the previous_response_id response")
     assert repeated_id(ResponsesRequest(model="m", input=[result]).items, ["fc_1"]) is None
+
+
+def test_vllms_length_settings_reach_the_chat_a_responses_or_messages_request_means():
+    """What load generators send to every API (guidellm, aiperf: each was a 400 here): vLLM's
+    `ignore_eos` and `min_tokens`, a Responses request's `stop` (null from guidellm) and chat's
+    `stream_options.include_usage` (the usage is in the last event anyway)."""
+    from deploy.messages import MessagesRequest
+    from deploy.messages import chat_request as messages_chat
+
+    body = ResponsesRequest(model="m", input="hi", ignore_eos=True, min_tokens=3, stop=["\n\n"], stream=True,
+                            stream_options={"include_usage": True})
+    chat = chat_request(body, conversation(body, []))
+    assert (chat.ignore_eos, chat.min_tokens, chat.stop) == (True, 3, ["\n\n"])
+    plain = ResponsesRequest(model="m", input="hi", stop=None)
+    assert chat_request(plain, conversation(plain, [])).stop is None
+    chat = messages_chat(MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                         ignore_eos=True, min_tokens=3))
+    assert (chat.ignore_eos, chat.min_tokens) == (True, 3)
