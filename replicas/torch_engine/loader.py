@@ -53,7 +53,25 @@ def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None)
     target = (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL
     if not (target / "model.safetensors").is_file():
         convert_gguf(packaged_gguf_path(), target)
+    else:
+        portable_tokenizer_config(target)  # a copy converted before it was
     return target
+
+
+def portable_tokenizer_config(model_dir: Path) -> None:
+    """The converted checkpoint's tokenizer_config.json as other tools read it too: transformers
+    5 writes its own class name (`TokenizersBackend`), which 4.x (a load generator's venv)
+    cannot load, where `PreTrainedTokenizerFast` is the same class in both; and the model's
+    window as `model_max_length` (was 1e30). Atomic; nothing written when already so."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    window = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    portable = {**config, "tokenizer_class": "PreTrainedTokenizerFast",
+                **({"model_max_length": window} if window else {})}
+    if portable != config:
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(portable, indent=2, ensure_ascii=False))
+        tmp.replace(path)
 
 
 def model_config(model: str = DEFAULT_MODEL) -> ModelConfig:
@@ -112,6 +130,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    portable_tokenizer_config(tmp)
     shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(target)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+from replicas.torch_engine.loader import load_tokenizer, portable_tokenizer_config, resolve_model_dir
 
 CHAT = [
     {"role": "system", "content": "You answer in one line."},
@@ -67,3 +67,22 @@ def test_a_checkpoint_naming_another_class_goes_through_autotokenizer(model_dir,
     tokenizer = load_tokenizer(tmp_path)
     assert calls == [tmp_path]
     assert tokenizer.encode("hello world") == load_tokenizer(model_dir).encode("hello world")
+
+
+def test_the_converted_tokenizer_config_names_a_class_other_transformers_have(model_dir, tmp_path):
+    """transformers 5 names its own class (`TokenizersBackend`), which 4.x (a load generator's
+    venv, pointed at this directory) cannot load (found by QA): the copy names the class both
+    have, and the model's window as its length (was 1e30); a copy converted before is mended."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    window = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert {k: json.loads((model_dir / "tokenizer_config.json").read_text())[k]
+            for k in ("tokenizer_class", "model_max_length")} == {"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                   "model_max_length": window}
+    old = {**json.loads((tmp_path / "tokenizer_config.json").read_text()), "tokenizer_class": "TokenizersBackend",
+           "model_max_length": 10 ** 30}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(old))
+    portable_tokenizer_config(tmp_path)
+    mended = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert mended == {**old, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": window}
+    assert load_tokenizer(tmp_path).encode("hello world") == load_tokenizer(model_dir).encode("hello world")
