@@ -419,5 +419,6 @@ class Ingress:
     def model_card(self) -> dict[str, Any]:
         created_at = datetime.datetime.fromtimestamp(self._created, datetime.timezone.utc)
         return ModelCard(id=self.config.model_name, created=self._created, display_name=self.config.model_name,
-                         created_at=created_at.isoformat().replace("+00:00", "Z")).model_dump()
+                         created_at=created_at.isoformat().replace("+00:00", "Z"),
+                         max_model_len=self.config.max_seq_len).model_dump()
 

@@ -113,6 +113,7 @@ class ModelCard(BaseModel):
     type: Literal["model"] = "model"
     display_name: str
     created_at: str  # RFC 3339
+    max_model_len: int  # vLLM's: the context window a request's prompt and output share
 
 
 class ModelList(BaseModel):

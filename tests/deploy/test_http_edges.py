@@ -248,6 +248,7 @@ def test_both_sdks_list_the_model(url):
     assert claude.models.retrieve("fake") == model
     (card,) = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY).models.list().data
     assert (card.id, card.owned_by, card.created) == ("fake", "specserve", int(model.created_at.timestamp()))
+    assert card.model_extra["max_model_len"] == 256  # vLLM's: the engine's window (fake_args)
 
 
 def test_openai_client_with_key(url):
