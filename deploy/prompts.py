@@ -230,8 +230,11 @@ def generation_request(
     if len(prompt_ids) > config.max_prompt_tokens:
         why = (f"the {config.max_seq_len}-token context window less one token to answer with"
                if config.max_prompt_tokens == config.max_seq_len - 1 else "this server's prompt limit")
+        # "maximum context length": OpenAI's and vLLM's words, which clients (litellm, crewAI,
+        # OpenHands) look for to tell this error from others (litellm's context window fallbacks)
         raise ApiError(400, f"{field}: {len(prompt_ids)} prompt tokens exceed the limit of "
-                            f"{config.max_prompt_tokens} ({why})", field, code="context_length_exceeded",
+                            f"{config.max_prompt_tokens} ({why}); this model's maximum context length is "
+                            f"{config.max_seq_len} tokens", field, code="context_length_exceeded",
                        anthropic_message=f"prompt is too long: {len(prompt_ids)} tokens > "
                                          f"{config.max_prompt_tokens} maximum")
     asked = request.requested_max_tokens if isinstance(request, ChatCompletionRequest) else request.max_tokens
@@ -242,7 +245,8 @@ def generation_request(
     room = config.max_seq_len - len(prompt_ids)
     if asked is not None and asked > room:
         raise ApiError(400, f"{max_tokens_field}: {asked} + {len(prompt_ids)} prompt tokens exceed the context "
-                            f"window of {config.max_seq_len}", max_tokens_field, code="context_length_exceeded",
+                            f"window: this model's maximum context length is {config.max_seq_len} tokens",
+                       max_tokens_field, code="context_length_exceeded",
                        anthropic_message=f"input length and `max_tokens` exceed context limit: {len(prompt_ids)} + "
                                          f"{asked} > {config.max_seq_len}, decrease input length or `max_tokens` "
                                          f"and try again")

@@ -138,6 +138,15 @@ class FunctionTool(RequestModel):
     parameters: Optional[ParametersSchema] = None
     strict: Optional[bool] = None
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _function(cls, kind: Any) -> Any:
+        """Another type (OpenAI's hosted `web_search`, `file_search`..., a `namespace` of
+        functions, which Codex sends) said so, not as the type's literal mismatch."""
+        if isinstance(kind, str) and kind != "function":
+            raise ValueError(f"{kind!r} tools are not served here, only 'function' tools")
+        return kind
+
 
 class FunctionToolChoice(RequestModel):
     type: Literal["function"]
@@ -217,6 +226,7 @@ class ResponsesRequest(RequestModel):
     reasoning: Optional[Reasoning] = None  # hints: no output of ours has reasoning
     stream_options: Optional[ResponsesStreamOptions] = None
     speculation: Optional[RequestSpeculation] = None  # narrows the server's setting
+    client_metadata: Optional[Dict[str, str]] = None  # Codex's ids of its session and turn: not read
     # vLLM's, as load generators send them here too (guidellm, aiperf): an output of a set length
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="EOS held back until this many tokens")

@@ -303,11 +303,18 @@ def test_a_bad_prompt_of_a_batch_is_named_by_its_place(chatml, prompt, param, sa
     ({"max_prompt_tokens": 100}, "exceed the limit of 100 (this server's prompt limit)"),
 ])
 def test_a_prompt_too_long_says_which_limit_it_passed(chatml, limits, says):
-    """The limit by default is the window less one ("limit of 4095" alone did not say why)."""
+    """The limit by default is the window less one ("limit of 4095" alone did not say why), in
+    the words clients look for to tell the error (litellm maps "this model's maximum context
+    length is" to its ContextWindowExceededError: its fallbacks never fired, found by QA)."""
     config = IngressConfig.from_args(AppArgs(limits=limits))
+    window = "this model's maximum context length is 4096 tokens"
     with pytest.raises(ApiError) as info:
         generation_request("r", chatml, CompletionRequest(model="m", prompt=[5] * 5000), config)
-    assert info.value.code == "context_length_exceeded" and info.value.message == f"prompt: 5000 prompt tokens {says}"
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.message == f"prompt: 5000 prompt tokens {says}; {window}"
+    with pytest.raises(ApiError) as info:
+        generation_request("r", chatml, CompletionRequest(model="m", prompt=[5] * 90, max_tokens=4050), config)
+    assert info.value.code == "context_length_exceeded" and info.value.message.endswith(window)
 
 
 def test_a_prediction_goes_in_as_token_ids_and_is_counted_against_the_output(chatml):

@@ -235,3 +235,19 @@ def test_vllms_length_settings_reach_the_chat_a_responses_or_messages_request_me
     chat = messages_chat(MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                          ignore_eos=True, min_tokens=3))
     assert (chat.ignore_eos, chat.min_tokens) == (True, 3)
+
+
+def test_what_codex_sends_is_taken_or_refused_by_name():
+    """Codex CLI sends `client_metadata` (its session's ids) with every request: taken (was a
+    400 before the model ran, found by QA); a tool of another type than a function is refused
+    saying so, not as a literal mismatch."""
+    import pydantic
+
+    ResponsesRequest(model="m", input="hi", client_metadata={"session_id": "s", "turn_id": "t"})
+    for tool in ({"type": "web_search", "external_web_access": False},
+                 {"type": "namespace", "name": "multi_agent_v1", "tools": []}):
+        with pytest.raises(pydantic.ValidationError) as info:
+            ResponsesRequest(model="m", input="hi", tools=[{"type": "function", "name": "f"}, tool])
+        (error,) = info.value.errors()
+        assert error["loc"] == ("tools", 1, "type")
+        assert f"'{tool['type']}' tools are not served here" in error["msg"]
