@@ -70,8 +70,11 @@ def portable_tokenizer_config(model_dir: Path) -> None:
                 **({"model_max_length": window} if window else {})}
     if portable != config:
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(portable, indent=2, ensure_ascii=False))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(portable, indent=2, ensure_ascii=False))
+            tmp.replace(path)
+        except OSError as exc:  # a read-only cache (a mounted volume) serves as it is
+            logger.warning("could not rewrite %s for other transformers versions: %s", path, exc)
 
 
 def model_config(model: str = DEFAULT_MODEL) -> ModelConfig:

@@ -86,3 +86,21 @@ def test_the_converted_tokenizer_config_names_a_class_other_transformers_have(mo
     mended = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert mended == {**old, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": window}
     assert load_tokenizer(tmp_path).encode("hello world") == load_tokenizer(model_dir).encode("hello world")
+
+
+def test_a_read_only_copy_is_served_as_it_is(model_dir, tmp_path, monkeypatch, caplog):
+    """A cache mounted read-only (a volume) cannot be mended: it loads as it is, said in the log."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}))
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    portable_tokenizer_config(tmp_path)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    assert "Read-only file system" in caplog.text
+    assert load_tokenizer(tmp_path).encode("hello world") == load_tokenizer(model_dir).encode("hello world")
