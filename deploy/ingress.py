@@ -354,16 +354,16 @@ class Ingress:
         """The response's SSE: each choice's chunks as its replica stream delivers them (one
         task per choice), each choice's last chunk as it finishes, then the usage and [DONE].
         With `include_usage` every chunk but the last has usage null (OpenAI's), or, with
-        `continuous_usage_stats`, the usage as it was when the chunk was made (vLLM's)."""
+        `continuous_usage_stats`, its choice's usage as it was when the chunk was made (vLLM's;
+        the last chunk's is the whole request's)."""
         kind, model = output.kind, self.config.model_name
         accs = [fmt.Accumulated.of(r, prompt_only) for r in requests]
         events: asyncio.Queue = asyncio.Queue()  # a chunk, None (a choice finished) or an error
         include_usage = options.include_usage
         continuous = include_usage and options.continuous_usage_stats
-        prompts = [r.prompt for r in requests]
 
-        def counted(chunk: dict) -> dict:
-            return {**chunk, "usage": fmt.running_usage(prompts, accs, n)} if continuous else chunk
+        def counted(chunk: dict, index: int) -> dict:
+            return {**chunk, "usage": fmt.running_usage(requests[index].prompt, accs[index])} if continuous else chunk
 
         async def choice(index: int) -> None:
             pieces = fmt.StreamPieces(output, echoes[index])
@@ -374,18 +374,19 @@ class Ingress:
                         text, tool_calls, logprobs = pieces.of(delta, accs[index].cut)
                         if text or tool_calls or logprobs:
                             events.put_nowait(counted(fmt.chunk(kind, response_id, created, model, text,
-                                                                logprobs=logprobs, tool_calls=tool_calls, index=index)))
+                                                                logprobs=logprobs, tool_calls=tool_calls, index=index),
+                                                      index))
                         if delta.finish_reason is not None:
                             events.put_nowait(counted(fmt.chunk(kind, response_id, created, model,
                                                                 None if kind == "chat" else "",
                                                                 pieces.finish_reason(accs[index]), index=index,
-                                                                stop_reason=accs[index].stop_reason)))
+                                                                stop_reason=accs[index].stop_reason), index))
                             events.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 - the response ends with it, never hangs
                 events.put_nowait(exc)
 
         def sse(chunk: dict) -> str:
-            return fmt.sse({"usage": None, **chunk} if include_usage else chunk)
+            return fmt.sse({**chunk, "usage": chunk.get("usage")} if include_usage else chunk)
 
         tasks = [asyncio.ensure_future(choice(i)) for i in range(len(requests))]
         try:
@@ -393,7 +394,7 @@ class Ingress:
                 if kind == "chat":  # content null where the answer may be calls alone, as OpenAI's
                     opening = None if output.tools else ""
                     for i in range(len(requests)):
-                        yield sse(counted(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i)))
+                        yield sse(counted(fmt.chunk(kind, response_id, created, model, opening, role=True, index=i), i))
                 finished = 0
                 while finished < len(requests):
                     event = await events.get()

@@ -335,22 +335,23 @@ def _check_tool_ids(messages: List[Message], at: List[List[int]]) -> None:
     """Anthropic's pairing: tool_use ids are unique, and the user message after an assistant
     message with tool_use blocks (system messages may come between) answers each of them, once,
     with tool_result blocks that come first in its content; a tool_result answers nothing else.
-    An error names the client's message the block came from (`at`, `_merged`'s)."""
+    An error names the client's message its block came from (`at`, `_merged`'s): for calls left
+    unanswered, the first's."""
     seen: set[str] = set()
     unanswered: list[str] = []  # the tool_use ids of the last assistant message, until answered
-    asked_at = 0
+    asked_at: dict[str, int] = {}  # the client's message of each
 
     def missing() -> ValueError:
-        return ValueError(f"messages[{at[asked_at][0]}]: tool_use ids were found without tool_result blocks "
-                          f"immediately after: {', '.join(unanswered)}; each tool_use needs its tool_result in the "
-                          f"next message")
+        return ValueError(f"messages[{asked_at[unanswered[0]]}]: tool_use ids were found without tool_result "
+                          f"blocks immediately after: {', '.join(unanswered)}; each tool_use needs its tool_result "
+                          f"in the next message")
 
     for i, message in enumerate(messages):
         blocks = [] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
             if unanswered:
                 raise missing()
-            unanswered, asked_at = [], i
+            unanswered = []
             for k, block in enumerate(blocks):
                 if block.type != "tool_use":
                     continue
@@ -358,6 +359,7 @@ def _check_tool_ids(messages: List[Message], at: List[List[int]]) -> None:
                     raise ValueError(f"messages[{at[i][k]}]: tool_use ids must be unique, {block.id!r} is used twice")
                 seen.add(block.id)
                 unanswered.append(block.id)
+                asked_at[block.id] = at[i][k]
             continue
         if message.role != "user":
             continue

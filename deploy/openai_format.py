@@ -104,12 +104,11 @@ def usage(accs: Sequence[Accumulated], n: int = 1) -> dict[str, Any]:
     return body
 
 
-def running_usage(prompts: Sequence[Sequence[int]], accs: Sequence[Accumulated], n: int = 1) -> dict[str, int]:
-    """vLLM's `continuous_usage_stats`: a chunk's usage so far, each prompt once (`n` a prompt),
-    a finished output's tokens as counted, a running one's as made."""
-    prompt = sum(len(p) for p in prompts[::n])
-    completion = sum(acc.completion_tokens if acc.finish_reason else len(acc.token_ids) for acc in accs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def running_usage(prompt: Sequence[int], acc: Accumulated) -> dict[str, int]:
+    """vLLM's `continuous_usage_stats`: a chunk's usage so far, of its own choice (its prompt,
+    its output: the tokens as counted once finished, as made before)."""
+    completion = acc.completion_tokens if acc.finish_reason else len(acc.token_ids)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
 
 def prediction_details(prediction: Sequence[int], output: Sequence[int]) -> dict[str, int]:

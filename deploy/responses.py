@@ -21,17 +21,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Dict, Iterable, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import (
+    AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+)
 
 from deploy.chat_protocol import (
     AllowedTools, AllowedToolsChoice, AssistantToolCall, ChatCompletionRequest, ChatMessage,
     FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolChoiceFunction, joined_text,
 )
-from deploy.errors import ApiError
+from deploy.errors import ApiError, validation_error
 from deploy.protocol import (
     FunctionName, JsonObject, Metadata, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel,
-    ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Verbosity, check_tool_choice, only_streamed,
-    type_tag, unique_names,
+    ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Verbosity, check_stops, check_tool_choice,
+    only_streamed, type_tag, unique_names,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
 
@@ -241,6 +244,11 @@ class ResponsesRequest(RequestModel):
 
     _stream_options = field_validator("stream_options")(only_streamed)
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop):
+        return check_stops(stop)
+
     @field_validator("background")
     @classmethod
     def _background(cls, value, info: ValidationInfo):
@@ -394,15 +402,19 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
     elif isinstance(tool_choice, AllowedFunctionsChoice):
         tool_choice = AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
             mode=tool_choice.mode, tools=[named(t) for t in tool_choice.tools]))
-    return ChatCompletionRequest(
-        model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,
-        tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"}, exclude_none=True)))
-               for t in body.tools] or None,
-        tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
-        response_format=fmt, user=body.user, logprobs=body.logprobs,
-        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens, stop=body.stop)
+    try:
+        return ChatCompletionRequest(
+            model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,
+            tools=[Tool(type="function",
+                        function=FunctionDefinition(**t.model_dump(exclude={"type"}, exclude_none=True)))
+                   for t in body.tools] or None,
+            tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
+            response_format=fmt, user=body.user, logprobs=body.logprobs,
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens, stop=body.stop)
+    except ValidationError as exc:  # what the request's own checks let through: a 400 all the same
+        raise validation_error(RequestValidationError(exc.errors())) from None
 
 
 def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[ChatMessage],

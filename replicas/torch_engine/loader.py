@@ -9,11 +9,13 @@ checkpoint directory is used as it is. No network is ever needed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,21 +62,29 @@ def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None)
 
 def portable_tokenizer_config(model_dir: Path) -> None:
     """The converted checkpoint's tokenizer_config.json as other tools read it too: transformers
-    5 writes its own class name (`TokenizersBackend`), which 4.x (a load generator's venv)
-    cannot load, where `PreTrainedTokenizerFast` is the same class in both; and the model's
-    window as `model_max_length` (was 1e30). Atomic; nothing written when already so."""
+    5 writes its own class name (`TokenizersBackend`), which 4.x (a load generator's venv; 4.57
+    checked) cannot load, where `PreTrainedTokenizerFast` is the same class in both; and the
+    model's positional limit as `model_max_length` (was 1e30; the served window is
+    `engine.max_seq_len`, /v1/models' `max_model_len`). Atomic; nothing written when already
+    so; a copy that cannot be read or written (a read-only volume) is served as it is."""
     path = model_dir / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    window = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-    portable = {**config, "tokenizer_class": "PreTrainedTokenizerFast",
-                **({"model_max_length": window} if window else {})}
-    if portable != config:
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(portable, indent=2, ensure_ascii=False))
-            tmp.replace(path)
-        except OSError as exc:  # a read-only cache (a mounted volume) serves as it is
-            logger.warning("could not rewrite %s for other transformers versions: %s", path, exc)
+    tmp = None
+    try:
+        config = json.loads(path.read_text())
+        window = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+        portable = {**config, "tokenizer_class": "PreTrainedTokenizerFast",
+                    **({"model_max_length": window} if window else {})}
+        if portable == config:
+            return
+        fd, tmp = tempfile.mkstemp(dir=model_dir, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(portable, indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except (OSError, ValueError) as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        logger.warning("could not rewrite %s for other transformers versions: %s", path, exc)
 
 
 def model_config(model: str = DEFAULT_MODEL) -> ModelConfig:

@@ -143,7 +143,7 @@ def test_consecutive_messages_of_a_role_are_one_turn():
     """As Anthropic's API combines them: a run of user (or assistant) messages is one message of
     their blocks, so results split over two user messages answer one assistant's calls, a
     thinking block (never rendered) before a prefill leaves it one, and an error names the
-    client's message its block came from (or, for calls unanswered, where their turn begins)."""
+    client's message its block came from."""
     def use(id_):
         return {"type": "tool_use", "id": id_, "name": "get_weather", "input": {"city": id_}}
 
@@ -169,7 +169,7 @@ def test_consecutive_messages_of_a_role_are_one_turn():
     asked = [{"role": "user", "content": "Weather?"}, {"role": "user", "content": "In Oslo."},
              {"role": "assistant", "content": "Looking."}, {"role": "assistant", "content": [use("a"), use("b")]}]
     for answers, error in (
-            ([{"role": "user", "content": "Well?"}], r"messages\[2\]: tool_use ids were found without"),  # the turn
+            ([{"role": "user", "content": "Well?"}], r"messages\[3\]: tool_use ids were found without"),
             ([{"role": "user", "content": [result("a"), {"type": "text", "text": "x"}]},
               {"role": "user", "content": [result("b")]}], r"messages\[5\]: tool_result blocks must come first"),
             ([{"role": "user", "content": [result("a")]}, {"role": "user", "content": [result("a")]}],

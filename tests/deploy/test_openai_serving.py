@@ -117,20 +117,32 @@ def test_chat_streamed_equals_plain_equals_engine(client, reference):
 
 def test_continuous_usage_stats_count_each_chunks_tokens(client):
     """vLLM's `stream_options.continuous_usage_stats` (guidellm sends it with every stream: was a
-    400): every chunk carries the usage so far, its count the tokens sent, several in a chunk
-    where a verify step accepted drafts; the last is the answer's usage."""
-    kwargs = dict(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=40, temperature=0, logprobs=0)
+    400): every chunk carries its choice's usage so far, its count the tokens sent, several in
+    a chunk where a verify step accepted drafts; the last is the request's usage."""
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=40, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})  # every token has a logprob (an EOS has none)
     plain = client.completions.create(**kwargs)
-    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={
-        "include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options=usage))
     assert all(c.usage.prompt_tokens == plain.usage.prompt_tokens for c in chunks)
     sent, counts = 0, []
     for chunk in chunks[:-1]:
         sent += len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
         counts.append(chunk.usage.completion_tokens)
-        assert chunk.choices[0].finish_reason is not None or chunk.usage.completion_tokens == sent
-    assert counts == sorted(counts) and max(b - a for a, b in zip(counts, counts[1:])) > 1
-    assert chunks[-1].usage.completion_tokens == chunks[-2].usage.completion_tokens == plain.usage.completion_tokens
+        assert chunk.usage.completion_tokens == sent
+    assert max(b - a for a, b in zip(counts, counts[1:])) > 1
+    assert chunks[-1].usage.completion_tokens == sent == plain.usage.completion_tokens == 40
+    # n choices: each chunk counts its own choice (the role's chunk none yet), the last all
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=1.0, seed=3, n=2, logprobs=True, stream=True,
+        stream_options=usage, extra_body={"ignore_eos": True}))
+    sent_by = [0, 0]
+    for chunk in chat[:-1]:
+        (choice,) = chunk.choices
+        sent_by[choice.index] += len(choice.logprobs.content) if choice.logprobs else 0
+        assert chunk.usage.completion_tokens == sent_by[choice.index]
+        assert chunk.usage.prompt_tokens == chat[-1].usage.prompt_tokens
+    assert sent_by == [12, 12] and chat[-1].usage.completion_tokens == 24
 
 
 def test_chat_continues_a_prefilled_answer(client, reference):

@@ -223,6 +223,8 @@ def test_vllms_length_settings_reach_the_chat_a_responses_or_messages_request_me
     """What load generators send to every API (guidellm, aiperf: each was a 400 here): vLLM's
     `ignore_eos` and `min_tokens`, a Responses request's `stop` (null from guidellm) and chat's
     `stream_options.include_usage` (the usage is in the last event anyway)."""
+    import pydantic
+
     from deploy.messages import MessagesRequest
     from deploy.messages import chat_request as messages_chat
 
@@ -232,6 +234,9 @@ def test_vllms_length_settings_reach_the_chat_a_responses_or_messages_request_me
     assert (chat.ignore_eos, chat.min_tokens, chat.stop) == (True, 3, ["\n\n"])
     plain = ResponsesRequest(model="m", input="hi", stop=None)
     assert chat_request(plain, conversation(plain, [])).stop is None
+    for stop, says in ((["a", "b", "c", "d", "e"], "at most 4 stop strings"), ("", "must not be empty")):
+        with pytest.raises(pydantic.ValidationError, match=says):  # a 400 naming `stop` (was a 500)
+            ResponsesRequest(model="m", input="hi", stop=stop)
     chat = messages_chat(MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                          ignore_eos=True, min_tokens=3))
     assert (chat.ignore_eos, chat.min_tokens) == (True, 3)

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,18 +90,22 @@ def test_the_converted_tokenizer_config_names_a_class_other_transformers_have(mo
 
 
 def test_a_read_only_copy_is_served_as_it_is(model_dir, tmp_path, monkeypatch, caplog):
-    """A cache mounted read-only (a volume) cannot be mended: it loads as it is, said in the log."""
+    """A cache mounted read-only (a volume), or a copy whose configs cannot be read, is not mended:
+    it loads as it is, said in the log."""
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, tmp_path / name)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}))
 
-    def read_only(self, *args, **kwargs):
-        raise PermissionError(30, "Read-only file system", str(self))
+    def read_only(*args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
 
-    monkeypatch.setattr(Path, "write_text", read_only)
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
     portable_tokenizer_config(tmp_path)
     monkeypatch.undo()
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
     assert "Read-only file system" in caplog.text
     assert load_tokenizer(tmp_path).encode("hello world") == load_tokenizer(model_dir).encode("hello world")
+    (tmp_path / "config.json").write_text("{not json")  # nor one it cannot read, and no file left behind
+    portable_tokenizer_config(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
