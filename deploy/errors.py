@@ -57,14 +57,24 @@ class ApiError(Exception):
 
     def renamed(self, fields: dict[str, str]) -> "ApiError":
         """This error with its field named as another API names it (`fields`: ours -> theirs;
-        "[]" in a name stands for any list index, kept)."""
+        "[]" in a name stands for any list index, kept), and so the other fields its message
+        names by a path (`(response_format.json_schema.schema)`, a field beside it)."""
+        def theirs(name: str) -> Optional[str]:
+            field = fields.get(name) or fields.get(re.sub(r"\[\d+\]", "[]", name))
+            if field is None:
+                return None
+            indices = iter(re.findall(r"\[\d+\]", name))
+            return re.sub(r"\[\]", lambda _: next(indices), field)
+
         param = self.param or ""
-        field = fields.get(param) or fields.get(re.sub(r"\[\d+\]", "[]", param))
-        if field is None:
+        field = theirs(param) or self.param
+        message = self.message
+        if param and message.startswith(param):
+            message = field + message[len(param):]
+        message = re.sub(r"(?<![\w.\]])\w+(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)+",
+                         lambda m: theirs(m.group()) or m.group(), message)
+        if field == self.param and message == self.message:
             return self
-        indices = iter(re.findall(r"\[\d+\]", param))
-        field = re.sub(r"\[\]", lambda _: next(indices), field)
-        message = field + self.message.removeprefix(self.param) if self.message.startswith(self.param) else self.message
         return ApiError(self.status, message, field, self.code, self.retry_after_s, self.anthropic_message,
                         self.details)
 

@@ -199,6 +199,21 @@ def test_an_engine_refusing_logprobs_names_the_field_a_responses_client_sent():
     assert ApiError(400, "logprobs: not supported", "logprobs").renamed(FIELDS).param == "include"
 
 
+def test_an_error_names_every_field_by_a_path_as_the_client_sent_it():
+    """Fields a message names beside its own, by a path, are the other API's too (a review:
+    `min_tokens` beside a format named chat's `response_format.json_schema.schema`)."""
+    from deploy import messages, responses
+
+    beside = ApiError(400, "min_tokens: not with a constrained output (tools[2].function.parameters); see e.g. "
+                           "response_format.json_schema.schema", "min_tokens")
+    assert beside.renamed(responses.FIELDS).message == (
+        "min_tokens: not with a constrained output (tools[2].parameters); see e.g. text.format.schema")
+    assert beside.renamed(messages.FIELDS).message == (
+        "min_tokens: not with a constrained output (tools[2].input_schema); see e.g. output_config.format.schema")
+    own = ApiError(400, "tools[1].function.parameters: refused", "tools[1].function.parameters").renamed(messages.FIELDS)
+    assert (own.param, own.message) == ("tools[1].input_schema", "tools[1].input_schema: refused")
+
+
 def test_an_items_own_status_is_listed():
     cut = {"type": "message", "role": "assistant", "id": "msg_1", "status": "incomplete",
            "content": [{"type": "output_text", "text": "Par"}]}
