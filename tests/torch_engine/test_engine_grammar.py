@@ -204,6 +204,11 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city", "p
     "required": ["city", "unit"], "additionalProperties": False}}  # as the agent tests offer it: the
 # model's choice to call (asserted below) depends on the prompt to the character
 CALL_PLEASE = "Please write_note the text </tool_call> for me, then get_weather for Paris."
+# an agent's chat: the model called before (it seldom calls under auto on its first turn)
+EARLIER_CALL = [{"role": "user", "content": "Please get_weather for London."},
+                {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                                 '{"city": "London", "unit": "celsius"}}\n</tool_call>'},
+                {"role": "tool", "content": "12 C"}, {"role": "assistant", "content": "It is 12 C in London."}]
 
 
 def test_a_call_made_under_auto_is_held_to_the_format_identically_in_every_mode(engine, loop):
@@ -212,7 +217,7 @@ def test_a_call_made_under_auto_is_held_to_the_format_identically_in_every_mode(
     from deploy.tool_calls import parse_tool_calls, tool_call_grammar, tools_system_prompt
 
     functions = [NOTE, WEATHER]
-    messages = [{"role": "system", "content": tools_system_prompt(functions)},
+    messages = [{"role": "system", "content": tools_system_prompt(functions)}, *EARLIER_CALL,
                 {"role": "user", "content": CALL_PLEASE}]
     prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     spec = GrammarSpec("lark", tool_call_grammar(functions, False, optional=True), "tools", optional=True)
@@ -226,10 +231,10 @@ def test_a_call_made_under_auto_is_held_to_the_format_identically_in_every_mode(
     if calls:  # the grammar ended the answer after the call (not the stop_after string)
         assert (last.finish_reason, last.stop_string) == ("stop", None) and text.endswith("</tool_call>")
     if engine.config.device == "cpu":  # this model on the native forward calls (on CUDA's fp32
-        # weights it answers in text); unconstrained it began the call and never finished it
+        # weights it may answer in text); a call it writes well-formed is the same unconstrained
         assert [c.name for c in calls] == ["get_weather"]
         free = run(engine, loop, request(prompt, max_tokens=80, mode="off", stop_after=("</tool_call>",)))
-        assert "<tool_call>" in free[1] and parse_tool_calls(free[1], one_call=True)[1] == []
+        assert free[1] == text
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
 
