@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, fiel
 from deploy.chat_protocol import PART_SEPARATOR
 from deploy.protocol import FunctionName, JsonObject, ParametersSchema, RequestModel, Text, type_tag
 
+
 class CacheControl(RequestModel):
     """A prefix-cache mark, taken and not read (settings a newer client adds too: Claude Code's
     `scope`): the prefix cache finds a prompt's cached prefix by itself."""
