@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any, List, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from deploy.errors import validation_error
 from deploy.protocol import (
     FunctionName, Metadata, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel, SamplingRequest,
     ServiceTier, Text, Verbosity, check_tool_choice, check_unique_names,
@@ -263,3 +265,13 @@ def misplaced_tool_message(messages: List[ChatMessage]) -> Optional[tuple[str, s
                 return f"messages[{i}].tool_calls[{j}].id", f"{call.id!r} is the id of an earlier call of this message"
             open_calls.add(call.id)
     return None
+
+
+def chat_meant(fields: dict[str, Any], context: Optional[dict[str, Any]] = None) -> ChatCompletionRequest:
+    """The chat request another request means (a Responses or Messages request, a tokenize
+    call's chat), from its `fields`: what that request's own checks let through and chat's
+    refuse is a 400 all the same, named as a body's own validation errors are."""
+    try:
+        return ChatCompletionRequest.model_validate(fields, context=context)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None

@@ -144,17 +144,18 @@ class Ingress:
         as Responses items; kept in `self.stored` when `store`."""
         self._served(body.model)
         body, conversation = await self._conversation(body)
-        chat = responses.chat_request(body, conversation)
+        chat, named = responses.chat_request(body, conversation), responses.fields(body)
 
         def fit(build: Callable[[ChatCompletionRequest], GenerationRequest]) -> GenerationRequest:
             nonlocal conversation  # what the model is sent: all of it, or with truncation its tail
             fitted, conversation = responses.fitted(body, chat, conversation, build)
             return fitted
 
-        request = await self._build(chat, f"resp_{uuid.uuid4().hex}", responses.FIELDS, fit)
+        request = await self._build(chat, f"resp_{uuid.uuid4().hex}", named, fit)
         created, model = int(time.time()), self.config.model_name
         texts = fmt.TokenTexts.for_tokenizer(await self.tokenizer()) if body.logprobs else None
-        items = response_items.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls)
+        items = response_items.OutputItems(bool(chat.functions), texts, not chat.parallel_tool_calls,
+                                           body.namespaces)
 
         async def finished(acc: fmt.Accumulated) -> dict[str, Any]:
             done = response_items.response_body(body, request.request_id, created, model, items, acc)
@@ -170,10 +171,10 @@ class Ingress:
 
             async def generate(begun: Callable[[], Awaitable[None]]) -> None:
                 routing = asyncio.Lock()
-                opened = await self._open(request, routing, responses.FIELDS)
+                opened = await self._open(request, routing, named)
                 try:
                     await begun()
-                    acc = await self._collect(request, opened, routing, responses.FIELDS)
+                    acc = await self._collect(request, opened, routing, named)
                 except BaseException:  # cancelled before the stream was read: stopped in the engine too
                     cancel(opened[0])
                     raise
@@ -184,7 +185,7 @@ class Ingress:
             await self.background.start(queued, response_items.input_items(body), generate)
             return JSONResponse(queued)
         routing = asyncio.Lock()
-        opened = await self._open(request, routing, responses.FIELDS)
+        opened = await self._open(request, routing, named)
         if body.stream:
             begun = response_items.response_body(body, request.request_id, created, model)
 
@@ -198,8 +199,8 @@ class Ingress:
 
             opening = [items.event("response.created", response=begun),
                        items.event("response.in_progress", response=begun)]
-            return self._typed_events(request, opened, routing, responses.FIELDS, items, opening, completed, failed)
-        acc = await self._collect(request, opened, routing, responses.FIELDS)
+            return self._typed_events(request, opened, routing, named, items, opening, completed, failed)
+        acc = await self._collect(request, opened, routing, named)
         items.feed(acc.text, acc.finish_reason, acc.logprobs, acc.cut)
         return JSONResponse(await finished(acc))
 
@@ -229,7 +230,7 @@ class Ingress:
         body, conversation = await self._conversation(body.model_copy(update={"model": self.config.model_name}))
         if not conversation and not body.instructions:
             raise ApiError(400, "input: nothing to count: give input, instructions or a previous_response_id", "input")
-        chat = responses.chat_request(body, conversation)
+        chat, named = responses.chat_request(body, conversation), responses.fields(body)
         tokenizer = await self.tokenizer()
         try:
             if body.truncation == "auto":
@@ -239,7 +240,7 @@ class Ingress:
             else:
                 count = len(await self._off_loop(prompt_token_ids, tokenizer, chat))
         except ApiError as exc:
-            raise exc.renamed(responses.FIELDS) from None
+            raise exc.renamed(named) from None
         return {"object": "response.input_tokens", "input_tokens": count}
 
     async def message(self, body: MessagesRequest):

@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from deploy.chat_protocol import (
     PART_SEPARATOR, AssistantToolCall, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition,
-    NamedToolChoice, Tool, ToolChoiceFunction,
+    NamedToolChoice, Tool, ToolChoiceFunction, chat_meant,
 )
-from deploy.errors import ApiError, validation_error
+from deploy.errors import ApiError
 from deploy.message_parts import (
     THINKING, CacheControl, Message, MessagesMetadata, OutputConfig, TextBlock, Thinking, ToolChoice, ToolDefinition,
 )
@@ -277,15 +276,11 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     prefill = bool(_answer_begun(body.messages))
     tools = [Tool(type="function", function=FunctionDefinition(name=t.name, description=t.description,
                                                                parameters=t.input_schema)) for t in body.tools]
-    try:
-        return ChatCompletionRequest.model_validate(dict(
-            model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
-            tool_choice=tool_choice if body.tools else None,
-            parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
-            add_generation_prompt=not prefill, continue_final_message=prefill),
-            context={"max_stops": MAX_STOP_SEQUENCES})
-    except ValidationError as exc:  # what the request's own checks let through: a 400 all the same
-        raise validation_error(RequestValidationError(exc.errors())) from None
+    return chat_meant(dict(
+        model=body.model, messages=_chat_messages(body), **sampling, tools=tools or None,
+        tool_choice=tool_choice if body.tools else None,
+        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
+        add_generation_prompt=not prefill, continue_final_message=prefill), context={"max_stops": MAX_STOP_SEQUENCES})
 
 
 # the chat pipeline's fields as a Messages request names them (ApiError.renamed)

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from deploy.errors import ApiError
 from deploy.openai_format import Accumulated, TokenTexts, tool_call_id
 from deploy.output_parts import OutputParts
-from deploy.responses import InputMessage, ResponsesRequest
+from deploy.response_parts import InputMessage
+from deploy.responses import ResponsesRequest
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -36,11 +37,14 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
 class OutputItems(OutputParts):
     """The output items of one response (`parts`) and the stream events each delta makes, each
     with its `sequence_number`: a `message` item per run of text, a `function_call` item per
-    call, its arguments streamed as the model writes them."""
+    call, its arguments streamed as the model writes them (with its `namespace` where `namespaces`,
+    a function's name -> its namespace's, has one)."""
 
-    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None, one_call: bool = False) -> None:
+    def __init__(self, tools: bool, logprobs: Optional[TokenTexts] = None, one_call: bool = False,
+                 namespaces: Optional[dict[str, str]] = None) -> None:
         super().__init__(tools, logprobs, one_call)
         self._seq = 0
+        self._namespaces = namespaces or {}
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -52,8 +56,9 @@ class OutputItems(OutputParts):
         return {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": [text]}
 
     def call_part(self, name: str) -> dict[str, Any]:
+        namespace = {"namespace": self._namespaces[name]} if name in self._namespaces else {}
         return {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": tool_call_id(),
-                "name": name, "arguments": ""}
+                "name": name, **namespace, "arguments": ""}
 
     def on_open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         if item["type"] != "message":

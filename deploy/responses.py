@@ -1,198 +1,42 @@
-"""OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline: its request models and
-their translation.
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline: its request and its
+translation (the request's parts: `deploy/response_parts.py`).
 
 A Responses request is turned into the chat request it means (`chat_request`: `instructions`
 as the system message, input items as messages, `function_call` items as an assistant's
-tool calls, `function_call_output` items as tool messages, flat function tools, `text.format`
-as `response_format`), so it is rendered, tokenized, constrained and generated exactly as
-`/v1/chat/completions` would, and the output comes back as Responses output items: a
-`message` with its `output_text`, and a `function_call` item per call (`OutputItems`, one
-state machine for the streamed events and the final body, so the two agree on every id:
-`deploy/response_items.py`).
+tool calls, `function_call_output` items as tool messages, function tools (a `namespace`'s
+among them, by their own names), `text.format` as `response_format`), so it is rendered,
+tokenized, constrained and generated exactly as `/v1/chat/completions` would, and the output
+comes back as Responses output items: a `message` with its `output_text`, and a
+`function_call` item per call (`OutputItems`, one state machine for the streamed events and
+the final body, so the two agree on every id: `deploy/response_items.py`).
 
 Kept: with `store` (the default, as OpenAI's), a finished response, its conversation and its
 input items are kept (`deploy/response_store.py`) for `previous_response_id`, `item_reference`
 input, `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`
 (`response_items.input_items`); a background response is kept as it is queued and runs.
-Only function tools and text in and out: another tool type or part is a 400.
+Only function tools (alone or in namespaces) and text in and out: another tool type or part
+is a 400.
 """
-
 from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Dict, Iterable, List, Literal, Optional, Union
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import (
-    AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError, ValidationInfo, field_validator,
-)
+from pydantic import AfterValidator, Field, TypeAdapter, ValidationInfo, field_validator
 
 from deploy.chat_protocol import (
     AllowedTools, AllowedToolsChoice, AssistantToolCall, ChatCompletionRequest, ChatMessage,
-    FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolChoiceFunction, joined_text,
+    FunctionCall, NamedToolChoice, Tool, ToolChoiceFunction, chat_meant,
 )
-from deploy.errors import ApiError, validation_error
+from deploy.errors import ApiError
 from deploy.protocol import (
-    FunctionName, JsonObject, Metadata, ParametersSchema, PromptCacheRetention, ReasoningEffort, RequestModel,
-    ResponseFormatJsonObject, ResponseFormatText, ServiceTier, Text, Verbosity, check_stops, check_tool_choice,
-    only_streamed, type_tag, unique_names,
+    Metadata, PromptCacheRetention, RequestModel, ServiceTier, Text, check_stops, check_tool_choice, only_streamed,
+)
+from deploy.response_parts import (
+    AllowedFunctionsChoice, AnyTool, FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, InputItem,
+    InputMessage, ItemReference, NamespaceTool, Reasoning, ResponsesStreamOptions, TextConfig,
+    TextFormatJsonSchema, functions, offered, unique_functions,
 )
 from replicas.engine import MAX_TOP_LOGPROBS, GenerationRequest, RequestSpeculation
-
-
-# -- request -----------------------------------------------------------------------------------
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-class InputText(RequestModel):
-    type: Literal["input_text"]
-    text: Text
-
-
-class OutputText(RequestModel):
-    """Text of an earlier answer, as the client got it back (annotations and logprobs unread)."""
-
-    type: Literal["output_text"]
-    text: Text
-    annotations: List[Any] = []
-    logprobs: Optional[List[Any]] = None
-
-
-ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
-                              Annotated[OutputText, Tag("type=output_text")]], Discriminator(type_tag)]
-
-
-class InputMessage(RequestModel):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Union[Text, List[ContentPart]]  # as a chat message's
-    id: Optional[str] = None
-    status: Optional[ItemStatus] = None
-    phase: Optional[Literal["commentary", "final_answer"]] = None  # an earlier answer's, as dumped back (unread)
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, content):  # here, not as the list's min_length: the union's error was the string's
-        if isinstance(content, list) and not content:
-            raise ValueError("a list of content parts must not be empty")
-        return content
-
-    @property
-    def text(self) -> str:
-        return joined_text(self.content)
-
-
-class FunctionCallItem(RequestModel):
-    """A call the model made earlier, as the client got it back (`async`, `caller`, `namespace`
-    as the SDK dumps them, unread: the tools here are flat)."""
-
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: FunctionName
-    arguments: Text
-    id: Optional[str] = None
-    status: Optional[ItemStatus] = None
-    async_: Optional[bool] = Field(None, alias="async")
-    caller: Optional[Dict[str, Any]] = None
-    namespace: Optional[str] = None
-
-
-class FunctionCallOutputItem(RequestModel):
-    """The client's result of a call (`call_id`), which the model reads as a tool message."""
-
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
-    output: Union[Text, List[InputText]]
-    id: Optional[str] = None
-    status: Optional[ItemStatus] = None
-
-    @property
-    def text(self) -> str:
-        return joined_text(self.output)
-
-
-class ItemReference(RequestModel):
-    """An item of a stored response named by its id (`msg_...`, `fc_...`): what clients send
-    back instead of an earlier answer when it was stored (the Vercel AI SDK's default)."""
-
-    type: Optional[Literal["item_reference"]] = "item_reference"  # optional in OpenAI's ItemReference
-    id: str = Field(min_length=1)
-
-
-def _item_tag(value: Any) -> Optional[str]:
-    if not isinstance(value, dict) or value.get("type") is not None:
-        return type_tag(value)
-    # typeless: an item reference names only its id; a message may leave out its type (OpenAI's
-    # "easy input message")
-    return "type=item_reference" if "role" not in value and "id" in value else "type=message"
-
-
-InputItem = Annotated[Union[
-    Annotated[InputMessage, Tag("type=message")],
-    Annotated[FunctionCallItem, Tag("type=function_call")],
-    Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
-    Annotated[ItemReference, Tag("type=item_reference")],
-], Discriminator(_item_tag)]
-
-
-class FunctionTool(RequestModel):
-    type: Literal["function"]
-    name: FunctionName
-    description: Optional[Text] = None
-    parameters: Optional[ParametersSchema] = None
-    strict: Optional[bool] = None
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _function(cls, kind: Any) -> Any:
-        """Another type (OpenAI's hosted `web_search`, `file_search`..., a `namespace` of
-        functions, which Codex sends) said so, not as the type's literal mismatch."""
-        if isinstance(kind, str) and kind != "function":
-            raise ValueError(f"{kind!r} tools are not served here, only 'function' tools")
-        return kind
-
-
-class FunctionToolChoice(RequestModel):
-    type: Literal["function"]
-    name: FunctionName
-
-
-class AllowedFunctionsChoice(RequestModel):
-    """Chat's `allowed_tools` choice (its tools named as this API names them)."""
-
-    type: Literal["allowed_tools"]
-    mode: Literal["auto", "required"]
-    tools: List[FunctionToolChoice] = Field(min_length=1)
-
-
-class TextFormatJsonSchema(RequestModel):
-    type: Literal["json_schema"]
-    name: FunctionName
-    description: Optional[Text] = None
-    schema_: JsonObject = Field(alias="schema")
-    strict: Optional[bool] = None
-
-
-TextFormat = Annotated[Union[
-    Annotated[ResponseFormatText, Tag("type=text")],
-    Annotated[ResponseFormatJsonObject, Tag("type=json_object")],
-    Annotated[TextFormatJsonSchema, Tag("type=json_schema")],
-], Discriminator(type_tag)]
-
-
-class TextConfig(RequestModel):
-    format: TextFormat = ResponseFormatText(type="text")
-    verbosity: Verbosity = None
-
-
-class ResponsesStreamOptions(RequestModel):
-    include_obfuscation: bool = True  # no obfuscation padding is sent either way
-    include_usage: bool = False  # chat's, as aiperf sends it here too: the usage is in the last event anyway
-
-
-class Reasoning(RequestModel):
-    effort: ReasoningEffort = None
-    summary: Optional[Literal["auto", "concise", "detailed"]] = None
-    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
 
 
 class ResponsesRequest(RequestModel):
@@ -210,7 +54,7 @@ class ResponsesRequest(RequestModel):
     max_output_tokens: Optional[int] = Field(None, ge=1, description="capped by the server's limit")
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    tools: Annotated[List[FunctionTool], AfterValidator(unique_names)] = []
+    tools: Annotated[List[AnyTool], AfterValidator(unique_functions)] = []
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, AllowedFunctionsChoice] = "auto"
     parallel_tool_calls: bool = True
     max_tool_calls: Optional[int] = Field(None, ge=0)  # of built-in tools, of which none is served: unread
@@ -263,7 +107,8 @@ class ResponsesRequest(RequestModel):
     def _tool_choice(cls, choice, info: ValidationInfo):
         names = ([t.name for t in choice.tools] if isinstance(choice, AllowedFunctionsChoice) else
                  [choice.name] if isinstance(choice, FunctionToolChoice) else [])
-        check_tool_choice(choice not in ("none", "auto"), names, {t.name for t in info.data.get("tools") or []})
+        offered = {f.name for _, f in functions(info.data.get("tools") or [])}
+        check_tool_choice(choice not in ("none", "auto"), names, offered)
         return choice
 
     @field_validator("include", "top_logprobs")
@@ -279,6 +124,11 @@ class ResponsesRequest(RequestModel):
     def items(self) -> list:
         """The input as items: a string is one user message."""
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+
+    @property
+    def namespaces(self) -> dict[str, str]:
+        """A namespace's function's name -> the namespace's."""
+        return {f.name: ns.name for ns, f in functions(self.tools) if ns is not None}
 
     @property
     def logprobs(self) -> bool:
@@ -402,19 +252,14 @@ def chat_request(body: ResponsesRequest, messages: List[ChatMessage]) -> ChatCom
     elif isinstance(tool_choice, AllowedFunctionsChoice):
         tool_choice = AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
             mode=tool_choice.mode, tools=[named(t) for t in tool_choice.tools]))
-    try:
-        return ChatCompletionRequest(
-            model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
-            temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,
-            tools=[Tool(type="function",
-                        function=FunctionDefinition(**t.model_dump(exclude={"type"}, exclude_none=True)))
-                   for t in body.tools] or None,
-            tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
-            response_format=fmt, user=body.user, logprobs=body.logprobs,
-            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens, stop=body.stop)
-    except ValidationError as exc:  # what the request's own checks let through: a 400 all the same
-        raise validation_error(RequestValidationError(exc.errors())) from None
+    return chat_meant(dict(
+        model=body.model, messages=system + messages, max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, stream=body.stream, speculation=body.speculation,
+        tools=[Tool(type="function", function=offered(*each)) for each in functions(body.tools)] or None,
+        tool_choice=tool_choice if body.tools else None, parallel_tool_calls=body.parallel_tool_calls,
+        response_format=fmt, user=body.user, logprobs=body.logprobs,
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens, stop=body.stop))
 
 
 def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[ChatMessage],
@@ -456,6 +301,19 @@ def fitted(body: ResponsesRequest, chat: ChatCompletionRequest, messages: List[C
     if best is None:
         raise too_long
     return best
+
+
+def fields(body: ResponsesRequest) -> dict[str, str]:
+    """The chat pipeline's fields as `body` names them (ApiError.renamed): FIELDS, and each
+    function's own path where a namespace parts its index among all functions from its place."""
+    if not any(isinstance(t, NamespaceTool) for t in body.tools):
+        return FIELDS
+    paths: list[str] = []
+    for j, tool in enumerate(body.tools):
+        paths += [f"tools[{j}].tools[{k}]" for k in range(len(tool.tools))] if isinstance(tool, NamespaceTool) else [
+            f"tools[{j}]"]
+    return {**FIELDS, **{f"tools[{i}].function.{key}": f"{path}.{key}" for i, path in enumerate(paths)
+                         for key in ("name", "parameters")}}
 
 
 # the chat pipeline's fields as a Responses request names them (ApiError.renamed)

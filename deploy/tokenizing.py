@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, List, Optional, Union
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag
 
-from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, Tool
-from deploy.errors import validation_error
+from deploy.chat_protocol import ChatMessage, Tool, chat_meant
 from deploy.prompts import in_vocabulary, prompt_token_ids
 from deploy.protocol import RequestModel, Text
 
@@ -60,12 +58,10 @@ class DetokenizeRequest(RequestModel):
 def tokenize(tokenizer: Any, body: Union[TokenizeCompletion, TokenizeChat], model: str,
              max_model_len: int) -> dict[str, Any]:
     if isinstance(body, TokenizeChat):
-        try:  # the chat's own checks (a continued final message must be the assistant's, ...)
-            chat = ChatCompletionRequest(model=model, messages=body.messages, tools=body.tools,
-                                         add_generation_prompt=body.add_generation_prompt,
-                                         continue_final_message=body.continue_final_message)
-        except ValidationError as exc:  # named as a body's own validation errors are
-            raise validation_error(RequestValidationError(exc.errors())) from None
+        # the chat's own checks (a continued final message must be the assistant's, ...)
+        chat = chat_meant(dict(model=model, messages=body.messages, tools=body.tools,
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message))
         ids = prompt_token_ids(tokenizer, chat)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

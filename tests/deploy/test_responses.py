@@ -259,15 +259,50 @@ def test_vllms_length_settings_reach_the_chat_a_responses_or_messages_request_me
 
 def test_what_codex_sends_is_taken_or_refused_by_name():
     """Codex CLI sends `client_metadata` (its session's ids) with every request: taken (was a
-    400 before the model ran, found by QA); a tool of another type than a function is refused
-    saying so, not as a literal mismatch."""
+    400 before the model ran, found by QA); a hosted tool (its `web_search`) is refused saying
+    so, not as a literal mismatch."""
     import pydantic
 
+    from deploy.errors import param_from_loc
+
     ResponsesRequest(model="m", input="hi", client_metadata={"session_id": "s", "turn_id": "t"})
-    for tool in ({"type": "web_search", "external_web_access": False},
-                 {"type": "namespace", "name": "multi_agent_v1", "tools": []}):
+    for tools, at in (([{"type": "function", "name": "f"}, {"type": "web_search", "external_web_access": False}],
+                       "tools[1].type"),
+                      ([{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}],
+                       "tools[0].tools[0].type")):
         with pytest.raises(pydantic.ValidationError) as info:
-            ResponsesRequest(model="m", input="hi", tools=[{"type": "function", "name": "f"}, tool])
+            ResponsesRequest(model="m", input="hi", tools=tools)
         error = info.value.errors()[0]  # (the 400's: the first)
-        assert error["loc"] == ("tools", 1, "type")
-        assert f"'{tool['type']}' tools are not served here" in error["msg"]
+        assert param_from_loc(error["loc"]) == at
+        assert "'web_search' tools are not served here" in error["msg"]
+
+
+def test_a_namespaces_functions_are_offered_by_their_own_names_and_their_calls_name_it():
+    """Codex's multi-agent tools come as a `namespace` of functions (a 400 before): the chat
+    offers each function, a call of one names its namespace, and an error in one names its
+    path in the request; a name is one function's among all namespaces."""
+    import pydantic
+
+    from deploy.responses import fields
+
+    spawn = {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}
+    agents = {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents",
+              "tools": [spawn, {**spawn, "name": "close_agent"}]}
+    body = ResponsesRequest(model="m", input="hi", tools=[agents, {"type": "function", "name": "exec_command"}],
+                            tool_choice={"type": "function", "name": "close_agent"})
+    chat = chat_request(body, conversation(body, []))
+    assert [t.function.name for t in chat.tools] == ["spawn_agent", "close_agent", "exec_command"]
+    assert [t.function.description for t in chat.tools] == ["sub-agents", "sub-agents", None]
+    assert chat.tool_choice.function.name == "close_agent"
+    assert response_body(body, "resp_1", 0, "m")["tools"][0]["tools"][1]["name"] == "close_agent"
+    items = OutputItems(True, namespaces=body.namespaces)
+    assert [items.call_part(n).get("namespace") for n in ("close_agent", "exec_command")] == ["multi_agent_v1", None]
+    bad = ApiError(400, "tools[2].function.parameters: refused", "tools[2].function.parameters").renamed(fields(body))
+    assert bad.param == "tools[1].parameters"
+    bad = ApiError(400, "tools[1].function.parameters: refused", "tools[1].function.parameters").renamed(fields(body))
+    assert (bad.param, bad.message) == ("tools[0].tools[1].parameters", "tools[0].tools[1].parameters: refused")
+    for tools in ([agents, {**spawn, "type": "function"}], [agents, {**agents, "name": "other"}]):
+        with pytest.raises(pydantic.ValidationError, match="repeated: close_agent, spawn_agent|repeated: spawn_agent"):
+            ResponsesRequest(model="m", input="hi", tools=tools)
+    with pytest.raises(pydantic.ValidationError, match="'nope', which is not among the tools"):
+        ResponsesRequest(model="m", input="hi", tools=[agents], tool_choice={"type": "function", "name": "nope"})

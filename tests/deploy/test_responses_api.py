@@ -154,6 +154,28 @@ def test_a_forced_function_call_and_its_round_trip(agent_client, stream):
     assert resent.value.body["param"] == "input[0].id"
 
 
+def test_a_namespaced_function_is_called_as_the_same_function_offered_alone_naming_its_namespace(agent_client):
+    """Codex's multi-agent tools come as a `namespace` of functions: offered to the model as the
+    functions themselves (no namespace description here, so the same prompt), a call of one
+    names its namespace in every event and the body, and sent back it is the same round trip."""
+    weather_v1 = {"type": "namespace", "name": "weather_v1", "tools": [WEATHER]}
+    ask = dict(model=MODEL, input=ASK_WEATHER, tool_choice={"type": "function", "name": "get_weather"},
+               temperature=0, max_output_tokens=80)
+    [flat] = agent_client.responses.create(**ask, tools=[WEATHER]).output
+    events = _events(agent_client.responses.create(**ask, tools=[weather_v1], stream=True))
+    [call] = events[-1].response.output
+    items = [e.item for e in events if e.type in ("response.output_item.added", "response.output_item.done")]
+    assert [item.namespace for item in items] == ["weather_v1"] * 2 and call.namespace == "weather_v1"
+    assert (call.name, call.arguments) == (flat.name, flat.arguments) and flat.namespace is None
+
+    def answered(tools: list, made) -> str:
+        result = {"type": "function_call_output", "call_id": made.call_id, "output": '{"temperature_c": 18}'}
+        return agent_client.responses.create(model=MODEL, tools=tools, temperature=0, max_output_tokens=40, input=[
+            {"role": "user", "content": ASK_WEATHER}, made.model_dump(exclude_none=True), result]).output_text
+
+    assert answered([weather_v1], call) == answered([WEATHER], flat)
+
+
 def test_a_conversation_continued_by_id_is_the_one_sent_whole_and_reuses_its_cache(agent_client):
     from replicas.torch_engine.prefix_cache import BLOCK_TOKENS
 
