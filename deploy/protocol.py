@@ -9,9 +9,9 @@ completions' `best_of: 1` and `suffix: null`); an explicit null is a field's def
 OpenAI's nullable fields take it (`"temperature": null` samples at 1); labels and hints are
 taken and not read (`user`, `metadata`, `safety_identifier`, `prompt_cache_key` and
 `prompt_cache_retention`: our prefix cache finds a prompt's prefix by itself; reasoning
-models' `reasoning_effort` and `verbosity`). Text a tokenizer will read must be valid
-Unicode: a lone UTF-16 surrogate (JSON `"\ud800"`, or the raw bytes ed a0 80) is a 400
-naming its field. The OpenAPI schema FastAPI generates from these models is what
+models' `reasoning_effort` and `verbosity`). Every string must be valid Unicode, text a
+tokenizer reads and a label or an id alike: a lone UTF-16 surrogate (JSON `"\ud800"`, or
+the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI generates from these models is what
 schemathesis fuzzes.
 """
 
@@ -48,6 +48,18 @@ class RequestModel(BaseModel):
             return {k: v for k, v in data.items() if v is not None or k not in defaulted}
         return data
 
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """No field holds a lone UTF-16 surrogate, a label or an id as much as text: one echoed
+        or stored (`user`, an item's `id`) could not be encoded in the answer (a 500, or a
+        stream cut, after the model ran)."""
+        try:
+            _surrogate_free(value)
+        except RecursionError:
+            raise ValueError("nested too deep") from None
+        return value
+
 
 @functools.cache
 def _defaulted_keys(model: type[BaseModel]) -> frozenset[str]:
@@ -62,6 +74,20 @@ def _unicode(text: str) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"contains a lone UTF-16 surrogate at character {exc.start}") from None
     return text
+
+
+def _surrogate_free(value: Any) -> None:
+    """Raises as `_unicode` does where `value` or a string inside it (a list's, a dict's keys
+    and values; a request part checks its own fields) holds a lone surrogate."""
+    if isinstance(value, str):
+        _unicode(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _surrogate_free(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _surrogate_free(key)
+            _surrogate_free(item)
 
 
 def _unicode_json(value: dict) -> dict:

@@ -132,6 +132,20 @@ BAD_INPUT = [
     ("surrogate in a tool schema", "/v1/chat/completions",
      b'{"model": "fake", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", '
      b'"function": {"name": "f", "parameters": {"description": "\\ud800"}}}]}', {}, 400, "tools[0].function.parameters"),
+    # labels and ids echoed or stored: a 500 once the model had answered, or a stream cut (QA)
+    ("surrogate in a response's user", "/v1/responses", b'{"model": "fake", "input": "hi", "user": "\\ud800"}', {},
+     400, "user"),
+    ("surrogate in a stored item's id", "/v1/responses",
+     b'{"model": "fake", "input": [{"type": "message", "role": "user", "content": "hi", "id": "\\ud800"}]}', {},
+     400, "input[0].id"),
+    ("surrogate in a call's namespace", "/v1/responses",
+     b'{"model": "fake", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", '
+     b'"namespace": "\\udfff"}]}', {}, 400, "input[0].namespace"),
+    ("surrogate in client_metadata's key", "/v1/responses",
+     b'{"model": "fake", "input": "hi", "client_metadata": {"\\ud800": "x"}}', {}, 400, "client_metadata"),
+    ("surrogate in chat's prompt_cache_key", "/v1/chat/completions",
+     b'{"model": "fake", "messages": [{"role": "user", "content": "a"}], "prompt_cache_key": "\\ud800"}', {}, 400,
+     "prompt_cache_key"),
     ("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), {}, 400, "top_logprobs"),
     ("too many top_logprobs", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), {}, 400,
      "top_logprobs"),
