@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 from deploy.tool_call_stream import ToolCallStream, parse_cut_output
 from deploy.tool_calls import ToolCall, parse_tool_calls
 from replicas.engine import GenerationDelta, GenerationRequest, TokenLogprob
+from replicas.token_bytes import token_bytes
 
 Kind = Literal["completion", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -131,7 +132,7 @@ class TokenTexts:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenTexts:
-        return cls(tokenizer.decode, token_bytes(tokenizer))
+        return cls(tokenizer.decode, token_bytes(tokenizer) or (lambda _: None))
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -144,36 +145,6 @@ class TokenTexts:
         shows its own bytes, which joined with its neighbours' make the character."""
         raw = self._raw(token_id)
         return list(raw if raw is not None else self(token_id).encode("utf-8"))
-
-
-def byte_level_alphabet() -> list[str]:
-    """Byte-level BPE's (GPT-2's) character for each byte value: printable Latin-1 stands for
-    itself, the other bytes take the code points from 256 on, in order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
-    others = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
-
-
-def token_bytes(tokenizer: Any) -> Callable[[int], Optional[bytes]]:
-    """Token id -> its bytes for a byte-level BPE tokenizer (its vocabulary string read back
-    through the alphabet above); None for an added token (written as its text) and for any
-    other tokenizer."""
-    from tokenizers.decoders import ByteLevel
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not isinstance(backend.decoder, ByteLevel):
-        return lambda _: None
-    byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
-    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
-
-    def raw(token_id: int) -> Optional[bytes]:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-        if token_id in added or not isinstance(piece, str) or any(c not in byte_of for c in piece):
-            return None
-        return bytes(byte_of[c] for c in piece)
-
-    return raw
 
 
 def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: TokenTexts,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob, find_stop
 from replicas.speculation.draft_length import MtpYield, SaAcceptance
 from replicas.stats import SpecCounters
+from replicas.token_bytes import TokenBytes, ends_inside_character, token_bytes
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -117,10 +118,12 @@ class Detokenizer:
     (`joins`): decode(a + b) == decode(a) + decode(b) whenever decode(a) ends on a whole
     character, i.e. not in U+FFFD. True of a byte-level decoder that does no space clean-up
     (its text is the UTF-8 of the kept tokens' bytes, joined); not of SentencePiece-style
-    decoders, which drop the first token's leading space."""
+    decoders, which drop the first token's leading space. `raw`: a token's bytes, where the
+    tokenizer tells them (byte-level BPE)."""
 
     decode: Callable[[list[int]], str]
     joins: bool = False
+    raw: Optional[TokenBytes] = None
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> Detokenizer:
@@ -129,7 +132,19 @@ class Detokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         joins = (backend is not None and isinstance(backend.decoder, ByteLevel)
                  and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
-        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), joins)
+        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), joins, token_bytes(tokenizer))
+
+    def whole_characters(self, text: str, ids: list[int], final: bool) -> str:
+        """What a stop string may match in the text of output `ids`, and what may be sent: until
+        the output ends (`final`), not the U+FFFD of a character still incomplete ("\ufffd"
+        as a stop string fired on an emoji's first byte). Which one that is the tokens' bytes
+        tell, where the tokenizer gives them (a U+FFFD the model wrote whole stays); else every
+        trailing U+FFFD is taken for one."""
+        if final or not text.endswith("\ufffd"):
+            return text
+        if self.raw is None:
+            return text.rstrip("\ufffd")
+        return text[:-1] if ends_inside_character(self.raw, ids) else text
 
 
 def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int],
@@ -138,24 +153,17 @@ def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int]
     one token a step would have found it: the tokens after it (accepted drafts of the same
     step, a final stop id) and their logprobs are dropped, so usage and logprobs do not depend
     on speculation. -> (the text cut at the stop, find_stop's hit). The search starts at the
-    sent tokens themselves: a U+FFFD they end with is a stop only once the output is final (an
+    sent tokens themselves: an incomplete character they end with (its U+FFFD) is a stop only once the output is final (an
     EOS in the next step), and then the tokens after them go, as one step ending there cut them."""
     for n in range(max(1, seq.num_sent_tokens), len(ids) + 1):
         text = seq.settled_text + detokenizer.decode(ids[seq.settled_tokens:n])
-        found = find_stop(_whole_characters(text, n == len(ids) and seq.finish_reason is not None),
+        found = find_stop(detokenizer.whole_characters(text, ids[:n], n == len(ids) and seq.finish_reason is not None),
                           seq.num_sent_chars, seq.sampling.stop, kept)
         if found is not None:
             del seq.output_ids[n:]
             del seq.logprobs[n - seq.resumed_tokens:]  # n >= num_sent_tokens >= resumed_tokens
             return text[: found[0]], found
     raise AssertionError("a stop string found in the text is in none of its prefixes")
-
-
-def _whole_characters(text: str, final: bool) -> str:
-    """What a stop string may match in an output's text: until the output ends, a trailing
-    U+FFFD is (taken for) the bytes of a character still incomplete ("\ufffd" as a stop string
-    fired on an emoji's first byte)."""
-    return text if final else text.rstrip("\ufffd")
 
 
 def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | None:
@@ -171,14 +179,15 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
     text = seq.settled_text + tail
     stops = seq.sampling.stop
     kept = seq.sampling.stop_after if seq.constraint is None else ()  # a grammar ends the text itself
-    found = find_stop(_whole_characters(text, seq.finish_reason is not None), seq.num_sent_chars, stops, kept)
+    found = find_stop(detokenizer.whole_characters(text, ids, seq.finish_reason is not None), seq.num_sent_chars,
+                      stops, kept)
     if found is not None:
         text, found = _stop_at_first_token(seq, detokenizer, ids, kept)
         seq.finish_reason, seq.stop_string = "stop", found[1]
     elif detokenizer.joins and len(ids) - seq.settled_tokens >= SETTLE_TOKENS and not tail.endswith("\ufffd"):
         seq.settled_text, seq.settled_tokens = text, len(ids)
     # not an incomplete character: until the output ends, nor the one max_tokens cut it inside
-    releasable = len(_whole_characters(text, seq.finish_reason not in (None, "length")))
+    releasable = len(detokenizer.whole_characters(text, ids, seq.finish_reason not in (None, "length")))
     if seq.finish_reason is None:
         for s in stops:  # hold back a tail that may be the start of a stop string
             for n in range(min(len(s) - 1, releasable), 0, -1):

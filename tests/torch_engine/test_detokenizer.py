@@ -12,6 +12,7 @@ import pytest
 
 from replicas.engine import DEFAULT_MODEL, RequestSpeculation, SamplingParams
 from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+from replicas.token_bytes import byte_level_alphabet
 from replicas.torch_engine.sequence import SETTLE_TOKENS, Detokenizer, Sequence, release_text
 
 TEXT = ("Grüße aus Köln! 東京の天気は晴れです。 Emoji: 👩‍💻🚀🎉, math: ∀x∈ℝ, x²≥0. "
@@ -96,6 +97,36 @@ def test_a_stop_string_matches_whole_characters_not_an_incomplete_ones_bytes(tok
     assert (emoji.finish_reason, emoji.stop_string, emoji.text) == ("length", None, "🐶🐱🐭")
     real = one_token_a_step("a\ufffdbc")
     assert (real.finish_reason, real.stop_string, real.text) == ("stop", "\ufffd", "a")
+    # ended at the token that wrote it whole, not one later (QA: usage and logprobs counted "b")
+    assert real.output_ids == tokenizer.encode("a\ufffd")
+
+
+def test_a_u_fffd_the_model_wrote_whole_is_text_and_bytes_no_later_token_mends_are_too(tokenizer):
+    """The tokens' bytes tell a U+FFFD written whole (bytes ef bf bd) or bytes no later token
+    can complete (a 4-byte character's first two, interrupted) from a character still
+    incomplete: those are sent as they come, kept where max_tokens cuts the output, and match a
+    stop string; only the last, incomplete character's is held back (found by QA: "caf\ufffd"
+    cut by max_tokens came back "caf", a run of broken emoji starts as "")."""
+    detokenizer = Detokenizer.for_tokenizer(tokenizer)
+    alphabet = byte_level_alphabet()
+    lead = [tokenizer.convert_tokens_to_ids(alphabet[b]) for b in (0xF0, 0x9F)]  # of 🐶 and its kin
+
+    def run(ids: list[int], finish_on_eos: bool = False) -> tuple[str, list[str]]:
+        eos = frozenset({tokenizer.eos_token_id})
+        seq = Sequence("r", 0, [1], SamplingParams(max_tokens=len(ids) + finish_on_eos), RequestSpeculation(),
+                       None, eos)
+        sent = []
+        for token in ids + ([tokenizer.eos_token_id] if finish_on_eos else []):
+            seq.append([token])
+            sent.append((release_text(seq, detokenizer) or SimpleNamespace(text="")).text)
+        assert seq.finish_reason == ("stop" if finish_on_eos else "length")
+        return "".join(sent), sent
+
+    word = tokenizer.encode("caf\ufffd")
+    assert run(word) == ("caf\ufffd", ["c", "af", "\ufffd"])  # sent with its own token, kept at the cut
+    assert run(lead * 3)[0] == "\ufffd\ufffd"  # the third pair is cut inside a character: left out
+    assert run(lead * 3, finish_on_eos=True)[0] == "\ufffd\ufffd\ufffd"
+    assert run(lead * 3)[1] == ["", "", "\ufffd", "", "\ufffd", ""]  # each pair once the next shows it broken
 
 
 def test_a_character_max_tokens_cuts_inside_is_left_out_of_the_text(tokenizer):
