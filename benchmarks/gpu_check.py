@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import free_port  # noqa: E402 - standard library only
 from replicas.stats import (  # noqa: E402 - standard library only
-    METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS, METRIC_GATE_OPEN,
-    NOT_GATED,
+    METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_TOKENS, METRIC_EMITTED_TOKENS, METRIC_GATE_OPEN,
+    METRIC_VERIFY_STEPS, NOT_GATED,
 )
 
 APP = "specserve"
@@ -86,16 +86,16 @@ def ray_name(metric: str) -> str:
 
 def speculation_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Drafted and accepted tokens between two snapshots, and the acceptance length over them
-    (tokens emitted per verify step: the histogram's sum / count)."""
+    (tokens emitted per verify step, from their counters)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    steps = delta(ray_name(METRIC_ACCEPTANCE_LENGTH) + "_count")
+    steps = delta(ray_name(METRIC_VERIFY_STEPS))
     return {
         "draft_tokens": delta(ray_name(METRIC_DRAFT_TOKENS)),
         "accepted_tokens": delta(ray_name(METRIC_ACCEPTED_TOKENS)),
         "verify_steps": steps,
-        "acceptance_length": delta(ray_name(METRIC_ACCEPTANCE_LENGTH) + "_sum") / steps if steps else 0.0,
+        "acceptance_length": delta(ray_name(METRIC_EMITTED_TOKENS)) / steps if steps else 0.0,
     }
 
 

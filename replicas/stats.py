@@ -38,7 +38,9 @@ NOT_GATED = 0
 # Prometheus metric names (Ray prefixes them with `ray_`).
 METRIC_DRAFT_TOKENS = "spec_draft_tokens_total"
 METRIC_ACCEPTED_TOKENS = "spec_accepted_tokens_total"
-METRIC_ACCEPTANCE_LENGTH = "spec_acceptance_length"
+METRIC_ACCEPTANCE_LENGTH = "spec_acceptance_length"  # histogram: its quantiles (Ray records its _sum at bucket midpoints)
+METRIC_VERIFY_STEPS = "spec_verify_steps_total"  # the acceptance length = emitted / verify steps, exactly
+METRIC_EMITTED_TOKENS = "spec_emitted_tokens_total"  # tokens verify steps emitted, bonus tokens included
 METRIC_GATE_OPEN = "spec_gate_open"
 METRIC_BATCH_SIZE = "engine_batch_size"
 METRIC_TTFT = "request_ttft_seconds"

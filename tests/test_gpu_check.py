@@ -23,6 +23,8 @@ ray_spec_accepted_tokens_total{source="mtp"} 80.0
 ray_spec_acceptance_length_bucket{le="2.0"} 3.0
 ray_spec_acceptance_length_sum{deployment="Replica"} 90.0
 ray_spec_acceptance_length_count{deployment="Replica"} 30.0
+ray_spec_verify_steps_total{deployment="Replica"} 30.0
+ray_spec_emitted_tokens_total{deployment="Replica"} 110.0
 ray_engine_batch_size{replica="a"} 5.0
 ray_spec_gate_open{replica="a"} 1.0
 ray_request_retries_total{deployment="Ingress",kind="resume"} 2.0
@@ -42,7 +44,7 @@ def test_parse_metrics_sums_label_sets_and_keeps_sources_and_kinds():
 def test_speculation_delta_is_between_snapshots():
     before = gpu_check.parse_metrics(METRICS)
     after = dict(before, ray_spec_draft_tokens_total=190.0, ray_spec_accepted_tokens_total=110.0,
-                 ray_spec_acceptance_length_sum=135.0, ray_spec_acceptance_length_count=40.0)
+                 ray_spec_verify_steps_total=40.0, ray_spec_emitted_tokens_total=155.0)
     assert gpu_check.speculation_delta(before, after) == {
         "draft_tokens": 40.0, "accepted_tokens": 30.0, "verify_steps": 10.0, "acceptance_length": 4.5}
     assert gpu_check.speculation_delta(before, before)["acceptance_length"] == 0.0

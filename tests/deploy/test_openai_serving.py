@@ -165,6 +165,26 @@ def test_usage_reports_speculation_and_the_request_can_turn_it_off(client):
     assert off.choices[0].text == spec.choices[0].text  # greedy speculation is exact
 
 
+def _spec_counters() -> tuple[float, float]:
+    text = httpx.get(metrics_url(), timeout=10).text
+    return tuple(sum(float(v) for v in re.findall(rf"^ray_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+                 for name in ("spec_verify_steps_total", "spec_emitted_tokens_total"))
+
+
+def test_the_acceptance_length_counters_add_each_requests_own_figures(client):
+    """The acceptance length Prometheus charts is counters' ratio (emitted tokens / verify
+    steps): exact, where the histogram's _sum is not (Ray records it at bucket midpoints)."""
+    seen = [_spec_counters()]  # settled: a report interval (1 s) and more without a change
+    assert wait_until(lambda: seen.append(_spec_counters()) or seen[-1] == seen[-2], timeout_s=30, interval_s=1.5)
+    spec = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=32, temperature=0)
+    usage = spec.usage.model_extra["speculation"]
+    assert usage["steps"] > 0
+    want = (seen[-1][0] + usage["steps"], seen[-1][1] + usage["accepted_tokens"] + usage["steps"])
+    assert wait_until(lambda: _spec_counters() == want, timeout_s=30, interval_s=1), (_spec_counters(), want)
+    # usage's acceptance length is rounded to 4 places
+    assert want[1] - seen[-1][1] == pytest.approx(usage["acceptance_length"] * usage["steps"], abs=5e-5 * usage["steps"])
+
+
 def test_the_replica_exports_what_the_draft_rule_measured(client):
     """Prometheus has the measured draft rule's view of each Replica: the costs it weighs and
     what SA drafts (by match length) and MTP asks have yielded (this deployment has no MTP
