@@ -181,8 +181,8 @@ def test_the_acceptance_length_counters_add_each_requests_own_figures(client):
     assert usage["steps"] > 0
     want = (seen[-1][0] + usage["steps"], seen[-1][1] + usage["accepted_tokens"] + usage["steps"])
     assert wait_until(lambda: _spec_counters() == want, timeout_s=30, interval_s=1), (_spec_counters(), want)
-    # usage's acceptance length is rounded to 4 places
-    assert want[1] - seen[-1][1] == pytest.approx(usage["acceptance_length"] * usage["steps"], abs=5e-5 * usage["steps"])
+    rounded = 5e-5 * usage["steps"]  # usage's acceptance length has 4 places
+    assert want[1] - seen[-1][1] == pytest.approx(usage["acceptance_length"] * usage["steps"], abs=rounded)
 
 
 def test_the_replica_exports_what_the_draft_rule_measured(client):
