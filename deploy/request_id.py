@@ -1,10 +1,14 @@
 """Anthropic's `request-id` response header on its API's routes (`/v1/messages...`): the
 anthropic SDK reads it into a message's `_request_id` and its errors' messages (Serve's proxy
-sets only `x-request-id`). An ASGI middleware, outermost, so refusals carry it too."""
+sets only `x-request-id`). It is `req_` and Serve's request id, the `x-request-id` the client
+sent or the proxy made, which Serve's logs carry: an id a user quotes from an SDK error is in
+them. An ASGI middleware, outermost, so refusals carry it too."""
 
 from __future__ import annotations
 
 import uuid
+
+from ray.serve.context import _get_serve_request_context
 
 from deploy.errors import app_path
 
@@ -17,7 +21,8 @@ class RequestIdHeader:
         if scope["type"] != "http" or not app_path(scope).startswith("/v1/messages"):
             await self.app(scope, receive, send)
             return
-        header = (b"request-id", f"req_{uuid.uuid4().hex}".encode())
+        request_id = _get_serve_request_context().request_id or uuid.uuid4().hex  # (none outside Serve)
+        header = (b"request-id", f"req_{request_id}".encode())
 
         async def send_with_header(message) -> None:
             if message["type"] == "http.response.start":

@@ -156,10 +156,14 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
     assert post("/v1/messages", message(), **both).status_code == 200
     assert post("/v1/messages", message(), **{"x-api-key": "sk-wrong", "Authorization": f"Bearer {KEY}"}).status_code \
         == 200
-    # Anthropic's request-id header on each (the anthropic SDK's `_request_id`), one per request
+    # Anthropic's request-id header on each (the anthropic SDK's `_request_id`), one per request:
+    # Serve's request id, which its logs carry (x-request-id, sent or made)
     answered = post("/v1/messages", message(), **{"x-api-key": KEY})
     ids = [r.headers.get("request-id") for r in (answered, unknown, huge, refused)]
-    assert all(i and i.startswith("req_") for i in ids) and len(set(ids)) == 4, ids
+    assert ids == [f"req_{r.headers['x-request-id']}" for r in (answered, unknown, huge, refused)]
+    assert len(set(ids)) == 4, ids
+    quoted = post("/v1/messages", message(), **{"x-api-key": KEY, "x-request-id": "qa-anth-1"})
+    assert quoted.headers["request-id"] == "req_qa-anth-1"
     assert "request-id" not in post("/v1/chat/completions", chat(), **AUTH).headers
     assert "type" not in post("/v1/chat/completions", chat(), **{"x-api-key": "sk-wrong"}).json()
     assert "type" not in post("/v1/chat/completions", chat(temperature=3), **AUTH).json()  # OpenAI's shape
