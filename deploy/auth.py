@@ -11,7 +11,7 @@ import hmac
 import os
 from typing import Mapping, Optional
 
-from deploy.errors import ApiError, app_path
+from deploy.errors import ApiError, app_path, logged
 
 OPEN_PATHS = frozenset({"/healthz", "/health"})
 
@@ -51,6 +51,7 @@ class BearerAuth:
             try:
                 check_key(self.keys, path, authorization, api_key)
             except ApiError as exc:
-                await exc.response(path)(scope, receive, send)  # to /v1/messages in Anthropic's shape
+                # to /v1/messages in Anthropic's shape
+                await logged(exc, f"{scope.get('method')} {path}").response(path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ray.exceptions import TaskCancelledError
 
-from deploy.errors import ApiError, app_path
+from deploy.errors import ApiError, app_path, logged
 
 
 class BodyLimit:
@@ -23,7 +23,8 @@ class BodyLimit:
         too_large = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await too_large.response(app_path(scope))(scope, receive, send)
+            await logged(too_large, f"{scope.get('method')} {app_path(scope)}").response(app_path(scope))(
+                scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -33,7 +34,8 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await too_large.response(app_path(scope))(scope, receive, send)
+                await logged(too_large, f"{scope.get('method')} {app_path(scope)}").response(app_path(scope))(
+                    scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

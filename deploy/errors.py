@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from typing import Any, Optional, Sequence
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -171,18 +174,29 @@ def http_error(exc: StarletteHTTPException) -> ApiError:
     return ApiError(exc.status_code, str(exc.detail))
 
 
+def logged(error: ApiError, where: str) -> ApiError:
+    """`error`, logged with what the client is told (Serve's log line adds the request id): a
+    refusal at INFO, a failure of ours at WARNING. The access log has only the status."""
+    logger.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s: %d %s: %s", where, error.status,
+               error.code or error.type, error.message)
+    return error
+
+
 def install_error_handlers(app) -> None:
     """Every error the app can raise leaves as an OpenAI error body (Anthropic's, to its API,
-    whatever route prefix the app is served under)."""
+    whatever route prefix the app is served under), logged."""
+
+    def answer(request, error: ApiError):
+        return logged(error, f"{request.method} {app_path(request.scope)}").response(app_path(request.scope))
 
     async def on_api_error(request, exc: ApiError):
-        return exc.response(app_path(request.scope))
+        return answer(request, exc)
 
     async def on_validation(request, exc: RequestValidationError):
-        return validation_error(exc, request.headers.get("content-type", "")).response(app_path(request.scope))
+        return answer(request, validation_error(exc, request.headers.get("content-type", "")))
 
     async def on_http(request, exc: StarletteHTTPException):
-        return http_error(exc).response(app_path(request.scope))
+        return answer(request, http_error(exc))
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -31,7 +31,7 @@ from deploy.auth import load_keys
 from deploy.background import FINAL_PUT_ATTEMPTS, BackgroundResponses
 from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, misplaced_tool_message
 from deploy.config import IngressConfig
-from deploy.errors import RETRY_AFTER_S, ApiError, server_error
+from deploy.errors import RETRY_AFTER_S, ApiError, logged, server_error
 from deploy.messages import CountTokensRequest, MessagesRequest
 from deploy.output_parts import OutputParts
 from deploy.prompts import engine_requests, generation_request, prompt_token_ids
@@ -342,8 +342,10 @@ class Ingress:
                             yield fmt.typed_sse(event)
                 last = await closing(acc)
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
-                logger.warning("stream %s failed: %r", request.request_id, exc)
-                last = failing((exc if isinstance(exc, ApiError) else server_error(exc)).renamed(fields))
+                if not isinstance(exc, ApiError):
+                    logger.warning("stream %s failed: %r", request.request_id, exc)
+                error = (exc if isinstance(exc, ApiError) else server_error(exc)).renamed(fields)
+                last = failing(logged(error, f"stream {request.request_id}"))
             for event in last:
                 yield fmt.typed_sse(event)
 
@@ -408,7 +410,7 @@ class Ingress:
                 if include_usage:
                     yield fmt.sse(fmt.usage_chunk(kind, response_id, created, model, accs, n))
             except ApiError as exc:  # the body a non-stream failure has (its code a string or null)
-                yield fmt.sse(exc.body())
+                yield fmt.sse(logged(exc, f"stream {response_id}").body())
             except Exception as exc:  # noqa: BLE001 - a failed replica ends the stream, never hangs it
                 logger.warning("stream %s failed: %r", response_id, exc)
                 yield fmt.sse(server_error(exc).body())
