@@ -20,11 +20,12 @@ import time
 from typing import Any, AsyncIterator
 
 from deploy import openai_format as fmt
+from deploy.arrival import first_output_s
 from deploy.config import IngressConfig
 from deploy.errors import RETRY_AFTER_S, ApiError, replica_lost, server_error
 from deploy.router import routable_replicas
 from replicas.engine import GenerationDelta, GenerationRequest, RequestRejected, Resume
-from replicas.stats import METRIC_RETRIES
+from replicas.stats import METRIC_INGRESS_TTFT, METRIC_RETRIES, TTFT_BOUNDARIES_S
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class ReplicaStreams:
         self._replica = replica
         self._streams = replica.options(stream=True)
         self._config = config
-        self._retries = None  # the retry counter, made on first use (a metric needs a live Serve)
+        # the retry counter and the TTFT histogram, made on first use (a metric needs a live Serve)
+        self._retries = self._ttft = None
         self._running: tuple[float, bool] = (0.0, True)  # (when asked, whether a Replica ran)
 
     async def engine_running(self, max_age_s: float = 0.0) -> bool:
@@ -203,6 +205,15 @@ class ReplicaStreams:
                     raise
         if isinstance(first, RequestRejected):
             raise ApiError(400, first.message, first.param)
+        waited_s = first_output_s() if request.resume is None else None
+        if waited_s is not None:
+            if self._ttft is None:
+                from ray.serve import metrics
+
+                self._ttft = metrics.Histogram(METRIC_INGRESS_TTFT, "time to first token from the request's arrival "
+                                               "at the Ingress (tokenizing, queues, gate holds, prefill)",
+                                               boundaries=TTFT_BOUNDARIES_S)
+            self._ttft.observe(waited_s)
         return stream, first
 
     def _count_retry(self, kind: str) -> None:

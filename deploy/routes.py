@@ -1,6 +1,6 @@
 """The HTTP routes (FastAPI) of one `Ingress`: each validates its body's type and hands it
-to the Ingress method that serves it; the middleware (auth, body limit, request-id header) and
-the OpenAI-style error handlers wrap them all."""
+to the Ingress method that serves it; the middleware (auth, body limit, request-id header,
+arrival clock) and the OpenAI-style error handlers wrap them all."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 from fastapi import FastAPI
 
 from deploy import tokenizing
+from deploy.arrival import Arrival
 from deploy.auth import BearerAuth
 from deploy.body_limit import BodyLimit
 from deploy.chat_protocol import ChatCompletionRequest
@@ -35,7 +36,8 @@ def build_api(ingress: Ingress) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(BearerAuth, keys=ingress.keys)  # auth before reading bodies
-    app.add_middleware(RequestIdHeader)  # outermost: on every answer, refusals too
+    app.add_middleware(RequestIdHeader)  # on every answer, refusals too
+    app.add_middleware(Arrival)  # outermost: the time to first token counts from here
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _STREAM_DOC})
     async def completions(body: CompletionRequest):

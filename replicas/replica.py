@@ -30,10 +30,11 @@ from replicas.engine import (
 from replicas.speculation.gate import gate_open
 from replicas.stats import (
     METRIC_ACCEPTANCE_LENGTH, METRIC_ACCEPTED_TOKENS, METRIC_BATCH_SIZE, METRIC_DRAFT_ROW_COST, METRIC_DRAFT_TOKENS,
-    METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_KV_USAGE, METRIC_MTP_ACCEPTED_PER_ASK, METRIC_MTP_ASK_COST,
-    METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS, METRIC_PREFIX_PROMPT_TOKENS,
-    METRIC_EMITTED_TOKENS, METRIC_SA_ACCEPTANCE, METRIC_SA_POOL_TOKENS, METRIC_TPOT, METRIC_TTFT,
-    METRIC_USER_CONFIG_REFUSED, METRIC_VERIFY_STEPS, METRIC_WAITING, MODEL_IDENTITY, SOURCES, EngineStats,
+    METRIC_EMITTED_TOKENS, METRIC_GATE_OPEN, METRIC_KV_PREEMPTIONS, METRIC_KV_USAGE, METRIC_MTP_ACCEPTED_PER_ASK,
+    METRIC_MTP_ASK_COST, METRIC_PREFIX_BLOCKS, METRIC_PREFIX_EVICTIONS, METRIC_PREFIX_HIT_TOKENS,
+    METRIC_PREFIX_PROMPT_TOKENS, METRIC_SA_ACCEPTANCE, METRIC_SA_POOL_TOKENS, METRIC_TPOT, METRIC_TTFT,
+    METRIC_USER_CONFIG_REFUSED, METRIC_VERIFY_STEPS, METRIC_WAITING, MODEL_IDENTITY, SOURCES, TTFT_BOUNDARIES_S,
+    EngineStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,8 @@ class _Metrics:
         self.kv_usage = metrics.Gauge(METRIC_KV_USAGE, "share of the KV cache the requests hold (0 to 1)")
         self.user_config_refused = metrics.Gauge(METRIC_USER_CONFIG_REFUSED, "1 while the last user_config is "
                                                  "refused (the settings before it stay in force)")
-        self.ttft = metrics.Histogram(METRIC_TTFT, "time to first token",
-                                      boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64])
+        self.ttft = metrics.Histogram(METRIC_TTFT, "time to first token from the engine's taking the request",
+                                      boundaries=list(TTFT_BOUNDARIES_S))
         self.tpot = metrics.Histogram(METRIC_TPOT, "time per output token after the first",
                                       boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2])
         self._last = {source: (0, 0) for source in SOURCES}

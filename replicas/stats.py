@@ -43,7 +43,9 @@ METRIC_VERIFY_STEPS = "spec_verify_steps_total"  # the acceptance length = emitt
 METRIC_EMITTED_TOKENS = "spec_emitted_tokens_total"  # tokens verify steps emitted, bonus tokens included
 METRIC_GATE_OPEN = "spec_gate_open"
 METRIC_BATCH_SIZE = "engine_batch_size"
-METRIC_TTFT = "request_ttft_seconds"
+METRIC_TTFT = "request_ttft_seconds"  # the Replica's: from its engine's taking the request
+METRIC_INGRESS_TTFT = "ingress_ttft_seconds"  # the client's: from the request's arrival at the Ingress
+TTFT_BOUNDARIES_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)  # both TTFT histograms' buckets
 METRIC_TPOT = "request_tpot_seconds"
 METRIC_RETRIES = "request_retries_total"  # the ingress: requests sent again after losing their replica
 METRIC_PREFIX_HIT_TOKENS = "prefix_cache_hit_tokens_total"

@@ -165,24 +165,48 @@ def test_usage_reports_speculation_and_the_request_can_turn_it_off(client):
     assert off.choices[0].text == spec.choices[0].text  # greedy speculation is exact
 
 
-def _spec_counters() -> tuple[float, float]:
+def _scrape(*names: str) -> tuple[float, ...]:
+    """Each metric's value, summed over its label sets."""
     text = httpx.get(metrics_url(), timeout=10).text
     return tuple(sum(float(v) for v in re.findall(rf"^ray_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-                 for name in ("spec_verify_steps_total", "spec_emitted_tokens_total"))
+                 for name in names)
+
+
+def _settled(*names: str) -> tuple[float, ...]:
+    """`_scrape` once two scrapes 2 s apart agree (metrics are reported every second): what an
+    earlier request left has arrived."""
+    seen = [_scrape(*names)]
+    assert wait_until(lambda: seen.append(_scrape(*names)) or seen[-1] == seen[-2], timeout_s=30, interval_s=2)
+    return seen[-1]
+
+
+def _reaches(names: tuple[str, ...], want: tuple[float, ...]) -> bool:
+    return wait_until(lambda: _scrape(*names) == want, timeout_s=30, interval_s=1)
+
+
+def test_the_time_to_first_token_is_counted_once_a_request_from_its_arrival(client):
+    """The Ingress's histogram: one observation per HTTP request, whatever its choices (its
+    first output), streamed or not, beside the Replica's one per engine request."""
+    names = ("ingress_ttft_seconds_count", "request_ttft_seconds_count")
+    ingress, engine = _settled(*names)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        n=2, stream=True))
+    client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4)
+    assert _reaches(names, (ingress + 2, engine + 3)), _scrape(*names)
 
 
 def test_the_acceptance_length_counters_add_each_requests_own_figures(client):
     """The acceptance length Prometheus charts is counters' ratio (emitted tokens / verify
     steps): exact, where the histogram's _sum is not (Ray records it at bucket midpoints)."""
-    seen = [_spec_counters()]  # settled: a report interval (1 s) and more without a change
-    assert wait_until(lambda: seen.append(_spec_counters()) or seen[-1] == seen[-2], timeout_s=30, interval_s=1.5)
+    names = ("spec_verify_steps_total", "spec_emitted_tokens_total")
+    steps, emitted = _settled(*names)
     spec = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=32, temperature=0)
     usage = spec.usage.model_extra["speculation"]
     assert usage["steps"] > 0
-    want = (seen[-1][0] + usage["steps"], seen[-1][1] + usage["accepted_tokens"] + usage["steps"])
-    assert wait_until(lambda: _spec_counters() == want, timeout_s=30, interval_s=1), (_spec_counters(), want)
+    assert _reaches(names, (steps + usage["steps"], emitted + usage["accepted_tokens"] + usage["steps"]))
     rounded = 5e-5 * usage["steps"]  # usage's acceptance length has 4 places
-    assert want[1] - seen[-1][1] == pytest.approx(usage["acceptance_length"] * usage["steps"], abs=rounded)
+    assert usage["accepted_tokens"] + usage["steps"] == pytest.approx(usage["acceptance_length"] * usage["steps"],
+                                                                        abs=rounded)
 
 
 def test_the_replica_exports_what_the_draft_rule_measured(client):

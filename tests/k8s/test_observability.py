@@ -13,7 +13,8 @@ from tests.k8s.conftest import K8S
 
 KUBERAY_POD_LABELS = {"ray.io/is-ray-node": "yes"}  # set by KubeRay on every Ray pod (labelPod)
 OUR_METRICS = {f"ray_{getattr(stats, name)}" for name in dir(stats) if name.startswith("METRIC_")}
-HISTOGRAMS = {"ray_spec_acceptance_length", "ray_request_ttft_seconds", "ray_request_tpot_seconds"}
+HISTOGRAMS = {"ray_spec_acceptance_length", "ray_request_ttft_seconds", "ray_ingress_ttft_seconds",
+              "ray_request_tpot_seconds"}
 
 
 @pytest.fixture(scope="module")
