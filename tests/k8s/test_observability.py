@@ -1,10 +1,12 @@
-"""PodMonitor and Grafana dashboard: they select our pods and chart the metrics replicas emit."""
+"""PodMonitor, Grafana dashboard and alert rules: they select our pods, and chart and watch the
+metrics replicas emit (each query parsed as PromQL by promql-parser)."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import promql_parser
 import pytest
 import yaml
 
@@ -94,3 +96,49 @@ def test_dashboard_panels_are_well_formed(dashboard):
     for panel in panels:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+
+
+# Serve's own metrics the alerts read, as Ray 2.60 names them (seen on a live Serve's /metrics)
+SERVE_METRICS = {"ray_serve_deployment_replica_healthy", "ray_serve_num_http_requests_total"}
+
+
+def _selectors(node):
+    """The vector selectors of a parsed PromQL expression."""
+    if isinstance(node, promql_parser.VectorSelector):
+        yield node
+        return
+    for attr in ("lhs", "rhs", "expr", "param", "args", "vector_selector"):
+        child = getattr(node, attr, None)
+        for item in child if isinstance(child, list) else [child]:
+            if isinstance(item, promql_parser.Expr):
+                yield from _selectors(item)
+
+
+def _metric(name: str) -> str:
+    base = re.sub(r"_(bucket|sum|count)$", "", name)
+    return base if base in HISTOGRAMS else name
+
+
+def test_every_dashboard_query_parses_as_promql(dashboard):
+    for title, expr in _exprs(dashboard):
+        parsed = promql_parser.parse(expr.replace("$__rate_interval", "5m").replace("$rayservice", ".*"))
+        assert {_metric(s.name) for s in _selectors(parsed)} <= OUR_METRICS, title
+
+
+def test_the_alerts_parse_and_read_metrics_that_exist_on_the_podmonitors_label():
+    rules = yaml.safe_load((K8S / "prometheus-rules.yaml").read_text())
+    assert (rules["apiVersion"], rules["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    alerts = [rule for group in rules["spec"]["groups"] for rule in group["rules"]]
+    assert len({a["alert"] for a in alerts}) == len(alerts) >= 5
+    read = set()
+    for alert in alerts:
+        assert {"expr", "for", "labels", "annotations"} <= alert.keys(), alert["alert"]
+        assert alert["labels"]["severity"] in ("critical", "warning", "info")
+        assert {"summary", "description"} <= alert["annotations"].keys()
+        selectors = list(_selectors(promql_parser.parse(alert["expr"])))
+        for selector in selectors:
+            assert _metric(selector.name) in OUR_METRICS | SERVE_METRICS, (alert["alert"], selector.name)
+            matchers = {(m.name, str(m.op), m.value) for m in selector.matchers.matchers}
+            assert ("rayservice", "MatchOp.NotEqual", "") in matchers, alert["alert"]
+            read.add(_metric(selector.name))
+    assert SERVE_METRICS <= read  # the set above is what the alerts read, no more
