@@ -1,7 +1,7 @@
 """Optional API keys, read once from an environment variable.
 
 When the variable is unset or empty the server is open; when it holds comma-separated
-keys, every route but `/healthz` (and `/health`) needs one: `Authorization: Bearer <key>`
+keys, every route but `/healthz` (and `/health`, `/ping`) needs one: `Authorization: Bearer <key>`
 (OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
 """
 
@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 from deploy.errors import ApiError, app_path, logged
 
-OPEN_PATHS = frozenset({"/healthz", "/health"})
+OPEN_PATHS = frozenset({"/healthz", "/health", "/ping"})  # probes
 
 
 def load_keys(env_var: str, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:

@@ -109,11 +109,17 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @app.get("/healthz", responses={503: {"model": ErrorResponse}})
     @app.get("/health")  # vLLM's name for it
+    @app.get("/ping", include_in_schema=False)  # vLLM's and SageMaker's (GET or POST)
+    @app.post("/ping", include_in_schema=False)
     @app.head("/healthz", include_in_schema=False)  # for probes that send HEAD (one route of two
     @app.head("/health", include_in_schema=False)   # methods named its operation by a set's order)
     async def healthz():
         await ingress.check_engine_replicas()
         return {"status": "ok"}
+
+    @app.get("/version")  # vLLM's
+    async def version():
+        return {"version": app.version}
 
     return app
 

@@ -9,7 +9,9 @@ import dataclasses
 import importlib
 import json
 import time
+import tomllib
 from functools import partial
+from pathlib import Path
 
 import httpx
 import openai
@@ -236,7 +238,10 @@ def test_the_settings_replicas_took_go_with_their_application_not_with_a_replica
 def test_healthz_needs_no_key_and_everything_else_does(url):
     assert httpx.get(f"{url}/healthz").status_code == httpx.get(f"{url}/health").status_code == 200
     assert httpx.head(f"{url}/healthz").status_code == httpx.head(f"{url}/health").status_code == 200  # (was 405)
-    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/ping").status_code == httpx.post(f"{url}/ping").status_code == 200  # vLLM's, SageMaker's
+    assert httpx.get(f"{url}/v1/models").status_code == httpx.get(f"{url}/version").status_code == 401
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert httpx.get(f"{url}/version", headers=AUTH).json() == {"version": project["version"]}  # vLLM's
     assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-second"}).json()
     assert [m["id"] for m in models["data"]] == ["fake"]
