@@ -1,14 +1,17 @@
-"""Engine dataclasses validate at construction and name the offending field."""
+"""Engine dataclasses validate at construction and name the offending field; the stop-string
+helpers the engines share."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pydantic
 import pytest
 
 from replicas.engine import (
     MAX_DRAFT_LEN, Engine, GenerationRequest, RequestError, RequestSpeculation, SamplingParams, SpeculationConfig,
+    stop_prefix_end,
 )
 
 
@@ -114,3 +117,25 @@ def test_engine_protocol_is_runtime_checkable():
 
     assert not isinstance(Partial(), Engine)
     assert isinstance(Complete(), Engine)
+
+
+def _held_back_by_prefixes(text: str, end: int, stops) -> int:
+    """The oracle: each stop string in turn, every prefix length tried, longest first."""
+    for s in stops:
+        for n in range(min(len(s) - 1, end), 0, -1):
+            if text[end - n:end] == s[:n]:
+                end -= n
+                break
+    return end
+
+
+def test_a_tail_that_may_begin_a_stop_string_is_held_back():
+    """Against trying every prefix length (what release_text did, a pass over the text per
+    character of a long stop string): random texts and stop strings over a small alphabet."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab\u00e9") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("ab\u00e9") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(0, 3))]
+        end = rng.randint(0, len(text))
+        assert stop_prefix_end(text, end, stops) == _held_back_by_prefixes(text, end, stops), (text, end, stops)
+    assert stop_prefix_end("say STO", 7, ["STOP"]) == 4 and stop_prefix_end("say ST", 6, ["xyz"]) == 6

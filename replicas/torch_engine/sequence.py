@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Optional
 
-from replicas.engine import FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob, find_stop
+from replicas.engine import (
+    FinishReason, GenerationDelta, RequestSpeculation, SamplingParams, TokenLogprob, find_stop, stop_prefix_end,
+)
 from replicas.speculation.draft_length import MtpYield, SaAcceptance
 from replicas.stats import SpecCounters
 from replicas.token_bytes import TokenBytes, ends_inside_character, token_bytes
@@ -188,12 +190,8 @@ def release_text(seq: Sequence, detokenizer: Detokenizer) -> GenerationDelta | N
         seq.settled_text, seq.settled_tokens = text, len(ids)
     # not an incomplete character: until the output ends, nor the one max_tokens cut it inside
     releasable = len(detokenizer.whole_characters(text, ids, seq.finish_reason not in (None, "length")))
-    if seq.finish_reason is None:
-        for s in stops:  # hold back a tail that may be the start of a stop string
-            for n in range(min(len(s) - 1, releasable), 0, -1):
-                if text[releasable - n : releasable] == s[:n]:
-                    releasable -= n
-                    break
+    if seq.finish_reason is None:  # a tail that may be the start of a stop string is held back
+        releasable = stop_prefix_end(text, releasable, stops)
     seq.text = text
     new_text = text[seq.num_sent_chars : releasable]
     new_tokens = tuple(seq.output_ids[seq.num_sent_tokens :])

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from replicas.engine import FinishReason, GenerationDelta, find_stop
+from replicas.engine import FinishReason, GenerationDelta, find_stop, stop_prefix_end
 from replicas.stats import acceptance_length
 
 # CompletionOutput.finish_reason: 'stop' | 'length' | 'timeout' | 'cancelled'
@@ -30,12 +30,8 @@ def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: 
     end = len(text)
     if not finished or cut:  # an incomplete multi-byte character, still to come or cut off
         end = len(text.rstrip("\ufffd"))
-    if not finished:
-        for s in stops:  # a tail that may be the start of a stop string
-            for n in range(min(len(s) - 1, end), 0, -1):
-                if text[end - n : end] == s[:n]:
-                    end -= n
-                    break
+    if not finished:  # a tail that may be the start of a stop string
+        end = stop_prefix_end(text, end, stops)
     return text, end, None
 
 
