@@ -46,6 +46,8 @@ from replicas.replica import log_through_serve
 
 logger = logging.getLogger(__name__)
 
+HEALTH_MAX_AGE_S = 1.0  # a health probe takes the controller's answer of the last second (one call a second)
+
 
 class Ingress:
     """What the HTTP API does; `deploy/routes.py` gives it its routes (`HttpIngress`, which
@@ -81,7 +83,7 @@ class Ingress:
         """ApiError(503) unless Serve's controller counts an engine replica running: the ingress
         answering alone is no server that can generate (a failed deploy, every replica lost)."""
         try:
-            running = await self._replicas.engine_running()
+            running = await self._replicas.engine_running(max_age_s=HEALTH_MAX_AGE_S)
         except Exception as exc:  # noqa: BLE001 - the controller unreachable: nothing can be said to serve
             raise ApiError(503, f"cannot tell whether an engine replica runs: {type(exc).__name__}",
                            retry_after_s=RETRY_AFTER_S) from exc

@@ -90,32 +90,36 @@ class ReplicaStreams:
         # the retry counter and the TTFT histogram, made on first use (a metric needs a live Serve)
         self._retries = self._ttft = None
         self._running: tuple[float, bool] = (0.0, True)  # (when asked, whether a Replica ran)
+        self._asking = asyncio.Lock()  # one question to the controller at a time
 
     async def engine_running(self, max_age_s: float = 0.0) -> bool:
         """Whether Serve's controller counts a Replica running, of this Ingress's model where its
         routing stats say (a deploy that changes the model and whose new Replicas fail to start
         leaves the old ones running, and every request refused): asked of the controller, not of
         a replica (a replica busy with a full batch is healthy), or its answer of the last
-        `max_age_s`. Raises what asking raises (the controller unreachable or slow)."""
+        `max_age_s`, which those that waited for the question in flight take too (a flood of
+        health probes cost a controller call each: QA). Raises what asking raises (the
+        controller unreachable or slow)."""
         from ray import serve
 
-        asked_at, running = self._running
-        if time.monotonic() - asked_at > max_age_s:
-            async with asyncio.timeout(STATUS_TIMEOUT_S):
-                status = await asyncio.to_thread(serve.status)
-            app = status.applications.get(self._replica.app_name)
-            states = app.deployments.get(self._replica.deployment_name) if app is not None else None
-            if states is not None:
-                running = any(states.replica_states.get(state) for state in SERVING_STATES)
-            else:  # none listed: a redeploy that replaces the application has not listed its new
-                # ones yet, or a deploy whose build failed (the version before it serves on,
-                # unlisted): what this process's router can send to tells
-                running = bool(routable_replicas(self._replica.app_name))
-            if running and self._config.model_identity is not None:  # (a router just built may list none yet)
-                running = not routable_replicas(self._replica.app_name) or \
-                    bool(routable_replicas(self._replica.app_name, self._config.model_identity))
-            self._running = (time.monotonic(), running)
-        return running
+        async with self._asking:
+            asked_at, running = self._running
+            if time.monotonic() - asked_at > max_age_s:
+                async with asyncio.timeout(STATUS_TIMEOUT_S):
+                    status = await asyncio.to_thread(serve.status)
+                app = status.applications.get(self._replica.app_name)
+                states = app.deployments.get(self._replica.deployment_name) if app is not None else None
+                if states is not None:
+                    running = any(states.replica_states.get(state) for state in SERVING_STATES)
+                else:  # none listed: a redeploy that replaces the application has not listed its
+                    # new ones yet, or a deploy whose build failed (the version before it serves
+                    # on, unlisted): what this process's router can send to tells
+                    running = bool(routable_replicas(self._replica.app_name))
+                if running and self._config.model_identity is not None:  # (a new router may list none yet)
+                    running = not routable_replicas(self._replica.app_name) or \
+                        bool(routable_replicas(self._replica.app_name, self._config.model_identity))
+                self._running = (time.monotonic(), running)
+            return running
 
     async def answered(self, call: Any) -> Any:
         """What `call` (to an engine replica) returns, or ApiError(503) once Serve's controller
