@@ -1,10 +1,17 @@
-"""An ASGI middleware that refuses request bodies over a byte limit with a 413.
+"""An ASGI middleware that refuses request bodies over a byte limit with a 413, and bodies that
+take too long to arrive with a 408.
 
 It reads the body itself (declared length first, then counted bytes, for chunked
-uploads), so the application never buffers more than the limit, and replays it.
+uploads), so the application never buffers more than the limit, and replays it. A body
+must arrive within `body_timeout_s`: each request waiting for its body holds one of the
+Ingress's request slots, and a client that sent a byte of each of a thousand bodies held them
+all, `/health` too, for as long as it kept the connections open (found by QA).
 """
 
 from __future__ import annotations
+
+import asyncio
+from typing import Optional
 
 from ray.exceptions import TaskCancelledError
 
@@ -12,34 +19,26 @@ from deploy.errors import ApiError, app_path, logged
 
 
 class BodyLimit:
-    def __init__(self, app, max_body_bytes: int) -> None:
+    def __init__(self, app, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        too_large = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await logged(too_large, f"{scope.get('method')} {app_path(scope)}").response(app_path(scope))(
+            body, error = None, self._too_large()
+        else:
+            body, error = await self._read(receive)
+        if error is not None:
+            await logged(error, f"{scope.get('method')} {app_path(scope)}").response(app_path(scope))(
                 scope, receive, send)
+        if body is None:
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                await logged(too_large, f"{scope.get('method')} {app_path(scope)}").response(app_path(scope))(
-                    scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
+        replayed = False
 
         async def replay():
             nonlocal replayed
@@ -56,3 +55,26 @@ class BodyLimit:
                 return {"type": "http.disconnect"}
 
         await self.app(scope, replay, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
+
+    async def _read(self, receive) -> tuple[Optional[bytes], Optional[ApiError]]:
+        """(the body, None), or (None, the error it is answered with), or (None, None) where
+        the client left."""
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None, None
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_body_bytes:
+                        return None, self._too_large()
+                    if not message.get("more_body", False):
+                        return b"".join(chunks), None
+        except TimeoutError:
+            return None, ApiError(408, f"request body not received within {self.body_timeout_s:g} s "
+                                       f"({size} bytes came)")

@@ -115,6 +115,9 @@ class LimitArgs(_Strict):
     """Edge limits, checked by the ingress before any work is queued."""
 
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    body_timeout_s: float = Field(30.0, gt=0, description=(
+        "longest a request's body may take to arrive (then a 408): one that waits for its body "
+        "holds an Ingress request slot"))
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="default: max_seq_len - 1")
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: Optional[int] = Field(None, ge=1, description=(
@@ -226,6 +229,7 @@ class IngressConfig(_Strict):
     max_tokens: int
     default_max_tokens: int
     max_body_bytes: int
+    body_timeout_s: float
     stream_idle_timeout_s: float
     replica_loss_retry_s: float
     api_keys_env: str
@@ -242,6 +246,7 @@ class IngressConfig(_Strict):
             max_tokens=limits.max_tokens,
             default_max_tokens=limits.request_default_max_tokens,
             max_body_bytes=limits.max_body_bytes,
+            body_timeout_s=limits.body_timeout_s,
             stream_idle_timeout_s=limits.stream_idle_timeout_s,
             replica_loss_retry_s=limits.replica_loss_retry_s,
             api_keys_env=args.api_keys_env,

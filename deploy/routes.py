@@ -34,7 +34,7 @@ def build_api(ingress: Ingress) -> FastAPI:
     app = FastAPI(title="specserve", version="0.1.0",
                   description="OpenAI-compatible LLM serving with hybrid speculative decoding")
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
     app.add_middleware(BearerAuth, keys=ingress.keys)  # auth before reading bodies
     app.add_middleware(RequestIdHeader)  # on every answer, refusals too
     app.add_middleware(Arrival)  # outermost: the time to first token counts from here

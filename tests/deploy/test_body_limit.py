@@ -12,7 +12,7 @@ from deploy.body_limit import BodyLimit
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [(b"content-type", b"json")]}
 
 
-def serve(server_messages: list, limit: int = 1024) -> tuple[list, list]:
+def serve(server_messages: list, limit: int = 1024, timeout_s: float = 30.0) -> tuple[list, list]:
     """Run an app that reads the body, then waits on receive once more (as a streaming
     response listens for the client leaving), behind BodyLimit. -> (what the app received,
     what was sent)."""
@@ -20,6 +20,8 @@ def serve(server_messages: list, limit: int = 1024) -> tuple[list, list]:
     received, sent = [], []
 
     async def receive():
+        if not pending:  # a client that sends no more
+            await asyncio.sleep(3600)
         message = pending.pop(0)
         if isinstance(message, BaseException):
             raise message
@@ -32,7 +34,7 @@ def serve(server_messages: list, limit: int = 1024) -> tuple[list, list]:
         received.append(await app_receive())
         received.append(await app_receive())
 
-    asyncio.run(BodyLimit(app, limit)(SCOPE, receive, send))
+    asyncio.run(BodyLimit(app, limit, timeout_s)(SCOPE, receive, send))
     return received, sent
 
 
@@ -54,3 +56,11 @@ def test_a_request_serve_cancelled_reads_as_a_disconnect():
 def test_a_body_over_the_limit_is_a_413_and_never_reaches_the_app():
     received, sent = serve([{"type": "http.request", "body": b"x" * 2048, "more_body": False}])
     assert received == [] and sent[0]["status"] == 413
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_never_reaches_the_app():
+    """Each request waiting for its body holds an Ingress request slot: a client that sent one
+    byte of each of a thousand bodies held them all, /health too (found by QA)."""
+    received, sent = serve([{"type": "http.request", "body": b"{", "more_body": True}], timeout_s=0.05)
+    assert received == [] and sent[0]["status"] == 408
+    assert b"not received within 0.05 s (1 bytes came)" in sent[1]["body"]
