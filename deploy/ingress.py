@@ -210,7 +210,7 @@ class Ingress:
         """`body` with the items it references, and the conversation it continues (`previous_response_id`'s,
         then its input); a 400 naming an item the conversation cannot take."""
         if referenced := responses.references(body):
-            body = responses.with_items(body, await self.stored.items(referenced))
+            body = responses.with_items(body, await self.stored.items(referenced), self.config.max_body_bytes)
         previous = await self.stored.get(body.previous_response_id, "previous_response_id") \
             if body.previous_response_id else None
         if previous and previous[0]["status"] not in ("completed", "incomplete"):

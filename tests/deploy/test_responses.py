@@ -221,6 +221,22 @@ def test_an_items_own_status_is_listed():
         == ["incomplete", "completed"]
 
 
+def test_the_items_a_request_references_may_hold_no_more_than_a_body():
+    """A request of 1 KB naming ten stored messages of 1 MB each had the Ingress tokenize 10 MB
+    (15 s of its CPU, 2 GB of its memory: QA); what the references bring is held to the body
+    limit, as if sent whole."""
+    big = {"type": "message", "role": "user", "id": "msg_big", "content": "x" * 600}
+    small = {**big, "id": "msg_small", "content": "hi"}
+    body = ResponsesRequest(model="m", input=[{"type": "item_reference", "id": i} for i in ("msg_big", "msg_small")])
+    stored = {"msg_big": big, "msg_small": small}
+    assert [i.text for i in with_items(body, stored, max_bytes=1024).items] == ["x" * 600, "hi"]
+    twice = ResponsesRequest(model="m", input=[{"type": "item_reference", "id": "msg_big"}, {"id": "msg_big"}])
+    with pytest.raises(ApiError) as refused:
+        with_items(twice, stored, max_bytes=1024)
+    assert (refused.value.status, refused.value.param) == (413, "input")
+    assert "the items it references come to" in refused.value.message
+
+
 def test_an_id_names_one_item_in_the_conversation_references_resolved():
     said = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
             "content": [{"type": "output_text", "text": "Hi.", "annotations": []}]}
