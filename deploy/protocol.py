@@ -11,8 +11,8 @@ taken and not read (`user`, `metadata`, `safety_identifier`, `prompt_cache_key` 
 `prompt_cache_retention`: our prefix cache finds a prompt's prefix by itself; reasoning
 models' `reasoning_effort` and `verbosity`). Every string must be valid Unicode, text a
 tokenizer reads and a label or an id alike: a lone UTF-16 surrogate (JSON `"\ud800"`, or
-the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI generates from these models is what
-schemathesis fuzzes.
+the raw bytes ed a0 80) is a 400 naming its field. The OpenAPI schema FastAPI generates
+from these models is what schemathesis fuzzes.
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ class ResponsesRequest(RequestModel):
     def _tool_choice(cls, choice, info: ValidationInfo):
         names = ([t.name for t in choice.tools] if isinstance(choice, AllowedFunctionsChoice) else
                  [choice.name] if isinstance(choice, FunctionToolChoice) else [])
-        offered = {f.name for _, f in functions(info.data.get("tools") or [])}
-        check_tool_choice(choice not in ("none", "auto"), names, offered)
+        check_tool_choice(choice not in ("none", "auto"), names,
+                          {f.name for _, f in functions(info.data.get("tools") or [])})
         return choice
 
     @field_validator("include", "top_logprobs")
@@ -319,8 +319,10 @@ def fields(body: ResponsesRequest) -> dict[str, str]:
         return FIELDS
     paths: list[str] = []
     for j, tool in enumerate(body.tools):
-        paths += [f"tools[{j}].tools[{k}]" for k in range(len(tool.tools))] if isinstance(tool, NamespaceTool) else [
-            f"tools[{j}]"]
+        if isinstance(tool, NamespaceTool):
+            paths += [f"tools[{j}].tools[{k}]" for k in range(len(tool.tools))]
+        else:
+            paths.append(f"tools[{j}]")
     return {**FIELDS, **{f"tools[{i}].function.{key}": f"{path}.{key}" for i, path in enumerate(paths)
                          for key in ("name", "parameters")}}
 

@@ -155,12 +155,14 @@ def _stop_at_first_token(seq: Sequence, detokenizer: Detokenizer, ids: list[int]
     one token a step would have found it: the tokens after it (accepted drafts of the same
     step, a final stop id) and their logprobs are dropped, so usage and logprobs do not depend
     on speculation. -> (the text cut at the stop, find_stop's hit). The search starts at the
-    sent tokens themselves: an incomplete character they end with (its U+FFFD) is a stop only once the output is final (an
-    EOS in the next step), and then the tokens after them go, as one step ending there cut them."""
+    sent tokens themselves: an incomplete character they end with (its U+FFFD) is a stop only
+    once the output is final (an EOS in the next step), and then the tokens after them go, as
+    one step ending there cut them."""
     for n in range(max(1, seq.num_sent_tokens), len(ids) + 1):
         text = seq.settled_text + detokenizer.decode(ids[seq.settled_tokens:n])
-        found = find_stop(detokenizer.whole_characters(text, ids[:n], n == len(ids) and seq.finish_reason is not None),
-                          seq.num_sent_chars, seq.sampling.stop, kept)
+        final = n == len(ids) and seq.finish_reason is not None
+        found = find_stop(detokenizer.whole_characters(text, ids[:n], final), seq.num_sent_chars, seq.sampling.stop,
+                          kept)
         if found is not None:
             del seq.output_ids[n:]
             del seq.logprobs[n - seq.resumed_tokens:]  # n >= num_sent_tokens >= resumed_tokens
