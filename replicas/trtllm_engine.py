@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from replicas.engine import GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
+from replicas.token_bytes import token_bytes
 from replicas.trtllm.api import TensorRTLLMUnavailable, TrtllmApi, load_api
 from replicas.trtllm.config import TrtllmEngineConfig
 from replicas.trtllm.iteration_stats import IterationStatsFolder
@@ -59,6 +60,7 @@ class TrtllmEngine:
         self._pending: SpeculationConfig | None = None
         self._llm: Any = None
         self.tokenizer: Any = None
+        self._raw = None  # its tokens' bytes (replicas/token_bytes.py), once started
         self._live: dict[str, _Live] = {}
         self._stats = IterationStatsFolder(self._plan.source)
         self._stats_task: asyncio.Task | None = None
@@ -84,6 +86,7 @@ class TrtllmEngine:
         # The raw HF tokenizer under upstream's TransformersTokenizer wrapper
         # (tensorrt_llm/tokenizer/tokenizer.py): it pickles to an ingress without TensorRT-LLM.
         self.tokenizer = getattr(self._llm.tokenizer, "tokenizer", self._llm.tokenizer)
+        self._raw = token_bytes(self.tokenizer)
         self._stats_task = asyncio.create_task(self._poll_stats(), name="trtllm-stats")
 
     def _build_llm(self) -> Any:
@@ -156,7 +159,7 @@ class TrtllmEngine:
             sampling = self.api.sampling_params_cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise RequestError("sampling", str(exc)) from exc
-        tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, kept)
+        tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, kept, self._raw)
         return self._stream(tracker, prompt_ids, sampling, request.probe)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:

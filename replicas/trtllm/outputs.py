@@ -10,10 +10,11 @@ character, and cuts a stop string it sees even if upstream tokenized it differen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from replicas.engine import FinishReason, GenerationDelta, find_stop, stop_prefix_end
 from replicas.stats import acceptance_length
+from replicas.token_bytes import TokenBytes, ends_inside_character
 
 # CompletionOutput.finish_reason: 'stop' | 'length' | 'timeout' | 'cancelled'
 # (tensorrt_llm/executor/result.py).
@@ -21,15 +22,18 @@ FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "
 
 
 def releasable_text(text: str, sent_chars: int, stops: Sequence[str], finished: bool,
-                    kept: Sequence[str] = (), cut: bool = False) -> tuple[str, int, str | None]:
+                    kept: Sequence[str] = (), cut: bool = False,
+                    incomplete: Optional[bool] = None) -> tuple[str, int, str | None]:
     """(text ended at any stop string, how much of it may be sent, the stop string that hit);
-    `kept` ones stay in the text (`SamplingParams.stop_after`). `cut`: max_tokens ended it."""
+    `kept` ones stay in the text (`SamplingParams.stop_after`). `cut`: max_tokens ended it.
+    `incomplete`: whether the tokens' bytes end inside a character (its U+FFFD held back, still
+    to come or cut off), where they tell; None: every trailing U+FFFD is taken for one."""
     found = find_stop(text, sent_chars, stops, kept)
     if found is not None:
         return text[: found[0]], found[0], found[1]
     end = len(text)
-    if not finished or cut:  # an incomplete multi-byte character, still to come or cut off
-        end = len(text.rstrip("\ufffd"))
+    if (not finished or cut) and text.endswith("\ufffd"):
+        end = len(text.rstrip("\ufffd")) if incomplete is None else end - incomplete
     if not finished:  # a tail that may be the start of a stop string
         end = stop_prefix_end(text, end, stops)
     return text, end, None
@@ -85,6 +89,7 @@ class OutputTracker:
     prompt_tokens: int
     stops: tuple[str, ...] = ()
     stop_after: tuple[str, ...] = ()  # matched here only: upstream has no per-string "keep it"
+    raw: Optional[TokenBytes] = None  # a token's bytes, where the tokenizer tells them
     sent_chars: int = 0
     sent_tokens: int = 0
     completion_tokens: int = 0
@@ -105,11 +110,12 @@ class OutputTracker:
         finish = FINISH_REASONS.get(upstream_finish) if upstream_finish else None
         if upstream_finish and finish is None:
             finish = "error"
+        ids = list(token_ids)
+        incomplete = None if self.raw is None else ends_inside_character(self.raw, ids)
         text, end, self.stop_string = releasable_text(text, self.sent_chars, self.stops, finish is not None,
-                                                      self.stop_after, finish == "length")
+                                                      self.stop_after, finish == "length", incomplete)
         if self.stop_string is not None:
             finish = "stop"
-        ids = list(token_ids)
         new_ids = tuple(ids[self.sent_tokens :])  # empty once upstream trims a stop sequence
         new_text = text[self.sent_chars : end]
         self.sent_tokens = max(self.sent_tokens, len(ids))

@@ -35,6 +35,19 @@ def test_a_character_max_tokens_cut_inside_is_left_out():
     assert releasable_text("caf\ufffd", 0, (), True, cut=True) == ("caf\ufffd", 3, None)
 
 
+def test_the_tokens_bytes_tell_a_u_fffd_written_whole_from_an_incomplete_character():
+    """As the embedded engine's: where the tokenizer gives its tokens' bytes, a U+FFFD the
+    model wrote whole (bytes ef bf bd) is sent as it comes and kept at a cut; only an
+    incomplete last character's is held back."""
+    raw = {1: b"caf", 2: b"\xef\xbf\xbd", 3: b"\xf0\x9f"}.get
+    for ids, cut, sent in (([1, 2], False, "caf\ufffd"), ([1, 2], True, "caf\ufffd"), ([1, 3], False, "caf"),
+                           ([1, 3], True, "caf")):
+        tracker = OutputTracker("r", 3, raw=raw)
+        delta = tracker.update("caf\ufffd", ids, "length" if cut else None, {})
+        assert delta.text == sent, (ids, cut)
+    assert releasable_text("caf\ufffd\ufffd", 0, (), False, incomplete=True) == ("caf\ufffd\ufffd", 4, None)
+
+
 @pytest.mark.parametrize("text,stops,kept,expected", [
     ("a</c> b", (), ("</c>",), ("a</c>", 5, "</c>")),  # kept in the text
     ("a</c", (), ("</c>",), ("a</c", 4, None)),  # nothing to hold back: the string is sent anyway
