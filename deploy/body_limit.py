@@ -75,6 +75,8 @@ class BodyLimit:
                         return None, self._too_large()
                     if not message.get("more_body", False):
                         return b"".join(chunks), None
+        except TaskCancelledError:  # the client left before its body was in (as `replay` says below)
+            return None, None
         except TimeoutError:
             return None, ApiError(408, f"request body not received within {self.body_timeout_s:g} s "
                                        f"({size} bytes came)")

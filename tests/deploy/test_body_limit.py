@@ -48,9 +48,12 @@ def test_the_body_is_replayed_whole_then_the_disconnect_passes_through():
 def test_a_request_serve_cancelled_reads_as_a_disconnect():
     """Serve's receive raises TaskCancelledError once its proxy cancels the request of a client
     that left; a streaming response waiting on it ended in a traceback Serve logged as "Future
-    exception was never retrieved" for every client that left mid-stream."""
+    exception was never retrieved" for every client that left mid-stream, and so did a client
+    that left before its body was in (QA)."""
     received, _ = serve([{"type": "http.request", "body": b"{}", "more_body": False}, TaskCancelledError()])
     assert received[1] == {"type": "http.disconnect"}
+    received, sent = serve([{"type": "http.request", "body": b"{", "more_body": True}, TaskCancelledError()])
+    assert received == [] and sent == []  # nothing to answer: the client is gone
 
 
 def test_a_body_over_the_limit_is_a_413_and_never_reaches_the_app():
