@@ -118,6 +118,45 @@ def test_health_probes_at_once_ask_the_controller_once_a_second(monkeypatch):
     assert asyncio.run(streams.engine_running()) and len(calls) == 2  # max_age_s 0: asked again
 
 
+def test_the_time_to_first_token_is_observed_once_an_http_request_from_its_arrival():
+    """`ray_ingress_ttft_seconds`: the first output of an HTTP request's first choice to open
+    is observed, from the Arrival middleware's clock; its other choices, a resume (its output
+    began on a replica lost since), and a call outside any HTTP request are not."""
+    import dataclasses
+
+    from deploy.arrival import Arrival
+    from replicas.engine import GenerationDelta, GenerationRequest, Resume, SamplingParams
+
+    class Emitting(_Replica):  # each call's stream gives its first delta at once
+        class generate:  # noqa: N801 - a handle's method, as Serve names it
+            @staticmethod
+            def remote(request):
+                class Stream:
+                    async def __anext__(self):
+                        return GenerationDelta(request.request_id, (1,), "x", None)
+                return Stream()
+
+    observed = []
+    streams = ReplicaStreams(Emitting(), IngressConfig.from_args(AppArgs()))
+    streams._ttft = SimpleNamespace(observe=observed.append)  # (a metric needs a live Serve)
+    request = GenerationRequest("r", [1, 2], SamplingParams(max_tokens=4))
+    resumed = dataclasses.replace(request, resume=Resume((1,)))
+
+    def app(*requests):
+        async def serve_it(scope, receive, send):  # its choices in tasks of their own, as _sse has them
+            await asyncio.gather(*(streams.open(r, asyncio.Lock()) for r in requests))
+        return Arrival(serve_it)
+
+    async def go():
+        await app(request, request)({"type": "http"}, None, None)  # n = 2: one
+        await app(resumed)({"type": "http"}, None, None)  # a resume alone: none
+        await app(request, resumed)({"type": "http"}, None, None)  # one
+        await streams.open(request, asyncio.Lock())  # no HTTP request: none
+
+    asyncio.run(go())
+    assert len(observed) == 2 and all(0 <= s < 5 for s in observed)
+
+
 def test_a_request_back_in_the_engines_queue_is_not_idle():
     """A request preempted for KV pages waits in the engine's queue, as before its first token,
     for as long as the requests ahead of it run: its `waiting` delta stops the idle timer until
