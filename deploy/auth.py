@@ -11,7 +11,7 @@ import hmac
 import os
 from typing import Mapping, Optional
 
-from deploy.errors import ApiError, app_path, logged
+from deploy.errors import ApiError, answer, app_path
 
 OPEN_PATHS = frozenset({"/healthz", "/health", "/ping"})  # probes
 
@@ -51,7 +51,6 @@ class BearerAuth:
             try:
                 check_key(self.keys, path, authorization, api_key)
             except ApiError as exc:
-                # to /v1/messages in Anthropic's shape
-                await logged(exc, f"{scope.get('method')} {path}").response(path)(scope, receive, send)
+                await answer(exc, scope)(scope, receive, send)  # to /v1/messages in Anthropic's shape
                 return
         await self.app(scope, receive, send)

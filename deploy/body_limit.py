@@ -15,7 +15,7 @@ from typing import Optional
 
 from ray.exceptions import TaskCancelledError
 
-from deploy.errors import ApiError, app_path, logged
+from deploy.errors import ApiError, answer
 
 
 class BodyLimit:
@@ -34,8 +34,7 @@ class BodyLimit:
         else:
             body, error = await self._read(receive)
         if error is not None:
-            await logged(error, f"{scope.get('method')} {app_path(scope)}").response(app_path(scope))(
-                scope, receive, send)
+            await answer(error, scope)(scope, receive, send)
         if body is None:
             return
         replayed = False

@@ -182,21 +182,25 @@ def logged(error: ApiError, where: str) -> ApiError:
     return error
 
 
+def answer(error: ApiError, scope) -> JSONResponse:
+    """`error` as the answer to the HTTP request of `scope` (Anthropic's shape under its
+    routes), logged with its method and path: the error handlers' and the middleware's."""
+    path = app_path(scope)
+    return logged(error, f"{scope.get('method')} {path}").response(path)
+
+
 def install_error_handlers(app) -> None:
     """Every error the app can raise leaves as an OpenAI error body (Anthropic's, to its API,
     whatever route prefix the app is served under), logged."""
 
-    def answer(request, error: ApiError):
-        return logged(error, f"{request.method} {app_path(request.scope)}").response(app_path(request.scope))
-
     async def on_api_error(request, exc: ApiError):
-        return answer(request, exc)
+        return answer(exc, request.scope)
 
     async def on_validation(request, exc: RequestValidationError):
-        return answer(request, validation_error(exc, request.headers.get("content-type", "")))
+        return answer(validation_error(exc, request.headers.get("content-type", "")), request.scope)
 
     async def on_http(request, exc: StarletteHTTPException):
-        return answer(request, http_error(exc))
+        return answer(http_error(exc), request.scope)
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
