@@ -10,7 +10,7 @@ asked about for `response_store.ORPHANED_S` is failed there. A replica's gracefu
 its runs and keeps them as failed (in a store started anew by the same redeploy too). Each run and
 the watch run in a context of their own: the handle calls they make (the engine's, the
 store's) are not the POST's, whose id Serve's router indexes its pending calls by (two at once
-under one id: one was never placed).
+under one id: one was never placed). A run's holds the POST's key owner (`auth.KEY_OWNER`) alone.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
+from deploy.auth import KEY_OWNER
 from deploy.errors import ApiError, server_error
 from deploy.response_items import failed
 from deploy.response_store import KeptResponses
@@ -36,6 +37,7 @@ class _Run(NamedTuple):
     task: asyncio.Task
     queued: dict[str, Any]  # the response as it was queued
     inputs: list[dict[str, Any]]
+    owner: str  # auth.KEY_OWNER's value for its POST
 
 
 class BackgroundResponses:
@@ -65,9 +67,10 @@ class BackgroundResponses:
                 logger.warning("background response %s failed: %s", response_id, error.message)
                 await self._stored.put(failed(queued, error), [], inputs, FINAL_PUT_ATTEMPTS)
 
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(run(), context=contextvars.Context())
-        self._running[response_id] = _Run(task, queued, inputs)
+        loop, owner, context = asyncio.get_running_loop(), KEY_OWNER.get(), contextvars.Context()
+        context.run(KEY_OWNER.set, owner)
+        task = loop.create_task(run(), context=context)
+        self._running[response_id] = _Run(task, queued, inputs, owner)
         task.add_done_callback(lambda _: self._running.pop(response_id, None))
         if self._watch is None or self._watch.done():
             self._watch = loop.create_task(self._watched(), context=contextvars.Context())
@@ -115,8 +118,9 @@ class BackgroundResponses:
             _, pending = await asyncio.wait(pending, timeout=0.1)
         error = ApiError(503, "the Ingress replica that ran it stopped (a redeploy or a shutdown): create it again")
 
-        async def fail(body: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
+        async def fail(run: _Run) -> None:
+            KEY_OWNER.set(run.owner)  # (gather's task for it: its own context)
             with contextlib.suppress(ApiError):  # the store unreachable: it fails them ORPHANED_S later
-                await self._stored.fail_if_running(failed(body, error), inputs)
+                await self._stored.fail_if_running(failed(run.queued, error), run.inputs)
 
-        await asyncio.gather(*(fail(run.queued, run.inputs) for run in runs))
+        await asyncio.gather(*(fail(run) for run in runs))

@@ -7,7 +7,9 @@ response's status as it runs (`POST /v1/responses/{id}/cancel` stops it).
 node beside Serve's controller (`deploy/app.py`), so a follow-up finds its response whichever
 Ingress replica it reaches, and an Ingress replica that restarts loses nothing. It holds the
 last `limits.stored_responses` in memory, oldest out first: they go with the head node or a
-redeploy. `KeptResponses` is an Ingress's side of it: a missing response as the API's error.
+redeploy. Each belongs to the API key that made it (`auth.KEY_OWNER`): a request with another
+key finds neither it nor its items, as if it were not kept. `KeptResponses` is an Ingress's
+side of it: a missing response as the API's error.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import time
 from typing import Any, List, Optional
 
+from deploy.auth import KEY_OWNER
 from deploy.chat_protocol import ChatMessage
 from deploy.errors import RETRY_AFTER_S, ApiError, server_error
 from deploy.response_items import failed
@@ -39,18 +42,20 @@ STORE_TIMEOUT_S = 10.0
 
 class ResponseStore:
     """The last `capacity` stored responses, each with its conversation (input and output as
-    chat messages, instructions left out). Its methods run on the replica's event loop, one at
-    a time."""
+    chat messages, instructions left out) and its owner (`auth.KEY_OWNER`'s value as it was
+    made; "" an open server's), which every read names. Its methods run on the replica's event
+    loop, one at a time."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._engine_settings = LastSettings(DEPLOYMENT_NAME)  # the Replicas', forgotten with the app here too
         self._kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
+        self._owners: dict[str, str] = {}  # response id -> its owner
         # item id -> {response id: the item as it holds it}, oldest first: the kept responses'
         # output items and input items, where a conversation's follow-ups hold its earlier
         # answers (sent back, or by reference), so a reference lives as long as the newest
         # response holding it, and reads as that one holds it (a client's id may name other
-        # text in another response; a deleted response's is gone with it)
+        # text in another response; a deleted response's is gone with it; another owner's is none)
         self._items: dict[str, dict[str, dict[str, Any]]] = {}
         # background responses ended here while they ran (cancelled, deleted, failed for a lost
         # replica; the latest `capacity`): their runs stop at their next poll, what they put is dropped
@@ -64,12 +69,14 @@ class ResponseStore:
         settings = getattr(self, "_engine_settings", None)  # (an __init__ that raised)
         return settings.on_stop() if settings is not None else None
 
-    async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]]) -> None:
+    async def put(self, body: dict[str, Any], messages: List[ChatMessage], inputs: List[dict[str, Any]],
+                  owner: str = "") -> None:
         self._reap()
         if self.capacity <= 0 or body["id"] in self._stopped_runs:  # its run was ended here: it stays so
             return
         self._forget(body["id"])
         self._kept[body["id"]] = (body, messages, inputs)
+        self._owners[body["id"]] = owner
         if body.get("status") in RUNNING:
             self._seen[body["id"]] = time.monotonic()
         for item in (*body["output"], *inputs):
@@ -80,31 +87,37 @@ class ResponseStore:
                 break
             self._forget(oldest)
 
-    async def get(self, response_id: str) -> Optional[Kept]:
+    async def get(self, response_id: str, owner: str = "") -> Optional[Kept]:
         self._reap()
-        return self._kept.get(response_id)
+        return self._kept[response_id] if self._owned(response_id, owner) else None
 
-    async def items(self, item_ids: List[str]) -> dict[str, dict[str, Any]]:
-        """The kept items among `item_ids`, by id."""
-        return {item_id: next(reversed(self._items[item_id].values())) for item_id in item_ids
-                if item_id in self._items}
+    async def items(self, item_ids: List[str], owner: str = "") -> dict[str, dict[str, Any]]:
+        """The kept items among `item_ids` that `owner`'s responses hold, by id (as the newest holds it)."""
+        found = {}
+        for item_id in item_ids:
+            held = [item for rid, item in self._items.get(item_id, {}).items() if self._owners[rid] == owner]
+            if held:
+                found[item_id] = held[-1]
+        return found
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, owner: str = "") -> bool:
+        if not self._owned(response_id, owner):
+            return False
         if self._status(response_id) in RUNNING:
             self._stop_run(response_id)
         return self._forget(response_id)
 
-    async def fail_if_running(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
+    async def fail_if_running(self, body: dict[str, Any], inputs: List[dict[str, Any]], owner: str = "") -> None:
         """`body` (failed) kept where its response still runs, or is not kept (a store started
         anew); one that ended first stays as it ended."""
         self._reap()
         if self._status(body["id"]) in (*RUNNING, None):
-            await self.put(body, [], inputs)
+            await self.put(body, [], inputs, owner)
 
-    async def cancel(self, response_id: str) -> Optional[dict[str, Any]]:
-        """The response, cancelled if it was running (None: not kept)."""
+    async def cancel(self, response_id: str, owner: str = "") -> Optional[dict[str, Any]]:
+        """The response, cancelled if it was running (None: not kept, or not `owner`'s)."""
         self._reap()
-        kept = self._kept.get(response_id)
+        kept = self._kept[response_id] if self._owned(response_id, owner) else None
         if kept is not None and kept[0].get("status") in RUNNING:
             self._ended(response_id, {**kept[0], "status": "cancelled"})
         return None if kept is None else self._kept[response_id][0]
@@ -142,6 +155,9 @@ class ResponseStore:
         while len(self._stopped_runs) > self.capacity:
             self._stopped_runs.popitem(last=False)
 
+    def _owned(self, response_id: str, owner: str) -> bool:
+        return response_id in self._kept and self._owners[response_id] == owner
+
     def _status(self, response_id: str) -> Optional[str]:
         kept = self._kept.get(response_id)
         return None if kept is None else kept[0].get("status")
@@ -149,6 +165,7 @@ class ResponseStore:
     def _forget(self, response_id: str) -> bool:
         self._seen.pop(response_id, None)
         kept = self._kept.pop(response_id, None)
+        self._owners.pop(response_id, None)
         for item in (*kept[0]["output"], *kept[2]) if kept else ():
             holders = self._items.get(item["id"], {})
             holders.pop(response_id, None)
@@ -158,14 +175,15 @@ class ResponseStore:
 
 
 class KeptResponses:
-    """The store as the Ingress asks it, through `store` (a handle to the deployment)."""
+    """The store as the Ingress asks it, through `store` (a handle to the deployment), for the
+    request being served: as its key's (`auth.KEY_OWNER`)."""
 
     def __init__(self, store: Any, capacity: int) -> None:
         self._store, self._capacity = store, capacity
 
     async def get(self, response_id: str, param: Optional[str] = None) -> Kept:
         """The kept response; a 404 (or, for a request's `param`, a 400) when there is none."""
-        kept = await self._call("get", response_id)
+        kept = await self._call("get", response_id, KEY_OWNER.get())
         if kept is None:
             self._missing(response_id, param)
         return kept
@@ -173,7 +191,7 @@ class KeptResponses:
     async def items(self, references: dict[str, str]) -> dict[str, dict[str, Any]]:
         """The kept output items `references` names (param -> item id), by id; a 400 naming the
         param of the first that is not kept."""
-        found = await self._call("items", list(references.values()))
+        found = await self._call("items", list(references.values()), KEY_OWNER.get())
         for param, item_id in references.items():
             if item_id not in found:
                 raise ApiError(400, f"{param}: no item {item_id!r} in a stored response (this server keeps the items "
@@ -188,7 +206,7 @@ class KeptResponses:
         for attempt in range(attempts):
             try:
                 async with asyncio.timeout(STORE_TIMEOUT_S):  # (keeps a cancel, as wait_for may not: _following)
-                    await self._store.put.remote(body, messages, inputs)
+                    await self._store.put.remote(body, messages, inputs, KEY_OWNER.get())
                 return
             except Exception as exc:  # noqa: BLE001
                 if attempt + 1 == attempts:
@@ -199,11 +217,11 @@ class KeptResponses:
     async def start(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
         """Keep a background response as it is queued: before the client has its id (a 503 if
         the store cannot take it)."""
-        await self._call("put", body, [], inputs)
+        await self._call("put", body, [], inputs, KEY_OWNER.get())
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """The response, cancelled if it ran (a 404 if it is not kept)."""
-        body = await self._call("cancel", response_id)
+        body = await self._call("cancel", response_id, KEY_OWNER.get())
         if body is None:
             self._missing(response_id, None)
         return body
@@ -212,10 +230,10 @@ class KeptResponses:
         return await self._call("stopped", response_ids)
 
     async def fail_if_running(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
-        await self._call("fail_if_running", body, inputs)
+        await self._call("fail_if_running", body, inputs, KEY_OWNER.get())
 
     async def delete(self, response_id: str) -> None:
-        if not await self._call("delete", response_id):
+        if not await self._call("delete", response_id, KEY_OWNER.get()):
             self._missing(response_id, None)
 
     async def _call(self, method: str, *args: Any) -> Any:

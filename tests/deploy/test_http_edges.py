@@ -271,6 +271,31 @@ def test_openai_client_with_key(url):
     assert err.value.body["param"] == "model"
 
 
+def test_a_stored_response_is_its_keys_alone(url):
+    """What one API key stored, another key cannot read, list, continue, reference, cancel or
+    delete: to it the response is not kept (as OpenAI scopes them to a project)."""
+    alice = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    bob = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-second", max_retries=0)
+    made = alice.responses.create(model="fake", input="hi", max_output_tokens=4)
+    msg_id = made.output[0].id
+    for attempt in (lambda: bob.responses.retrieve(made.id), lambda: bob.responses.input_items.list(made.id),
+                    lambda: bob.responses.cancel(made.id), lambda: bob.responses.delete(made.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    with pytest.raises(openai.BadRequestError) as err:
+        bob.responses.create(model="fake", input="more", previous_response_id=made.id, max_output_tokens=4)
+    assert err.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as err:
+        bob.responses.create(model="fake", input=[{"type": "item_reference", "id": msg_id}], max_output_tokens=4)
+    assert err.value.body["code"] == "item_not_found"
+    assert alice.responses.retrieve(made.id).output[0].id == msg_id  # bob's delete deleted nothing
+    follow_up = alice.responses.create(model="fake", input=[{"role": "user", "content": "hi"},
+                                                            {"type": "item_reference", "id": msg_id}],
+                                       max_output_tokens=4)
+    assert alice.responses.input_items.list(follow_up.id).data[0].id == msg_id  # (newest first)
+    alice.responses.delete(made.id)
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto",
                                   safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None,

@@ -123,6 +123,55 @@ def test_a_reference_lives_as_long_as_a_kept_response_holds_its_item():
     assert references(ResponsesRequest(model="m", input=[{"type": None, "id": "msg_a"}])) == {"input[0].id": "msg_a"}
 
 
+def test_a_response_and_its_items_are_found_by_their_owners_requests_alone():
+    """With API keys, what one key stored another key's requests cannot read, continue, cancel
+    or delete, nor reach by an item id it repeats: to them it is not kept."""
+    store, run = ResponseStore(capacity=4), asyncio.run
+    item = {"id": "msg_shared", "type": "message", "text": "alice's"}
+    run(store.put({"id": "resp_a", "output": [item], "status": "in_progress"}, [], [], "alice"))
+    run(store.put({"id": "resp_b", "output": [], "status": "completed"}, [], [{**item, "text": "bob's"}], "bob"))
+    assert run(store.get("resp_a", "bob")) is None and run(store.get("resp_a", "")) is None
+    assert run(store.get("resp_a", "alice"))[0]["id"] == "resp_a"
+    # the newest holder of an id is bob's, yet alice reads her own
+    assert run(store.items(["msg_shared"], "alice"))["msg_shared"]["text"] == "alice's"
+    assert run(store.items(["msg_shared"], "bob"))["msg_shared"]["text"] == "bob's"
+    assert run(store.items(["msg_shared"], "carol")) == {}
+    assert run(store.cancel("resp_a", "bob")) is None and not run(store.delete("resp_a", "bob"))
+    assert run(store.get("resp_a", "alice"))[0]["status"] == "in_progress" and run(store.stopped(["resp_a"])) == []
+    assert run(store.delete("resp_a", "alice")) and run(store.items(["msg_shared"], "alice")) == {}
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'HttpIngress.__del__' was never awaited")
+def test_the_ingress_asks_the_store_as_its_requests_key():
+    """`KeptResponses` names the owner `auth.KEY_OWNER` holds for the request being served, in a
+    background run too (a context of its own) and in the failed status its replica's stop keeps."""
+    from deploy.auth import KEY_OWNER
+
+    store = ResponseStore(capacity=4)
+    kept, ingress = KeptResponses(_Handle(store), 4), _ingress(store)
+
+    async def as_owner(owner, step):
+        KEY_OWNER.set(owner)  # (this task's own context)
+        return await step
+
+    async def scenario():
+        async def generate(begun):
+            await begun()
+            await asyncio.sleep(3600)
+
+        await asyncio.create_task(as_owner("alice", kept.put({"id": "resp_a", "output": []}, [], [])))
+        await asyncio.create_task(as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate)))
+        assert await async_wait_until(lambda: store._status("resp_run") == "in_progress", 5)
+        for rid in ("resp_a", "resp_run"):
+            with pytest.raises(ApiError) as info:
+                await asyncio.create_task(as_owner("bob", kept.get(rid)))
+            assert info.value.status == 404
+        await ingress.__del__()
+        return await asyncio.create_task(as_owner("alice", kept.get("resp_run")))
+
+    assert asyncio.run(scenario())[0]["status"] == "failed"
+
+
 def test_a_store_that_does_not_answer_is_a_503_in_time(monkeypatch):
     """Serve queues a call while the store's replica restarts: a lookup waits a bounded time, a
     put (the answer made) is logged."""
