@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime
 import functools
 import logging
@@ -71,7 +72,9 @@ class Ingress:
         self._prompts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompts")
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._prompts, functools.partial(fn, *args))
+        """`fn(*args)` in the prompts' threads, in this request's context (its key owner: auth.KEY_OWNER)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, call)
 
     # -- tokenizer, fetched lazily from a replica ---------------------------------------------
     async def tokenizer(self) -> Any:

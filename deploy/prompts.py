@@ -19,6 +19,7 @@ import json
 import re
 from typing import Any, Optional, Union
 
+from deploy.auth import KEY_OWNER
 from deploy.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, joined_text
 from deploy.config import IngressConfig
 from deploy.errors import ApiError
@@ -285,9 +286,17 @@ def generation_request(
                                  speculation=request.speculation or RequestSpeculation(),
                                  grammar=grammar, prediction=prediction,
                                  affinity_key=conversation_key(tokenizer, request, rendered) if rendered else None,
-                                 model_identity=config.model_identity)
+                                 model_identity=config.model_identity, cache_salt=cache_salt(request))
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
+
+
+def cache_salt(request: Union[CompletionRequest, ChatCompletionRequest]) -> str:
+    """The request's prefix-cache salt: its API key's owner and its own `cache_salt`, so a key's
+    requests never reuse (nor time) another key's cached prompts, and a client may part its own
+    further ("" on an open server without a salt: every such request shares)."""
+    owner, salt = KEY_OWNER.get(), request.cache_salt
+    return f"{owner}\n{salt}" if salt is not None else owner
 
 
 def engine_requests(request_id: str, tokenizer: Any, request: Union[CompletionRequest, ChatCompletionRequest],

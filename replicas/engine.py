@@ -266,6 +266,10 @@ class GenerationRequest:
     # the model its prompt was tokenized for (EngineArgs.identity); a Replica serving another
     # refuses it (None: any)
     model_identity: str | None = None
+    # the prefix cache reuses for it only what requests with the same salt stored, and keeps
+    # what it stores for them ("": every unsalted request's). The Ingress salts by API key
+    # and the client's `cache_salt` (deploy/prompts.cache_salt)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.grammar is not None and self.sampling.min_tokens:  # it may allow only the end there

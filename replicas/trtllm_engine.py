@@ -160,7 +160,7 @@ class TrtllmEngine:
         except (TypeError, ValueError) as exc:
             raise RequestError("sampling", str(exc)) from exc
         tracker = OutputTracker(request.request_id, len(prompt_ids), request.sampling.stop, kept, self._raw)
-        return self._stream(tracker, prompt_ids, sampling, request.probe)
+        return self._stream(tracker, prompt_ids, sampling, request.probe, request.cache_salt or None)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, str):
@@ -177,12 +177,14 @@ class TrtllmEngine:
                                              f"the context window of {window}")
         return ids
 
-    async def _stream(self, tracker: OutputTracker, prompt_ids: list[int], sampling: Any, probe: bool):
+    async def _stream(self, tracker: OutputTracker, prompt_ids: list[int], sampling: Any, probe: bool,
+                      cache_salt: str | None):
         live = _Live(tracker, probe=probe)
         self._live[tracker.request_id] = live
         try:
             try:
-                live.result = self._llm.generate_async(prompt_ids, sampling_params=sampling, streaming=True)
+                live.result = self._llm.generate_async(prompt_ids, sampling_params=sampling, streaming=True,
+                                                       cache_salt=cache_salt)
             except Exception as exc:  # noqa: BLE001 - e.g. a dead executor: an error delta, not a trace
                 logger.exception("submitting request %s failed", tracker.request_id)
                 yield tracker.finish("error", f"{type(exc).__name__}: {exc}")

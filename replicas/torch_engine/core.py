@@ -201,7 +201,7 @@ class EngineCore:
         # the longest cached prefix goes into the slot: prefill the rest (all of a prompt to score,
         # unless the cache keeps the prefix's hidden states: the lm_head scores those)
         if self.prefix is not None and (not self._scores_prompt(seq) or self.prefix.keeps_hidden):
-            seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot)
+            seq.prefix_blocks, reused_hidden = self.prefix.admit(context, seq.slot, seq.cache_salt)
             reused = self.cache.lengths[seq.slot]
         # Pages for the context and one block more: room to decode before the next page is due.
         if not self.cache.reserve(seq.slot, reused, min(len(context) + BLOCK_TOKENS, self.cache.max_seq_len)):
@@ -375,7 +375,7 @@ class EngineCore:
         pending = torch.cat(seq.prefix_hidden) if seq.prefix_hidden else None
         tokens = seq.prompt_ids + seq.output_ids  # a stop may have cut accepted drafts off the output
         used = self.prefix.extend(seq.prefix_blocks, tokens, min(seq.num_cached, len(tokens)), seq.slot, pending,
-                                  tail=finished)
+                                  tail=finished, salt=seq.cache_salt)
         seq.prefix_hidden = [pending[used:]] if pending is not None else []
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:

@@ -231,6 +231,7 @@ class TorchEngine:
             speculation=request.speculation,
             over_gate=request.over_gate,
             probe=request.probe,
+            cache_salt=request.cache_salt,
             seed=None if sampling.temperature == 0 else
             sampling.seed if sampling.seed is not None else random.getrandbits(63),
             eos_ids=self._eos_ids,

@@ -4,7 +4,10 @@ Blocks form a tree keyed by their tokens (a radix tree over token blocks): block
 sequence is the child, under block i-1, keyed by tokens [32i, 32i + 32). A path from the
 root is a token prefix, matched exactly (keys are the tokens, not a hash of them), so a
 new request reuses the longest prefix its context shares with any earlier one (whole
-blocks, then the leading positions of one more) and prefills only the rest.
+blocks, then the leading positions of one more) and prefills only the rest. Each cache salt
+(`GenerationRequest.cache_salt`: an API key's, a client's) has a tree of its own: a request
+reuses only what requests with its salt stored, so no one learns from a faster prefill what
+another key's prompts held.
 
 Exact by construction: the KV (and hidden state) of a position depends only on the tokens
 up to it, and the native forward computes each row's bits the same whatever else its
@@ -56,7 +59,7 @@ class Block:
     row: int  # index into the hidden-state rows (and the copied pool's); -1 for the root
     kv: int  # its KV: a page of the paged cache, or a row of the copied pool
     parent: Block | None
-    key: tuple[int, ...]
+    key: tuple[int, ...]  # its tokens (a root's: its salt alone)
     children: dict[tuple[int, ...], Block] = field(default_factory=dict)
     refs: int = 0  # running requests holding it
 
@@ -156,22 +159,22 @@ class PrefixCache:
             self.store = CopiedBlocks(cache, self.num_blocks)
         self._hidden = torch.empty((self.num_blocks, BLOCK_TOKENS, hidden_size), dtype=torch.float32,
                                    device=cache.k.device) if hidden_size else None
-        self._root = Block(-1, -1, None, ())
+        self._roots: dict[str, Block] = {}  # by salt, those with blocks stored under them
         self._free_rows = list(range(self.num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, Block] = OrderedDict()  # row -> block, least recently used first
         self.stats = PrefixStats()
 
     # -- admission ------------------------------------------------------------------------
-    def admit(self, context: Seq[int], slot: int) -> tuple[list[Block], Tensor | None]:
-        """Give `slot` the longest cached prefix of `context` (its length set to it) and hold
-        its whole blocks. At least one token is left to prefill (its logits are needed). Past
+    def admit(self, context: Seq[int], slot: int, salt: str = "") -> tuple[list[Block], Tensor | None]:
+        """Give `slot` the longest prefix of `context` cached under `salt` (its length set to
+        it) and hold its whole blocks. At least one token is left to prefill (its logits are needed). Past
         the whole blocks, the cached block sharing the most leading tokens with the rest lends
         those positions too (the KV of a position depends on nothing after it); it is copied,
         not held, and skipped when the paged cache has no page to copy it into. Returns the
         held chain and the prefix's hidden states [n, d] (None without them, or when nothing
         is reused)."""
         limit = len(context) - 1
-        chain, node = [], self._root
+        chain, node = [], self._root(salt)
         for i in range(limit // BLOCK_TOKENS):
             child = node.children.get(_key(context, i))
             if child is None:
@@ -204,15 +207,15 @@ class PrefixCache:
 
     # -- storing --------------------------------------------------------------------------
     def extend(self, chain: list[Block], tokens: Seq[int], num_committed: int, slot: int,
-               hidden: Tensor | None, tail: bool = False) -> int:
+               hidden: Tensor | None, tail: bool = False, salt: str = "") -> int:
         """Store the whole blocks of `tokens[:num_committed]` past `chain` (held, extended in
-        place), from `slot`'s KV and `hidden` [rows, d] (the hidden states from position
-        `len(chain) * 32` on). `tail`: the request is over, so its last, partial block is stored
+        place) under `salt`, from `slot`'s KV and `hidden` [rows, d] (the hidden states from
+        position `len(chain) * 32` on). `tail`: the request is over, so its last, partial block is stored
         too, as a leaf keyed by its fewer tokens (not held; a later prompt can reuse its leading
         positions). Returns how many hidden rows it consumed; it stops early, without error,
         when no block can be evicted."""
         start = len(chain)
-        parent = chain[-1] if chain else self._root
+        parent = chain[-1] if chain else self._root(salt)
         for i in range(start, num_committed // BLOCK_TOKENS):
             block = self._block(parent, _key(tokens, i), slot, i, hidden, (i - start) * BLOCK_TOKENS)
             if block is None:
@@ -238,6 +241,8 @@ class PrefixCache:
                 return None
             block = Block(row, self.store.keep(slot, index, row), parent, key)
             parent.children[key] = block
+            if parent.parent is None:
+                self._roots[parent.key[0]] = parent
             if self._hidden is not None:
                 self._hidden[row, :len(key)] = hidden[first_row: first_row + len(key)]
         elif len(key) == BLOCK_TOKENS:
@@ -281,6 +286,10 @@ class PrefixCache:
         return sum(1 for b in self._lru.values() if b.refs)
 
     # -- internals ------------------------------------------------------------------------
+    def _root(self, salt: str) -> Block:
+        """The root of `salt`'s blocks (a new one, kept once a block is stored under it)."""
+        return self._roots.get(salt) or Block(-1, -1, None, (salt,))
+
     def _take_row(self) -> int | None:
         if not self._free_rows and not self._evict():
             return None
@@ -292,6 +301,8 @@ class PrefixCache:
         if victim is None:
             return False
         del victim.parent.children[victim.key]
+        if victim.parent.parent is None and not victim.parent.children:
+            del self._roots[victim.parent.key[0]]  # its salt has nothing stored now
         del self._lru[victim.row]
         self._free_rows.append(victim.row)
         self.store.drop(victim.kv)

@@ -39,6 +39,7 @@ class Sequence:
     constraint: Constraint | None = None  # the request's grammar state, None if unconstrained
     over_gate: bool = False  # drafts as behind a closed gate, whatever the batch (GenerationRequest.over_gate)
     probe: bool = False  # a health probe: not in the prefix-cache figures nor kept there (GenerationRequest.probe)
+    cache_salt: str = ""  # the prefix-cache blocks it shares: those of its salt (GenerationRequest.cache_salt)
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose KV is in the cache

@@ -4,18 +4,22 @@ tokenizer given a template that knows tools (the Hugging Face convention)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pydantic
 import pytest
 
+from deploy.auth import KEY_OWNER
 from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
 from deploy.openai_format import (Echo, TokenTexts, logprobs_body, prediction_details, shown_logprobs,
                                   vllm_prompt_logprobs)
 from deploy.prompts import engine_requests, generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.chat_protocol import ChatCompletionRequest
+from deploy.ingress import Ingress
 from deploy.protocol import CompletionRequest
 from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
 from replicas.engine import TokenLogprob
@@ -391,3 +395,27 @@ def test_every_turn_of_a_conversation_has_its_openings_key(tokenizer, request):
     other = [system, {"role": "user", "content": "hello"}]
     assert generation_request("r", tok, chat(other, tools=tools(WEATHER)), config).affinity_key not in keys
     assert generation_request("r", tok, CompletionRequest(model="m", prompt="hi"), config).affinity_key is None
+
+
+
+def test_a_requests_cache_salt_is_its_keys_and_its_own(chatml):
+    """The prefix cache parts requests by API key, and within a key by the client's `cache_salt`
+    (vLLM's field); on an open server an unsalted request shares with every other unsalted one.
+    Built off the event loop in the Ingress's threads, which see the request's key."""
+    config = IngressConfig.from_args(AppArgs())
+    ingress = Ingress.__new__(Ingress)  # its prompt threads alone
+    ingress._prompts = ThreadPoolExecutor(1)
+
+    def salts(owner: str) -> list[str]:
+        async def built():
+            KEY_OWNER.set(owner)
+            return [(await ingress._off_loop(generation_request, "r", chatml, body, config)).cache_salt
+                    for body in (CompletionRequest(model="m", prompt="hi"),
+                                 CompletionRequest(model="m", prompt="hi", cache_salt="team-a"),
+                                 chat([{"role": "user", "content": "hi"}], cache_salt="team-a"))]
+        return asyncio.run(built())
+
+    assert salts("") == ["", "\nteam-a", "\nteam-a"]
+    assert salts("k1") == ["k1", "k1\nteam-a", "k1\nteam-a"]
+    with pytest.raises(pydantic.ValidationError, match="cache_salt"):
+        CompletionRequest(model="m", prompt="hi", cache_salt="")

@@ -63,6 +63,21 @@ def test_a_repeated_prompt_reports_its_reused_prefix(mode):
     assert (stats.prefix_cached_blocks, stats.prefix_evicted_blocks) == (0, 0)  # upstream reports neither
 
 
+def test_a_salted_request_reuses_only_its_salts_blocks():
+    """The request's cache salt (an API key's, a client's) goes to generate_async's
+    `cache_salt`, which limits block reuse to requests with the same one."""
+    async def go():
+        engine = await started(engine_config())
+        finals = []
+        for i, salt in enumerate(("alice", "bob", "", "alice")):
+            salted = dataclasses.replace(request(LONG, max_tokens=8, rid=f"r{i}"), cache_salt=salt)
+            finals.append((await collect(engine, salted))[-1].cached_tokens)
+        await engine.shutdown()
+        return finals
+
+    assert run(go()) == [0, 0, 0, 64]
+
+
 def test_without_block_reuse_nothing_is_cached_and_prompts_still_count():
     async def go():
         engine = await started(engine_config(enable_block_reuse=False))

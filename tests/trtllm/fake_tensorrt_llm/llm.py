@@ -25,7 +25,9 @@ prefix of whole blocks, so its result reports that many `cached_tokens` from its
 on. Only the first len - 1 prompt tokens count, as in upstream's BlockManager
 (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp: "only (length - 1) tokens of the sequence
 have their kv-state recorded"); requests scheduled in one iteration do not reuse each other's
-blocks, which are stored after the step. Not modelled: partial-block reuse and eviction.
+blocks, which are stored after the step. `generate_async(cache_salt=...)` limits reuse to the
+requests with the same salt (upstream: get_cache_salt_id, folded into the first block's hash).
+Not modelled: partial-block reuse and eviction.
 
 The toy model repeats its prompt (token t+1 = prompt[len(output) % len(prompt)]), so the
 output does not depend on speculation. Each step drafts `runtime_draft_len(batch)` tokens per
@@ -160,6 +162,7 @@ class FakeRequestOutput:
         self.iterations = 0
         self.decoding_iter = 0  # upstream GenerationResultBase.decoding_iter
         self.cached_tokens = 0  # upstream GenerationResultBase.cached_tokens, set at scheduling
+        self.cache_salt: Optional[str] = None  # generate_async's (upstream: the request's cache_salt_id)
         self.draft_total = self.accepted_total = 0
         self._ids: list[int] = []  # the engine's view of the output
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -191,7 +194,7 @@ class LLM:
             raise ValueError(refusal)
         self.tokenizer = TransformersTokenizer(FakeTokenizer())
         self.kv_cache_config = self.args.kv_cache_config or KvCacheConfig()
-        self.reusable_prefixes: set[tuple[int, ...]] = set()  # whole-block prompt prefixes held
+        self.reusable_prefixes: set[tuple[Optional[str], tuple[int, ...]]] = set()  # (salt, whole-block prefix) held
         self.stats_as_json = False
         self.iteration_latency_ms = 10.0
         self.abort_calls: list[FakeRequestOutput] = []
@@ -201,7 +204,7 @@ class LLM:
         self._loop_task: Optional[asyncio.Task] = None
         self.shut_down = False
 
-    def generate_async(self, inputs, sampling_params=None, streaming=False) -> FakeRequestOutput:
+    def generate_async(self, inputs, sampling_params=None, streaming=False, cache_salt=None) -> FakeRequestOutput:
         assert streaming and isinstance(inputs, list) and isinstance(inputs[0], int)
         # upstream's _check_arguments (llmapi/llm.py), PyTorch backend: without chunked prefill
         # a prompt goes in one iteration, so max_num_tokens bounds it
@@ -210,6 +213,7 @@ class LLM:
             raise ValueError(f"The sum of prompt length ({len(inputs)}), query length (0) should not exceed "
                              f"max_num_tokens ({limit})")
         result = FakeRequestOutput(self, list(inputs), sampling_params or SamplingParams())
+        result.cache_salt = cache_salt
         if self._rows is None:
             self._rows = asyncio.Queue()
         self._active.append(result)
@@ -237,23 +241,23 @@ class LLM:
         return not self.fatal
 
     # -- the toy engine loop ----------------------------------------------------------------
-    def _whole_block_prefixes(self, prompt: list[int]) -> list[tuple[int, ...]]:
-        n = self.kv_cache_config.tokens_per_block
-        return [tuple(prompt[:end]) for end in range(n, len(prompt), n)]  # within the first len - 1
+    def _whole_block_prefixes(self, req: FakeRequestOutput) -> list[tuple[Optional[str], tuple[int, ...]]]:
+        n, prompt = self.kv_cache_config.tokens_per_block, req.prompt_token_ids
+        return [(req.cache_salt, tuple(prompt[:end])) for end in range(n, len(prompt), n)]  # within the first len - 1
 
-    def _reused_tokens(self, prompt: list[int]) -> int:
+    def _reused_tokens(self, req: FakeRequestOutput) -> int:
         if not self.kv_cache_config.enable_block_reuse:
             return 0
         reused = 0
-        for prefix in self._whole_block_prefixes(prompt):
+        for prefix in self._whole_block_prefixes(req):
             if prefix not in self.reusable_prefixes:
                 break
-            reused = len(prefix)
+            reused = len(prefix[1])
         return reused
 
-    def _store_blocks(self, prompt: list[int]) -> None:
+    def _store_blocks(self, req: FakeRequestOutput) -> None:
         if self.kv_cache_config.enable_block_reuse:
-            self.reusable_prefixes.update(self._whole_block_prefixes(prompt))
+            self.reusable_prefixes.update(self._whole_block_prefixes(req))
 
     def _draft_len(self, batch: int) -> int:
         spec = self.args.speculative_config
@@ -275,7 +279,7 @@ class LLM:
             drafts = accepted = 0
             scheduled = [r for r in batch if r.iterations == 0 and not r.aborted]
             for req in scheduled:
-                req.cached_tokens = self._reused_tokens(req.prompt_token_ids)
+                req.cached_tokens = self._reused_tokens(req)
             for req in batch:
                 if req.aborted:
                     self._finish(req, "cancelled")
@@ -289,7 +293,7 @@ class LLM:
                     req.accepted_total += acc
                 self._emit(req, 1 + acc)
             for req in scheduled:
-                self._store_blocks(req.prompt_token_ids)
+                self._store_blocks(req)
             with_drafts = len(gen) if k else 0
             self._rows.put_nowait({
                 "iter": 0, "iterLatencyMS": self.iteration_latency_ms,
