@@ -105,6 +105,9 @@ def chat_token_ids(tokenizer: Any, rendered: str) -> list[int]:
 def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
     """The chat as the model's template renders it (a 400 if the template refuses it), the
     text of any special token in what the client wrote marked (`chat_token_ids` reads it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "messages: the served model has no chat template to render a chat with: send its "
+                            "prompt as text to /v1/completions", "messages")
     native_tools = template_knows_tools(tokenizer)
     messages = [_message(m, native_tools) for m in request.messages]
     if "developer" not in (getattr(tokenizer, "chat_template", None) or ""):  # OpenAI's newer name for system

@@ -15,6 +15,7 @@ import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
 import torch
@@ -127,6 +128,10 @@ class TorchEngine:
         problems += setting_problems(cfg.mtp_weights, target_cfg)
         if problems:
             raise ValueError("; ".join(problems))
+        self.tokenizer = load_tokenizer(model_dir)
+        if len(self.tokenizer) > target_cfg.vocab_size:  # its last ids would index past the embedding
+            raise ValueError(f"model: its tokenizer has {len(self.tokenizer)} tokens, more than the model's "
+                             f"vocab_size ({target_cfg.vocab_size} in config.json): not the model's tokenizer")
         if device.type == "cpu":
             from replicas.torch_engine.native_model import NativeLlamaModel
 
@@ -145,7 +150,6 @@ class TorchEngine:
 
             model = CudaLlamaModel.from_pretrained(model_dir, device=device)
             logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
-        self.tokenizer = load_tokenizer(model_dir)
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         if device.type == "cpu":
@@ -377,11 +381,16 @@ class TorchEngine:
 
 
 def _eos_token_ids(model_dir, tokenizer) -> list[int]:
+    """The tokenizer's EOS and the model's: generation_config.json's, or without one config.json's
+    (as transformers' GenerationConfig.from_model_config takes them: a list of several was
+    missed, and generation ran past its second id: QA)."""
     import json
 
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_cfg = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(gen_cfg):
-        eos = json.load(open(gen_cfg)).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            break
     return sorted(ids)

@@ -343,11 +343,7 @@ class LlamaModel(nn.Module):
         cfg = ModelConfig.from_hf_dir(model_dir)
         with torch.device("meta"):
             model = cls(cfg)
-        state = _load_hf_state(Path(model_dir), cfg, dtype, device)
-        expected = model.state_dict()
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
+        state = _load_hf_state(Path(model_dir), cfg, dtype, device)  # each tensor's shape checked
         model.load_state_dict(state, strict=True, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -389,8 +385,29 @@ def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
     return raw
 
 
+def _hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape config.json gives the HF tensor `name` (a Llama's: [out, in])."""
+    h, q, kv, i, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
+              "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
+              "gate_proj.weight": (i, h), "up_proj.weight": (i, h), "down_proj.weight": (h, i)}
+    return next(shape for suffix, shape in shapes.items() if name.endswith(suffix))
+
+
+def _check_tensor(model_dir: Path, name: str, tensor: Tensor, shape: tuple[int, ...]) -> None:
+    """ValueError naming a tensor of another shape than config.json gives, or with a NaN or an
+    infinity (which made every logit NaN, served as token 0 without an error: QA)."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{model_dir}: {name} has shape {list(tensor.shape)}, config.json gives {list(shape)}")
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), 1 << 24):  # a bounded temporary, however large the tensor
+        if not torch.isfinite(flat[start:start + (1 << 24)]).all():
+            raise ValueError(f"{model_dir}: {name} holds a NaN or an infinite value (a broken checkpoint)")
+
+
 def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict[str, Tensor]:
-    """Our state dict from an HF checkpoint; ValueError listing missing/unexpected keys."""
+    """Our state dict from an HF checkpoint; ValueError listing missing/unexpected keys, or
+    naming a tensor of the wrong shape or not finite."""
     raw = {k: v for k, v in _read_safetensors(model_dir).items() if not k.endswith(_IGNORED_SUFFIXES)}
     used: set[str] = set()
     missing: list[str] = []
@@ -401,6 +418,8 @@ def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device
         if absent:
             missing.extend(absent)
             return None
+        for n in names:
+            _check_tensor(model_dir, n, raw[n], _hf_shape(n, cfg))
         parts = [raw[n].to(device=device, dtype=dtype) for n in names]
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
 

@@ -80,7 +80,9 @@ class ModelConfig:
                 f"unsupported architectures {archs}: only {_LLAMA_ARCHS}")
         missing = [key for key in _REQUIRED if key not in raw]
         _reject(not missing, f"config.json: {', '.join(missing)} missing")
-        _reject(raw.get("hidden_act", "silu") == "silu", f"hidden_act: only 'silu', got {raw.get('hidden_act')!r}")
+        # transformers' ACT2FN runs "swish" as SiLU too
+        _reject(raw.get("hidden_act", "silu") in ("silu", "swish"),
+                f"hidden_act: only 'silu' (or 'swish'), got {raw.get('hidden_act')!r}")
         _reject(not raw.get("attention_bias", False), "attention_bias: biased projections are not supported")
         _reject(not raw.get("mlp_bias", False), "mlp_bias: biased MLP is not supported")
         _reject(raw.get("pretraining_tp", 1) == 1, "pretraining_tp: only 1 is supported")

@@ -32,6 +32,7 @@ from replicas.torch_engine.model_config import ModelConfig
 DEFAULT_THREADS = torch.get_num_threads()
 
 Q4_1, Q8_0 = 3, 8  # GGML type numbers the kernels read
+VOCAB_GROUP = 8  # the kernels take output rows in groups of 8: a vocabulary is padded to whole groups
 MAX_CHUNK_TOKENS = 256  # rows per native call: bounds the step's scratch memory on long prompts
 
 
@@ -88,8 +89,9 @@ class NativeLlamaModel:
 
             source = HfWeights(path)
         cfg = source.config
+        padded = whole_groups(cfg.vocab_size)
         dims = _cpu_forward.ModelDims(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            vocab_size=padded, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
         forward = _cpu_forward.LlamaForward(dims, num_threads or DEFAULT_THREADS, isa)
@@ -98,7 +100,8 @@ class NativeLlamaModel:
         cos, sin = rope_tables(cfg)
         half = cfg.head_dim // 2
         head = source.head()
-        forward.set_globals(*source.embedding(), *(head if head is not None else (None, Q8_0)),
+        forward.set_globals(*zero_rows(source.embedding(), padded),
+                            *(zero_rows(head, padded) if head is not None else (None, Q8_0)),
                             source.final_norm(), np.ascontiguousarray(cos[:, :half].numpy()),
                             np.ascontiguousarray(sin[:, :half].numpy()))
         return cls(cfg, forward)
@@ -136,9 +139,10 @@ class NativeLlamaModel:
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [M, d] -> logits [M, V] float32 (compute only the rows you need)."""
         h = np.ascontiguousarray(hidden.float().numpy())
-        out = np.empty((h.shape[0], self.cfg.vocab_size), dtype=np.float32)
+        vocab = self.cfg.vocab_size
+        out = np.empty((h.shape[0], whole_groups(vocab)), dtype=np.float32)
         self._forward.logits(h, out)
-        return torch.from_numpy(out)
+        return torch.from_numpy(out if out.shape[1] == vocab else np.ascontiguousarray(out[:, :vocab]))
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [N] -> dequantised embedding rows [N, d] float32 (for the MTP head)."""
@@ -157,6 +161,20 @@ class NativeLlamaModel:
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [N, head_dim] for positions [N] (the MTP head's torch layer uses them)."""
         return self.rope_cos[positions], self.rope_sin[positions]
+
+
+def whole_groups(vocab: int) -> int:
+    return -(-vocab // VOCAB_GROUP) * VOCAB_GROUP
+
+
+def zero_rows(matrix: tuple[np.ndarray, int], rows: int) -> tuple[np.ndarray, int]:
+    """A quantised matrix (its blocks' bytes by row, its GGML type) padded with rows of zero
+    bytes to `rows`: each is a block of scale 0 (and min 0), so its values and logits are 0,
+    and the logits are cut before anyone reads them."""
+    raw, kind = matrix
+    if raw.shape[0] == rows:
+        return matrix
+    return np.concatenate([raw, np.zeros((rows - raw.shape[0], raw.shape[1]), dtype=raw.dtype)]), kind
 
 
 def reserve(cache: PagedKVCache, spans: Sequence[SeqSpan]) -> None:
@@ -201,7 +219,7 @@ class NativeMtpHead:
 
         cfg = target.cfg
         vocab = int(module.draft_vocab.numel())
-        padded = -(-vocab // 8) * 8  # the kernels take output rows in groups of 8
+        padded = whole_groups(vocab)
         self.vocab = vocab
         dims = _cpu_forward.ModelDims(
             vocab_size=padded, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=1,

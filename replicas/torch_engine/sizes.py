@@ -22,6 +22,21 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_size: 
     return PAGE_TOKENS * 2 * num_layers * num_kv_heads * head_dim * element_size
 
 
+def check_native_shape(model: ModelConfig) -> None:
+    """The shapes the native CPU forward's kernels take (blocks of 32 values, reductions of 8
+    lanes; csrc/cpu/llama_forward.cpp checks them again): a ValueError naming the model's
+    config.json fields, before a weight is read. (A vocabulary of any size is padded.)"""
+    wrong = [f"{name} ({value}) is not a multiple of {multiple}"
+             for name, value, multiple in (("hidden_size", model.hidden_size, 32),
+                                           ("intermediate_size", model.intermediate_size, 32),
+                                           ("head_dim", model.head_dim, 8),
+                                           ("num_attention_heads * head_dim", model.q_size, 32))
+             if value % multiple]
+    if wrong:
+        raise ValueError(f"model: the CPU forward cannot run this checkpoint: {'; '.join(wrong)} (its config.json); "
+                         "serve it with engine.device: cuda")
+
+
 def check_context(max_seq_len: int, model: ModelConfig) -> None:
     """A context window the model has positions for (RoPE's tables stop at its last one)."""
     if max_seq_len > model.max_position_embeddings:
@@ -92,6 +107,7 @@ def size_problems(max_seq_len: int, kv_cache_bytes: int, prefix_cache_bytes: int
     page = page_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 4 if cuda else 2)
     checks = [lambda: check_context(max_seq_len, model)]
     if not cuda:
+        checks.append(lambda: check_native_shape(model))
         checks.append(lambda: check_slots(max_batch_size, kv_pages(max_seq_len, kv_cache_bytes, model)))
     if memory_bytes is not None:
         checks.append(lambda: check_memory(max_batch_size, max_seq_len, 0 if cuda else kv_cache_bytes,

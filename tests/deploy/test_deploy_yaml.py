@@ -281,7 +281,7 @@ def test_a_checkpoint_of_another_shape_needs_its_own_mtp_head(document, tmp_path
     `mtp_weights: default` is named (the replica failed at start), and null passes."""
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(tmp_path)
     doc = copy.deepcopy(document)
     engine = doc["applications"][0]["args"]["engine"]
@@ -289,6 +289,24 @@ def test_a_checkpoint_of_another_shape_needs_its_own_mtp_head(document, tmp_path
     (problem,) = check_serve_config(doc)
     assert problem.startswith("applications[0].args.engine.mtp_weights: the MTP head in") and "another target" in problem
     engine["mtp_weights"] = None
+    assert check_serve_config(doc) == []
+
+
+def test_a_checkpoint_the_cpu_forward_cannot_run_is_named_before_a_deploy(document, tmp_path):
+    """The native kernels take hidden and MLP widths in blocks of 32 (and head_dim in lanes of
+    8): such a checkpoint passed the check, then every Replica failed at start with the cause
+    deep in a traceback (QA). A vocabulary of any size is padded, so it passes."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32001, hidden_size=80, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(tmp_path)
+    doc = copy.deepcopy(document)
+    engine = doc["applications"][0]["args"]["engine"]
+    engine.update(model=str(tmp_path), mtp_weights=None, prefix_cache_bytes=0)
+    (problem,) = check_serve_config(doc)
+    assert problem.startswith("applications[0].args.engine.model: the CPU forward cannot run this checkpoint: "
+                              "hidden_size (80) is not a multiple of 32; head_dim (20) is not a multiple of 8")
+    engine["device"] = "cuda"  # the torch forward takes it
     assert check_serve_config(doc) == []
 
 

@@ -419,3 +419,14 @@ def test_a_requests_cache_salt_is_its_keys_and_its_own(chatml):
     assert salts("k1") == ["k1", "k1\nteam-a", "k1\nteam-a"]
     with pytest.raises(pydantic.ValidationError, match="cache_salt"):
         CompletionRequest(model="m", prompt="hi", cache_salt="")
+
+
+def test_a_model_without_a_chat_template_says_so_and_where_to_go(chatml):
+    """It was "the chat template rejected them: Cannot use chat template functions ...", as if
+    the client's messages were at fault (QA)."""
+    plain = copy.deepcopy(chatml)
+    plain.chat_template = None
+    with pytest.raises(ApiError) as info:
+        render_chat(plain, chat([{"role": "user", "content": "hi"}]))
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert "no chat template" in info.value.message and "/v1/completions" in info.value.message

@@ -17,6 +17,7 @@ from replicas.torch_engine.kv_cache import KVCache
 from replicas.torch_engine.loader import resolve_model_dir
 from replicas.torch_engine.model import DecoderLayer, LlamaModel, SeqSpan
 from replicas.torch_engine.model_config import ModelConfig
+from replicas.torch_engine.native_model import NativeLlamaModel
 
 pytestmark = pytest.mark.slow
 
@@ -308,6 +309,30 @@ def test_checkpoint_key_mismatch_is_a_clear_error(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*unexpected \['model.layers.1.mlp.extra.weight'\]"):
         LlamaModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("model.layers.0.self_attn.k_proj.weight", torch.zeros(12, 32), r"k_proj.weight has shape \[12, 32\], config.json gives \[16, 32\]"),
+    ("model.layers.1.mlp.down_proj.weight", None, "down_proj.weight holds a NaN or an infinite value"),
+    ("model.norm.weight", torch.full((32,), float("inf")), "norm.weight holds a NaN or an infinite value"),
+])
+def test_a_tensor_of_the_wrong_shape_or_not_finite_is_named(tmp_path, name, value, says):
+    """Each tensor is checked, not the fused ones alone (a k_proj short by what v_proj had too
+    many loaded), and a NaN weight is a load error (it made every logit NaN: QA)."""
+    from safetensors.torch import load_file, save_file
+
+    _tiny_hf_llama(tmp_path, tie=False, shard=False)
+    state = load_file(tmp_path / "model.safetensors")
+    if value is None:
+        value = state[name].clone()
+        value[3, 5] = float("nan")
+    state[name] = value
+    if "k_proj" in name:  # the fused QKV keeps its row count: only the part's shape tells
+        state[name.replace("k_proj", "v_proj")] = torch.zeros(20, 32)
+    save_file(state, tmp_path / "model.safetensors")
+    for load in (LlamaModel.from_pretrained, NativeLlamaModel.load):
+        with pytest.raises(ValueError, match=says):
+            load(tmp_path)
 
 
 def test_a_broken_checkpoint_is_a_value_error_naming_its_file(tmp_path):

@@ -214,10 +214,10 @@ def test_embedding_and_head_rows_are_the_gguf_values(model):
     assert model.weight_bytes < 120e6  # the GGUF's blocks, no fp32 copy
 
 
-def tiny_llama_dir(tmp_path):
+def tiny_llama_dir(tmp_path, vocab_size=104):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=104, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -226,15 +226,18 @@ def tiny_llama_dir(tmp_path):
     return hf
 
 
-def test_hf_checkpoint_loads_quantised_and_stays_row_invariant(tmp_path):
-    hf = tiny_llama_dir(tmp_path)
+# 101: a vocabulary of no whole groups of 8 (Llama's 32000 and one added token), padded
+@pytest.mark.parametrize("vocab_size", [104, 101])
+def test_hf_checkpoint_loads_quantised_and_stays_row_invariant(tmp_path, vocab_size):
+    hf = tiny_llama_dir(tmp_path, vocab_size)
     model = NativeLlamaModel.load(tmp_path, num_threads=2)
-    ids = torch.randint(0, 104, (24,), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, vocab_size, (24,), generator=torch.Generator().manual_seed(5))
     cache = model.make_cache(1, 64)
     slot = cache.allocate()
     got = logits_of(model, ids, [SeqSpan(slot, 0, 24)], cache)
     with torch.inference_mode():
         expected = hf(ids[None]).logits[0]
+    assert got.shape == expected.shape == (24, vocab_size)
     # Q8_0 weights and activations: about 1% relative error per matmul.
     assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
     cache.truncate(slot, 20)

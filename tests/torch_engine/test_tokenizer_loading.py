@@ -109,3 +109,36 @@ def test_a_read_only_copy_is_served_as_it_is(model_dir, tmp_path, monkeypatch, c
     (tmp_path / "config.json").write_text("{not json")  # nor one it cannot read, and no file left behind
     portable_tokenizer_config(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_the_models_eos_ids_are_its_generation_configs_or_else_its_configs(model_dir, tmp_path):
+    """As transformers takes them: a config.json listing several EOS ids without a
+    generation_config.json stopped at the tokenizer's alone (QA)."""
+    from replicas.torch_engine.engine import _eos_token_ids
+
+    tokenizer = load_tokenizer(model_dir)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert _eos_token_ids(tmp_path, tokenizer) == sorted({tokenizer.eos_token_id, 2, 7})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert _eos_token_ids(tmp_path, tokenizer) == sorted({tokenizer.eos_token_id, 5})
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_stops_the_engine_naming_both(model_dir, tmp_path):
+    """Its last ids would index past the embedding: refused before the weights load (was
+    llguidance's "vocab size too small; 1024 vs 49152", naming nothing: QA)."""
+    import asyncio
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=512)).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    engine = TorchEngine(TorchEngineConfig(model=str(tmp_path), max_seq_len=256, mtp_weights=None,
+                                           prefix_cache_bytes=0))
+    with pytest.raises(ValueError, match=r"model: its tokenizer has 49152 tokens, more than the model's vocab_size "
+                                         r"\(1024 in config.json\)"):
+        asyncio.run(engine.start())
