@@ -33,7 +33,7 @@ class EngineArgs(_Strict):
     """What the replica's engine is built from (the engine factory's whole input)."""
 
     kind: Literal["torch", "trtllm"] = "torch"
-    model: str = DEFAULT_MODEL  # the embedded default or a checkpoint directory
+    model: str = DEFAULT_MODEL  # the embedded default, a Llama .gguf file or a checkpoint directory
     max_batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(4096, ge=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -61,8 +61,9 @@ class EngineArgs(_Strict):
     def _model(cls, model: str, info: ValidationInfo) -> str:  # a typo of the default failed only at start
         # (TensorRT-LLM also takes a Hub id, which may have no "/")
         if (info.data.get("kind") == "torch" and model != DEFAULT_MODEL and "/" not in model
-                and not os.path.isdir(os.path.expanduser(model))):
-            raise ValueError(f"{model!r} is neither {DEFAULT_MODEL!r} nor a path to a checkpoint directory")
+                and not os.path.exists(os.path.expanduser(model))):
+            raise ValueError(f"{model!r} is neither {DEFAULT_MODEL!r} nor a path to a .gguf file or a checkpoint "
+                             "directory")
         return model
 
     # kind=trtllm only: TrtllmEngineConfig fields beyond the shared ones (drafter, draft_model,

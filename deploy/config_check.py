@@ -214,10 +214,10 @@ def _speculation_problems(user_config: Any, args: Optional[AppArgs], where: str)
 def _engine_size_problems(args: AppArgs, where: str) -> list[str]:
     """The embedded engine's sizes and MTP head against its model's config, as the engine checks
     them when it starts: for `device: cuda` as on a GPU, else as on CPU (`auto` on a GPU host is
-    checked as on CPU). A checkpoint directory, or the default model's package, not on this
-    machine is not checked; where the model is, the MTP head's directory must be too."""
+    checked as on CPU). A checkpoint directory or GGUF file, or the default model's package,
+    not on this machine is not checked; where the model is, the MTP head's directory must be too."""
     engine = args.engine
-    if engine.kind != "torch" or (engine.model != DEFAULT_MODEL and not Path(engine.model).expanduser().is_dir()):
+    if engine.kind != "torch" or (engine.model != DEFAULT_MODEL and not Path(engine.model).expanduser().exists()):
         return []
     from replicas.torch_engine.loader import model_config
     from replicas.torch_engine.mtp import setting_problems

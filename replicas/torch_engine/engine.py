@@ -23,7 +23,7 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
-from replicas.torch_engine.loader import load_tokenizer, model_config, packaged_gguf_path, resolve_model_dir
+from replicas.torch_engine.loader import gguf_file, load_tokenizer, model_config, resolve_model_dir
 from replicas.torch_engine.mtp import DEFAULT_MTP_WEIGHTS, MTPDrafter, setting_problems, weights_dir
 from replicas.torch_engine.sequence import Detokenizer, Sequence
 from replicas.torch_engine.sizes import kv_pages, size_problems, whole_pages
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TorchEngineConfig:
-    model: str = DEFAULT_MODEL  # the embedded default or an HF Llama checkpoint directory
+    model: str = DEFAULT_MODEL  # the embedded default, a Llama .gguf file or an HF Llama checkpoint directory
     max_batch_size: int = 8  # KV cache slots: requests decoding at once
     max_seq_len: int = 4096  # context window per request (prompt + output + drafts)
     device: str = "auto"  # auto | cpu | cuda
@@ -116,10 +116,11 @@ class TorchEngine:
             raise ValueError(f"device: cuda, but torch {torch.__version__} finds no CUDA device on this host "
                              f"(auto uses one where there is one)")
         device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
-        model_dir = resolve_model_dir(cfg.model)
+        # a GGUF's weights are read from it on CPU: its converted copy's are for CUDA alone
+        model_dir = resolve_model_dir(cfg.model, weights=device.type == "cuda")
         # the sizes and the MTP head against the model's config, before its weights load (as
         # config_check does)
-        target_cfg = model_config(cfg.model if cfg.model == DEFAULT_MODEL else str(model_dir))
+        target_cfg = model_config(cfg.model)
         memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         problems = size_problems(cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes,
@@ -135,9 +136,9 @@ class TorchEngine:
         if device.type == "cpu":
             from replicas.torch_engine.native_model import NativeLlamaModel
 
-            # The default's weights come straight from its GGUF blocks; a checkpoint directory
-            # is quantised to Q8_0 at load.
-            weights = packaged_gguf_path() if cfg.model == DEFAULT_MODEL else model_dir
+            # A GGUF's weights (the default's too) come straight from its blocks; a checkpoint
+            # directory is quantised to Q8_0 at load.
+            weights = gguf_file(cfg.model) or model_dir
             model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads)
             logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
                         model.num_threads, model.weight_bytes / 1e6)

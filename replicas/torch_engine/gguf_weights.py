@@ -77,20 +77,40 @@ class GgufWeights:
         return value.tobytes().decode() if value.dtype == np.uint8 else value[0].item()
 
     def _config(self, path: Path) -> ModelConfig:
+        """Its shape from the header; ValueError for what the forward would compute wrong (as
+        `ModelConfig.from_hf_dict` refuses it in a config.json): scaled or partial RoPE, experts,
+        biases or any other tensor a plain Llama has not."""
         arch = self._field("general.architecture")
         if arch != "llama":
             raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
         heads = int(self._field("llama.attention.head_count"))
         hidden = int(self._field("llama.embedding_length"))
+        head_dim = int(self._field("llama.attention.key_length", hidden // heads))
+        refused = [
+            (self._field("llama.rope.scaling.type", "none") not in ("none", ""),
+             f"RoPE scaling {self._field('llama.rope.scaling.type')!r} (llama.rope.scaling.type)"),
+            ("rope_freqs.weight" in self._tensors, "Llama 3's scaled RoPE (rope_freqs.weight)"),
+            (self._field("llama.rope.dimension_count", head_dim) != head_dim,
+             f"RoPE on {self._field('llama.rope.dimension_count')} of {head_dim} dims (llama.rope.dimension_count)"),
+            (int(self._field("llama.expert_count", 0)) > 0, "experts (llama.expert_count)"),
+        ]
+        layers = int(self._field("llama.block_count"))
+        known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
+            f"blk.{i}.{part}.weight" for i in range(layers) for part in (
+                "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+        if extra := sorted(set(self._tensors) - known):
+            refused.append((True, f"tensors a plain Llama has not: {extra[:8]}{'...' if len(extra) > 8 else ''}"))
+        if reasons := [reason for wrong, reason in refused if wrong]:
+            raise ValueError(f"{path}: the forward computes a plain Llama, not {'; '.join(reasons)}")
         embedding = self._tensors["token_embd.weight"]
         return ModelConfig(
             vocab_size=int(self._field("llama.vocab_size", embedding.shape[1])),
             hidden_size=hidden,
             intermediate_size=int(self._field("llama.feed_forward_length")),
-            num_layers=int(self._field("llama.block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(self._field("llama.attention.head_count_kv", heads)),
-            head_dim=int(self._field("llama.rope.dimension_count", hidden // heads)),
+            head_dim=head_dim,
             rope_theta=float(self._field("llama.rope.freq_base", 10000.0)),
             rms_norm_eps=float(self._field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(self._field("llama.context_length", 2048)),

