@@ -88,9 +88,9 @@ test-emulated: install qemu
 	    2>&1 | grep -v "TCG doesn't support requested feature"; \
 	else echo "warning: no qemu-x86_64: the emulated Zen 3 run is skipped"; fi
 
-# The model is converted once before Serve starts, so the replica loads it in about a second.
+# The model's tokenizer is converted once before Serve starts, so the replica loads it in about a second.
 serve: install
-	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir(weights=False)'
 	PYTHONPATH=$(CURDIR) $(PY) -m deploy.config_check deploy.yaml  # Serve drops a misspelt key silently
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(VENV)/bin/serve run deploy.yaml
 
@@ -100,7 +100,7 @@ serve: install
 # once it is deployed (they keep the settings in force; a replica starting then fails to start).
 # RAY_DASHBOARD_ADDRESS=http://127.0.0.1:PORT where its Ray did not get the dashboard's 8265.
 .PHONY: redeploy
-redeploy: $(VENV)/.installed
+redeploy: native  # the Replicas it restarts load the .so on disk: built from this csrc
 	PYTHONPATH=$(CURDIR) $(PY) -m deploy.config_check deploy.yaml
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve deploy deploy.yaml
 
@@ -124,13 +124,13 @@ gpu-check:
 SERVE_BENCH_ARGS ?=
 .PHONY: bench-serve
 bench-serve: install
-	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir(weights=False)'
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/serve.py $(SERVE_BENCH_ARGS)
 
 # Replicas and nodes killed or drained under a streaming load (a multi-node cluster on this machine).
 .PHONY: bench-faults
 bench-faults: install
-	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir()'
+	$(PY) -c 'from replicas.torch_engine.loader import resolve_model_dir; resolve_model_dir(weights=False)'
 	PYTHONPATH=$(CURDIR) RAY_AUTH_MODE=disabled $(PY) benchmarks/faults.py
 
 # Every benchmark, side by side with its peers; each writes JSON + PNG to benchmarks/results/.

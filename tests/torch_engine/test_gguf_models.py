@@ -37,7 +37,7 @@ def test_a_gguf_path_serves_its_weights_as_the_default_does(tmp_path, monkeypatc
     expected = _greedy("smollm2-135m-instruct", prompts)
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     assert _greedy(str(packaged_gguf_path()), prompts) == expected
-    (converted,) = (tmp_path / "models").iterdir()
+    (converted,) = (p for p in (tmp_path / "models").iterdir() if p.is_dir())
     assert converted.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     assert (converted / "tokenizer.json").is_file() and not (converted / "model.safetensors").exists()
 
