@@ -231,7 +231,7 @@ def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp.mkdir(parents=True)
-    config = model_config.to_dict()
+    config = {**model_config.to_dict(), "dtype": "float32"}  # the copy's weights, where it holds them
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     GenerationConfig.from_model_config(model_config).save_pretrained(tmp)
