@@ -130,6 +130,9 @@ class TorchEngine:
         if problems:
             raise ValueError("; ".join(problems))
         self.tokenizer = load_tokenizer(model_dir)
+        if not getattr(self.tokenizer, "chat_template", None):
+            logger.warning("model %s has no chat template: chat requests are refused (400), completions served",
+                           model_dir)
         if len(self.tokenizer) > target_cfg.vocab_size:  # its last ids would index past the embedding
             raise ValueError(f"model: its tokenizer has {len(self.tokenizer)} tokens, more than the model's "
                              f"vocab_size ({target_cfg.vocab_size} in config.json): not the model's tokenizer")
