@@ -44,6 +44,9 @@ def check_key(keys: tuple[str, ...], path: str, authorization: Optional[str], ap
     matched = [key for token in tokens for key in keys if hmac.compare_digest(token.encode(), key.encode())]
     if not matched:
         raise ApiError(401, "incorrect API key", code="invalid_api_key")
+    if len(set(matched)) > 1:  # whose would what it stores be?
+        raise ApiError(401, "two different API keys: send one, in 'Authorization' or in 'x-api-key'",
+                       code="invalid_api_key")
     return matched[0]
 
 

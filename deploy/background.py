@@ -97,9 +97,10 @@ class BackgroundResponses:
         return body
 
     async def delete(self, response_id: str) -> None:
-        """`DELETE /v1/responses/{id}`; a run of this replica's stops at once."""
-        self._cancel(response_id)
+        """`DELETE /v1/responses/{id}`; a run of this replica's stops at once, once the store has
+        found it the request's key's (another key's DELETE, a 404, stopped it: QA)."""
         await self._stored.delete(response_id)
+        self._cancel(response_id)
 
     def _cancel(self, response_id: str) -> None:
         if (run := self._running.get(response_id)) is not None:

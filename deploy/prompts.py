@@ -105,7 +105,7 @@ def chat_token_ids(tokenizer: Any, rendered: str) -> list[int]:
 def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
     """The chat as the model's template renders it (a 400 if the template refuses it), the
     text of any special token in what the client wrote marked (`chat_token_ids` reads it)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:  # (a wrapper may not say)
         raise ApiError(400, "messages: the served model has no chat template to render a chat with: send its "
                             "prompt as text to /v1/completions", "messages")
     native_tools = template_knows_tools(tokenizer)

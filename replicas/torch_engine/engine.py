@@ -130,7 +130,7 @@ class TorchEngine:
         if problems:
             raise ValueError("; ".join(problems))
         self.tokenizer = load_tokenizer(model_dir)
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.tokenizer.chat_template:
             logger.warning("model %s has no chat template: chat requests are refused (400), completions served",
                            model_dir)
         if len(self.tokenizer) > target_cfg.vocab_size:  # its last ids would index past the embedding

@@ -158,6 +158,10 @@ def test_anthropic_clients_send_their_key_as_x_api_key_and_get_their_error_shape
     assert post("/v1/messages", message(), **both).status_code == 200
     assert post("/v1/messages", message(), **{"x-api-key": "sk-wrong", "Authorization": f"Bearer {KEY}"}).status_code \
         == 200
+    # two different keys: whose would what it stores be? (the Bearer one was taken silently: QA)
+    two = post("/v1/messages", message(), **{"x-api-key": KEY, "Authorization": "Bearer sk-second"})
+    assert two.status_code == 401 and "two different API keys" in two.json()["error"]["message"]
+    assert post("/v1/messages", message(), **{"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}).status_code == 200
     # Anthropic's request-id header on each (the anthropic SDK's `_request_id`), one per request:
     # Serve's request id, which its logs carry (x-request-id, sent or made)
     answered = post("/v1/messages", message(), **{"x-api-key": KEY})
