@@ -206,7 +206,7 @@ def prompt_token_ids(tokenizer: Any, request: Union[CompletionRequest, ChatCompl
     if isinstance(request, ChatCompletionRequest):
         return chat_token_ids(tokenizer, render_chat(tokenizer, request))
     if isinstance(request.prompt, str):
-        return tokenizer.encode(request.prompt, add_special_tokens=False)
+        return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     return in_vocabulary(tokenizer, list(request.prompt), "prompt")
 
 

@@ -284,6 +284,9 @@ class CompletionRequest(SamplingRequest):
                                     description="each token's logprob and this many alternatives")
     best_of: Literal[1] = Field(1, description="OpenAI's legacy best-of: 1 only (n asks for choices)")
     suffix: None = Field(None, description="OpenAI's legacy insertion: not supported")
+    # vLLM's (and llama.cpp's, transformers'): a text prompt gets the tokens its tokenizer adds
+    # (a Llama's BOS; the embedded SmolLM2's adds none)
+    add_special_tokens: bool = Field(True, description="a text prompt with the tokenizer's special tokens (a BOS)")
 
     @field_validator("prompt", mode="before")
     @classmethod

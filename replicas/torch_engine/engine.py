@@ -116,11 +116,11 @@ class TorchEngine:
             raise ValueError(f"device: cuda, but torch {torch.__version__} finds no CUDA device on this host "
                              f"(auto uses one where there is one)")
         device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
+        # the sizes and the MTP head against the model's config, before its weights load or a
+        # GGUF is converted (as config_check does)
+        target_cfg = model_config(cfg.model)
         # a GGUF's weights are read from it on CPU: its converted copy's are for CUDA alone
         model_dir = resolve_model_dir(cfg.model, weights=device.type == "cuda")
-        # the sizes and the MTP head against the model's config, before its weights load (as
-        # config_check does)
-        target_cfg = model_config(cfg.model)
         memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         problems = size_problems(cfg.max_seq_len, cfg.kv_cache_bytes, cfg.prefix_cache_bytes,

@@ -51,6 +51,12 @@ def fuse(parts: list[tuple[np.ndarray, int, callable]]) -> Matrix:
     return quantize_q8_0(np.concatenate([dequantize() for _, _, dequantize in parts]))
 
 
+def block_scales(raw: np.ndarray, kind: int) -> np.ndarray:
+    """The fp16 scales (and Q4_1's mins) of a Q8_0 or Q4_1 matrix's blocks."""
+    block, halves = (34, 1) if kind == Q8_0 else (20, 2)
+    return np.ascontiguousarray(raw.reshape(raw.shape[0], -1, block)[..., :2 * halves]).view(np.float16)
+
+
 def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation: HF row (h, i, j) is GGUF row (h, j, i).
 
@@ -60,18 +66,29 @@ def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
 
 
 class GgufWeights:
-    """A llama GGUF file's weights and shape."""
+    """A llama GGUF file's weights and shape. What the forward would compute wrong or from
+    garbage is a ValueError naming the file and what is wrong, before a weight is used: a file
+    gguf-py cannot read, a header that lacks a key or gives a shape its tensors do not have, a
+    NaN or an infinity (a value, or a block's scale), a model that is no plain Llama."""
 
     def __init__(self, path: Path) -> None:
         from gguf import GGUFReader
 
-        self._reader = GGUFReader(path)
+        self._path = path
+        try:
+            self._reader = GGUFReader(path)
+        except Exception as exc:  # noqa: BLE001 - gguf-py's own errors for a bad file: magic, struct, reshape, mmap
+            raise ValueError(f"model: {path} is not a readable GGUF file ({type(exc).__name__}: {exc}); is it "
+                             "whole?") from None
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.config = self._config(path)
+        self._check_shapes()
 
     def _field(self, key: str, default=None):
         field = self._reader.fields.get(key)
         if field is None:
+            if default is None:
+                raise ValueError(f"{self._path}: its header lacks {key}")
             return default
         value = field.parts[field.data[0]]
         return value.tobytes().decode() if value.dtype == np.uint8 else value[0].item()
@@ -86,12 +103,11 @@ class GgufWeights:
         heads = int(self._field("llama.attention.head_count"))
         hidden = int(self._field("llama.embedding_length"))
         head_dim = int(self._field("llama.attention.key_length", hidden // heads))
+        scaling, rope_dims = self._field("llama.rope.scaling.type", "none"), self._field("llama.rope.dimension_count", head_dim)
         refused = [
-            (self._field("llama.rope.scaling.type", "none") not in ("none", ""),
-             f"RoPE scaling {self._field('llama.rope.scaling.type')!r} (llama.rope.scaling.type)"),
+            (scaling not in ("none", ""), f"RoPE scaling {scaling!r} (llama.rope.scaling.type)"),
             ("rope_freqs.weight" in self._tensors, "Llama 3's scaled RoPE (rope_freqs.weight)"),
-            (self._field("llama.rope.dimension_count", head_dim) != head_dim,
-             f"RoPE on {self._field('llama.rope.dimension_count')} of {head_dim} dims (llama.rope.dimension_count)"),
+            (rope_dims != head_dim, f"RoPE on {rope_dims} of {head_dim} dims (llama.rope.dimension_count)"),
             (int(self._field("llama.expert_count", 0)) > 0, "experts (llama.expert_count)"),
         ]
         layers = int(self._field("llama.block_count"))
@@ -102,9 +118,8 @@ class GgufWeights:
             refused.append((True, f"tensors a plain Llama has not: {extra[:8]}{'...' if len(extra) > 8 else ''}"))
         if reasons := [reason for wrong, reason in refused if wrong]:
             raise ValueError(f"{path}: the forward computes a plain Llama, not {'; '.join(reasons)}")
-        embedding = self._tensors["token_embd.weight"]
         return ModelConfig(
-            vocab_size=int(self._field("llama.vocab_size", embedding.shape[1])),
+            vocab_size=int(self._field("llama.vocab_size", self._tensor("token_embd.weight").shape[1])),
             hidden_size=hidden,
             intermediate_size=int(self._field("llama.feed_forward_length")),
             num_layers=layers,
@@ -117,21 +132,62 @@ class GgufWeights:
             tie_word_embeddings="output.weight" not in self._tensors,
         )
 
+    def _check_shapes(self) -> None:
+        """Each tensor the forward reads, of the shape its header gives (a wrong one failed deep
+        in numpy or the kernels, or read past a vocabulary: QA)."""
+        c = self.config
+        h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        shapes = {"token_embd.weight": (c.vocab_size, h), "output_norm.weight": (h,),
+                  **({} if c.tie_word_embeddings else {"output.weight": (c.vocab_size, h)})}
+        for b in (f"blk.{n}." for n in range(c.num_layers)):
+            shapes.update({b + "attn_norm.weight": (h,), b + "ffn_norm.weight": (h,), b + "attn_q.weight": (q, h),
+                           b + "attn_k.weight": (kv, h), b + "attn_v.weight": (kv, h), b + "attn_output.weight": (h, q),
+                           b + "ffn_gate.weight": (i, h), b + "ffn_up.weight": (i, h), b + "ffn_down.weight": (h, i)})
+        for name, shape in shapes.items():
+            got = tuple(int(n) for n in reversed(self._tensor(name).shape))  # (GGML lists a row's length first)
+            if got != shape:
+                raise ValueError(f"{self._path}: {name} is {list(got)}, its header (llama.*) gives {list(shape)}")
+
+    def _tensor(self, name: str):
+        if name not in self._tensors:
+            raise ValueError(f"{self._path}: it lacks the tensor {name}")
+        return self._tensors[name]
+
+    def _finite(self, name: str, values: np.ndarray) -> None:
+        flat = values.reshape(-1)
+        for start in range(0, flat.size, 1 << 24):  # a bounded temporary, however large the tensor
+            if not np.isfinite(flat[start:start + (1 << 24)]).all():
+                raise ValueError(f"{self._path}: {name} holds a NaN or an infinite value (a broken file)")
+
     def _part(self, name: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, int, callable]:
+        """Its rows (`rows` of them) as the file holds them, their type, and their values (checked finite)."""
         from gguf import quants
 
-        if name not in self._tensors:
-            raise ValueError(f"GGUF tensor {name!r} is missing")
-        tensor = self._tensors[name]
+        tensor = self._tensor(name)
         raw = tensor.data if rows is None else tensor.data[rows]
         kind = int(tensor.tensor_type)
-        return raw, kind, lambda: quants.dequantize(raw, tensor.tensor_type).reshape(raw.shape[0], -1)
+        if kind in _NATIVE:  # passed on as blocks: their scales are what may be broken
+            self._finite(name, block_scales(raw, kind))
+
+        def dequantize() -> np.ndarray:
+            values = quants.dequantize(raw, tensor.tensor_type).reshape(raw.shape[0], -1)
+            self._finite(name, values)
+            return values
+
+        return raw, kind, dequantize
 
     def _matrix(self, *names: str) -> Matrix:
         return fuse([self._part(n) for n in names])
 
     def _vector(self, name: str) -> np.ndarray:
-        return np.ascontiguousarray(self._tensors[name].data, dtype=np.float32)
+        """A norm's weights in float32, whatever the file holds them as (BF16 bytes were read as
+        floats: QA)."""
+        from gguf import quants
+
+        tensor = self._tensor(name)
+        values = np.ascontiguousarray(quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1), dtype=np.float32)
+        self._finite(name, values)
+        return values
 
     def layers(self) -> Iterator[LayerWeights]:
         cfg = self.config

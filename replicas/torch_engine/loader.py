@@ -149,9 +149,11 @@ def _umask() -> int:
 
 def _converted_name(gguf: Path) -> str:
     """A user's GGUF's directory in the cache: its name, and a digest of where it is and which
-    file it is (a file written over at the same path is converted anew)."""
+    file it is (a file written over or copied to the same path is converted anew: its inode or
+    change time differ, where a copy may keep the size and the modification time)."""
     stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    which = f"{gguf.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}\n{stat.st_ino}\n{stat.st_ctime_ns}"
+    digest = hashlib.sha256(which.encode()).hexdigest()[:12]
     return f"{gguf.stem}-{digest}"
 
 
@@ -228,8 +230,12 @@ def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
     print(f"[specserve] first run: converting {gguf_path.name}{what} -> {target}"
           f"{' (about 20 s a 100M parameters)' if weights else ''} ...", flush=True)
     tmp = target.with_name(f".{target.name}.converting{os.getpid()}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except Exception as exc:  # noqa: BLE001 - transformers' own for metadata it cannot map (KeyError, IndexError, ...)
+        raise ValueError(f"model: transformers cannot read the tokenizer or config in {gguf_path} "
+                         f"({type(exc).__name__}: {exc})") from None
     tmp.mkdir(parents=True)
     config = {**model_config.to_dict(), "dtype": "float32"}  # the copy's weights, where it holds them
     config.pop("quantization_config", None)

@@ -430,3 +430,19 @@ def test_a_model_without_a_chat_template_says_so_and_where_to_go(chatml):
         render_chat(plain, chat([{"role": "user", "content": "hi"}]))
     assert (info.value.status, info.value.param) == (400, "messages")
     assert "no chat template" in info.value.message and "/v1/completions" in info.value.message
+
+
+def test_a_completions_text_prompt_gets_the_tokenizers_bos_as_vllm_and_llama_cpp_give_it(chatml):
+    """A Llama's tokenizer adds a BOS, which its completions went without (QA, on a GGUF whose
+    tokenizer says add_bos_token). `add_special_tokens: false` leaves it out, as vLLM's."""
+    from tokenizers.processors import TemplateProcessing
+
+    from deploy.prompts import prompt_token_ids
+
+    bos = copy.deepcopy(chatml)
+    bos._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    plain = chatml.encode("Once upon a time", add_special_tokens=False)
+    assert prompt_token_ids(chatml, CompletionRequest(model="m", prompt="Once upon a time")) == plain  # SmolLM2's: none
+    assert prompt_token_ids(bos, CompletionRequest(model="m", prompt="Once upon a time")) == [0, *plain]
+    assert prompt_token_ids(bos, CompletionRequest(model="m", prompt="Once upon a time",
+                                                   add_special_tokens=False)) == plain

@@ -42,28 +42,33 @@ def test_a_gguf_path_serves_its_weights_as_the_default_does(tmp_path, monkeypatc
     assert (converted / "tokenizer.json").is_file() and not (converted / "model.safetensors").exists()
 
 
-def _llama_gguf(path, **fields) -> None:
-    """A 1-layer llama GGUF of random F32 tensors, with extra header `fields` and tensors
-    (`tensor_<name>`)."""
-    from gguf import GGUFWriter
+HEADER = {"llama.block_count": 1, "llama.context_length": 256, "llama.embedding_length": 64,
+          "llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+          "llama.vocab_size": 96, "llama.attention.layer_norm_rms_epsilon": 1e-5}
+SHAPES = {"token_embd.weight": (96, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
+          "blk.0.ffn_norm.weight": (64,), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
+          "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_gate.weight": (128, 64),
+          "blk.0.ffn_up.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128)}
+
+
+def _llama_gguf(path, fields=None, tensors=None) -> None:
+    """A 1-layer llama GGUF of random F32 tensors: HEADER and SHAPES, changed by `fields` and
+    `tensors` (None: left out; a tensor given as (GGML type, values) is encoded so)."""
+    from gguf import GGUFWriter, quants
 
     writer = GGUFWriter(str(path), "llama")
-    for key, value in {"block_count": 1, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128,
-                       "attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": 96,
-                       "attention.layer_norm_rms_epsilon": 1e-5}.items():
-        add = writer.add_float32 if isinstance(value, float) else writer.add_uint32
-        add(f"llama.{key}", value)
-    for key, value in fields.items():
-        if not key.startswith("tensor_"):
-            writer.add_string(key, value) if isinstance(value, str) else writer.add_uint32(key, value)
+    for key, value in {**HEADER, **(fields or {})}.items():
+        if value is not None:
+            {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)](key, value)
     rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (96, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
-              "blk.0.ffn_norm.weight": (64,), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
-              "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64),
-              "blk.0.ffn_gate.weight": (128, 64), "blk.0.ffn_up.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128),
-              **{key.removeprefix("tensor_"): value for key, value in fields.items() if key.startswith("tensor_")}}
-    for name, shape in shapes.items():
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    for name, spec in {**SHAPES, **(tensors or {})}.items():
+        if spec is None:
+            continue
+        if isinstance(spec[-1], np.ndarray):  # (type, values)
+            kind, values = spec
+            writer.add_tensor(name, quants.quantize(values, kind), raw_dtype=kind)
+        else:  # a shape
+            writer.add_tensor(name, (0.1 * rng.standard_normal(spec)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -86,17 +91,59 @@ def test_a_plain_llama_gguf_in_another_format_is_quantised_at_load(tmp_path):
     assert logits.shape == (10, 96) and bool(torch.isfinite(logits).all())
 
 
-@pytest.mark.parametrize("fields, says", [
-    ({"llama.rope.scaling.type": "linear"}, r"RoPE scaling 'linear' \(llama.rope.scaling.type\)"),
-    ({"tensor_rope_freqs.weight": (8,)}, r"Llama 3's scaled RoPE \(rope_freqs.weight\)"),
-    ({"llama.expert_count": 8}, r"experts \(llama.expert_count\)"),
-    ({"llama.rope.dimension_count": 8}, r"RoPE on 8 of 16 dims"),
-    ({"tensor_blk.0.attn_q.bias": (64,)}, r"tensors a plain Llama has not: \['blk.0.attn_q.bias'\]"),
+@pytest.mark.parametrize("fields, tensors, says", [
+    ({"llama.rope.scaling.type": "linear"}, {}, r"RoPE scaling 'linear' \(llama.rope.scaling.type\)"),
+    ({}, {"rope_freqs.weight": (8,)}, r"Llama 3's scaled RoPE \(rope_freqs.weight\)"),
+    ({"llama.expert_count": 8}, {}, r"experts \(llama.expert_count\)"),
+    ({"llama.rope.dimension_count": 8}, {}, r"RoPE on 8 of 16 dims"),
+    ({}, {"blk.0.attn_q.bias": (64,)}, r"tensors a plain Llama has not: \['blk.0.attn_q.bias'\]"),
 ])
-def test_a_gguf_the_forward_would_compute_wrong_is_refused_naming_why(tmp_path, fields, says):
-    _llama_gguf(tmp_path / "odd.gguf", **fields)
+def test_a_gguf_the_forward_would_compute_wrong_is_refused_naming_why(tmp_path, fields, tensors, says):
+    _llama_gguf(tmp_path / "odd.gguf", fields, tensors)
     with pytest.raises(ValueError, match=f"odd.gguf: the forward computes a plain Llama, not {says}"):
         model_config(str(tmp_path / "odd.gguf"))
+
+
+@pytest.mark.parametrize("fields, tensors, says", [
+    ({"llama.block_count": None}, {}, "its header lacks llama.block_count"),
+    ({}, {"blk.0.ffn_norm.weight": None}, "it lacks the tensor blk.0.ffn_norm.weight"),
+    ({"llama.attention.head_count_kv": 4}, {}, r"blk.0.attn_k.weight is \[32, 64\], its header \(llama.\*\) "
+                                                 r"gives \[64, 64\]"),
+    ({"llama.vocab_size": 100}, {}, r"token_embd.weight is \[96, 64\], its header \(llama.\*\) gives \[100, 64\]"),
+])
+def test_a_gguf_whose_header_and_tensors_disagree_is_named(tmp_path, fields, tensors, says):
+    """Each was a TypeError, a KeyError, an IndexError deep in numpy, a kernel's byte count, or
+    (a vocabulary larger than the embedding) sampled ids past it (QA)."""
+    _llama_gguf(tmp_path / "odd.gguf", fields, tensors)
+    with pytest.raises(ValueError, match=f"odd.gguf: {says}"):
+        model_config(str(tmp_path / "odd.gguf"))
+
+
+def test_a_broken_gguf_is_named_and_a_bf16_norm_is_read(tmp_path):
+    """A NaN (a value, or a block's scale) served token 0 for ever; a file cut short failed in
+    gguf-py's reshape; a BF16 norm's bytes were read as floats (QA)."""
+    from gguf import GGMLQuantizationType as T
+
+    from replicas.torch_engine.native_model import NativeLlamaModel
+
+    nan = np.ones((32, 64), np.float32)
+    nan[3, 5] = np.nan
+    _llama_gguf(tmp_path / "nan.gguf", tensors={"blk.0.attn_v.weight": (T.F16, nan)})
+    scale = tmp_path / "scale.gguf"
+    _llama_gguf(scale, tensors={"blk.0.attn_v.weight": (T.Q8_0, np.ones((32, 64), np.float32))})
+    raw = bytearray(scale.read_bytes())
+    at = raw.rindex(bytes(np.float16(1 / 127).tobytes() + bytes([127]) * 32))  # a block of ones: scale 1/127, then 127s
+    raw[at:at + 2] = np.float16(np.nan).tobytes()
+    scale.write_bytes(bytes(raw))
+    for path in (tmp_path / "nan.gguf", scale):
+        with pytest.raises(ValueError, match=f"{path.name}: blk.0.attn_v.weight holds a NaN or an infinite value"):
+            NativeLlamaModel.load(path, num_threads=1)
+    _llama_gguf(tmp_path / "whole.gguf")
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:20000])
+    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
+        model_config(str(tmp_path / "cut.gguf"))
+    _llama_gguf(tmp_path / "bf16.gguf", tensors={"output_norm.weight": (T.BF16, np.full(64, 0.5, np.float32))})
+    assert NativeLlamaModel.load(tmp_path / "bf16.gguf", num_threads=1).cfg.hidden_size == 64
 
 
 def test_a_gguf_path_that_is_no_file_is_named(tmp_path):
