@@ -378,7 +378,10 @@ def _read_safetensors(model_dir: Path) -> dict[str, Tensor]:
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ValueError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
+        pickled = [p.name for p in model_dir.glob("pytorch_model*.bin")]
+        raise ValueError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json"
+                         + (f" ({pickled[0]} is a pickle, which is not read: save the model with safetensors, "
+                            "save_pretrained's default)" if pickled else ""))
     raw: dict[str, Tensor] = {}
     for name in files:
         raw.update(read_safetensors_file(model_dir / name))

@@ -335,6 +335,15 @@ def test_a_tensor_of_the_wrong_shape_or_not_finite_is_named(tmp_path, name, valu
             load(tmp_path)
 
 
+def test_a_pickled_checkpoint_is_named_as_one_not_read(tmp_path):
+    model = _tiny_hf_llama(tmp_path, tie=True, shard=False)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin is a pickle, which is not read: save the model with "
+                                         "safetensors"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
 def test_a_broken_checkpoint_is_a_value_error_naming_its_file(tmp_path):
     """Not a JSON config.json, a truncated safetensors file or index, no tokenizer: each named
     (they were JSONDecodeError, SafetensorError, KeyError and transformers' own words; found by QA)."""
