@@ -51,7 +51,9 @@ class IterationStatsFolder:
         if num_draft and num_verified:
             # each request with a draft emits its accepted tokens plus the bonus token
             self.acceptance_length.update(acceptance_length(num_accepted + num_verified, num_verified))
-        latency_ms = float(row.get("iterLatencyMS") or 0.0)
+        # the loop's own time: under the overlap scheduler a release that reports it has
+        # iterLatencyMS span about two loops (py_executor._process_iter_stats)
+        latency_ms = float(row.get("hostStepTimeMS") or row.get("iterLatencyMS") or 0.0)
         if latency_ms > 0:
             self.step_ms.update(latency_ms)
             # generation requests emit 1 + accepted each; a finished prefill emits its first token

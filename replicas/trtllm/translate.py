@@ -73,6 +73,8 @@ def plan_speculation(config: TrtllmEngineConfig, spec: SpeculationConfig, fields
         kwargs[_first(have, "speculative_model", "speculative_model_dir")] = config.draft_model
     if config.sa_global_pool and spec.mode == "sa":
         kwargs[_first(have, "enable_global_pool")] = True
+    if "enable_penalty" in have:  # off, a release that has it refuses every penalised request at admission
+        kwargs["enable_penalty"] = True
     sa_enhancer = _sa_enhancer(config, spec, have, fields) if spec.mode == "hybrid" else None
     gate = plan_gate(config, spec, name, have)
     return SpecPlan(name, kwargs | gate.kwargs, sa_enhancer, source, gate.batch_gate, gate.notes)

@@ -397,3 +397,15 @@ def test_a_prediction_is_served_not_refused():
 
     plain, predicted, finish = run(go())
     assert predicted == plain and finish == "length"
+
+
+def test_penalties_are_taken_under_speculation():
+    """A release whose speculative configs have `enable_penalty` refuses a penalised request
+    unless it is on: the adapter turns it on (found by a review against upstream)."""
+    async def go():
+        engine = await started(engine_config("hybrid"))
+        deltas = await collect(engine, request(PROMPT, presence_penalty=0.5, repetition_penalty=1.1))
+        await engine.shutdown()
+        return deltas
+
+    assert run(go())[-1].finish_reason == "length"

@@ -43,6 +43,7 @@ def test_mode_table(mode, drafter, cls, source, subset, enhancer):
     assert subset.items() <= p.kwargs.items()
     assert p.sa_enhancer == enhancer
     assert "sa_config" not in p.kwargs  # the engine builds SAEnhancerConfig from sa_enhancer
+    assert p.kwargs.get("enable_penalty") is (True if cls else None)  # else penalised requests are refused
 
 
 def test_gate_zero_means_no_speculation():

@@ -212,7 +212,14 @@ class LLM:
         if not self.args.enable_chunked_prefill and limit is not None and len(inputs) > limit:
             raise ValueError(f"The sum of prompt length ({len(inputs)}), query length (0) should not exceed "
                              f"max_num_tokens ({limit})")
-        result = FakeRequestOutput(self, list(inputs), sampling_params or SamplingParams())
+        params = sampling_params or SamplingParams()
+        spec = self.args.speculative_config
+        # upstream's DecodingBaseConfig.enable_penalty: "While off, a request that asks for any
+        # of these penalties is rejected at admission rather than silently decoded without them."
+        if spec is not None and not spec.enable_penalty and (params.presence_penalty or params.frequency_penalty or (
+                params.repetition_penalty not in (None, 1.0))):
+            raise ValueError("penalties need the speculative config's enable_penalty=True")
+        result = FakeRequestOutput(self, list(inputs), params)
         result.cache_salt = cache_salt
         if self._rows is None:
             self._rows = asyncio.Queue()
@@ -296,7 +303,10 @@ class LLM:
                 self._store_blocks(req)
             with_drafts = len(gen) if k else 0
             self._rows.put_nowait({
-                "iter": 0, "iterLatencyMS": self.iteration_latency_ms,
+                # the overlap scheduler's (upstream's default): iterLatencyMS spans about two loops,
+                # hostStepTimeMS the loop itself (py_executor._process_iter_stats)
+                "iter": 0, "iterLatencyMS": 2 * self.iteration_latency_ms, "hostStepTimeMS": self.iteration_latency_ms,
+                "schedulerMode": "overlap",
                 "numActiveRequests": len(batch), "numQueuedRequests": len(self._active) - len(batch),
                 "inflightBatchingStats": {"numScheduledRequests": len(batch), "numContextRequests": len(batch) - len(gen),
                                           "numGenRequests": len(gen), "numPausedRequests": 0},
