@@ -214,7 +214,8 @@ class TrtllmEngine:
                     self._count_prefill(live, getattr(output, "cached_tokens", 0))
                 usage = request_usage(getattr(out, "request_perf_metrics", None),
                                       int(getattr(output, "decoding_iter", 0) or 0), len(out.token_ids))
-                delta = tracker.update(out.text, out.token_ids, out.finish_reason, usage)
+                delta = tracker.update(out.text, out.token_ids, out.finish_reason, usage,
+                                       getattr(out, "stop_reason", None))
                 if delta is None:
                     continue
                 live.queue.put_nowait(delta)

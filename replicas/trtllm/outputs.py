@@ -1,10 +1,12 @@
 """Upstream streaming outputs -> GenerationDelta, one tracker per request.
 
-TensorRT-LLM streams snapshots (`outputs[0].text`, `.token_ids`, `.finish_reason`); a stop
-string is matched on token ids and trimmed only from the final snapshot, so its first
-tokens may already sit in earlier text. The tracker therefore releases text itself: it
-holds back any tail that could still grow into a stop string and an incomplete UTF-8
-character, and cuts a stop string it sees even if upstream tokenized it differently.
+TensorRT-LLM streams snapshots (`outputs[0].text`, `.token_ids`, `.finish_reason`,
+`.stop_reason`); a stop string is matched on token ids (and, in recent releases, in the
+decoded text) and trimmed only from the final snapshot, so its first tokens may already sit
+in earlier text. The tracker therefore releases text itself: it holds back any tail that
+could still grow into a stop string and an incomplete UTF-8 character, and cuts a stop
+string it sees even if upstream tokenized it differently; one upstream cut first is named by
+its `stop_reason`.
 """
 
 from __future__ import annotations
@@ -103,8 +105,10 @@ class OutputTracker:
         return self.finish_reason is not None
 
     def update(self, text: str, token_ids: Sequence[int], upstream_finish: str | None,
-               usage: dict[str, float]) -> GenerationDelta | None:
-        """The delta for one upstream snapshot (None: nothing new to send)."""
+               usage: dict[str, float], stop_reason: Any = None) -> GenerationDelta | None:
+        """The delta for one upstream snapshot (None: nothing new to send). `stop_reason`:
+        upstream's CompletionOutput.stop_reason, the stop string (or token id) that ended it,
+        which names the stop string where upstream already cut it from the text."""
         if self.done:
             return None
         finish = FINISH_REASONS.get(upstream_finish) if upstream_finish else None
@@ -116,6 +120,8 @@ class OutputTracker:
                                                       self.stop_after, finish == "length", incomplete)
         if self.stop_string is not None:
             finish = "stop"
+        elif finish == "stop" and isinstance(stop_reason, str) and stop_reason in self.stops:
+            self.stop_string = stop_reason
         new_ids = tuple(ids[self.sent_tokens :])  # empty once upstream trims a stop sequence
         new_text = text[self.sent_chars : end]
         self.sent_tokens = max(self.sent_tokens, len(ids))

@@ -68,8 +68,8 @@ def test_stop_string_is_never_streamed():
 
     deltas = run(go())
     text, _ = joined(deltas)
-    assert text == "one tw" and deltas[-1].finish_reason == "stop"
-    assert all("o." not in d.text for d in deltas)
+    assert text == "one tw" and (deltas[-1].finish_reason, deltas[-1].stop_string) == ("stop", "o. t")
+    assert all("o." not in d.text for d in deltas)  # upstream cut it from the text: its stop_reason names it
 
 
 def test_stop_after_ends_the_output_after_it_and_aborts_upstream():

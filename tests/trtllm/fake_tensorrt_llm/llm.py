@@ -150,6 +150,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list = field(default_factory=list)
     finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # upstream's: the stop string or token id that ended it
     request_perf_metrics: object = None
 
 
@@ -320,33 +321,34 @@ class LLM:
     def _emit(self, req: FakeRequestOutput, count: int) -> None:
         p = req.params
         ids = list(req._ids)
-        stop_words = [self.tokenizer.encode(s) for s in ([p.stop] if isinstance(p.stop, str) else p.stop or [])]
-        reason = None
+        stops = [p.stop] if isinstance(p.stop, str) else p.stop or []
+        stop_words = [self.tokenizer.encode(s) for s in stops]
+        reason = stop_reason = None
         for _ in range(count):
             ids.append(req.prompt_token_ids[len(ids) % len(req.prompt_token_ids)])
             if ids[-1] in (p.stop_token_ids or []):
-                reason = "stop"
+                reason, stop_reason = "stop", ids[-1]
             elif any(ids[-len(w):] == w for w in stop_words):
-                word = next(w for w in stop_words if ids[-len(w):] == w)
-                ids, reason = ids[: len(ids) - len(word)], "stop"
+                i = next(i for i, w in enumerate(stop_words) if ids[-len(w):] == w)
+                ids, reason, stop_reason = ids[: len(ids) - len(stop_words[i])], "stop", stops[i]
             elif len(ids) >= p.max_tokens:
                 reason = "length"
             if reason:
                 break
         req.iterations += 1
-        self._snapshot(req, ids, reason)
+        self._snapshot(req, ids, reason, stop_reason)
 
     def _finish(self, req: FakeRequestOutput, reason: str) -> None:
         self._snapshot(req, list(req._ids), reason)
 
-    def _snapshot(self, req: FakeRequestOutput, ids: list, reason: Optional[str]) -> None:
+    def _snapshot(self, req: FakeRequestOutput, ids: list, reason: Optional[str], stop_reason=None) -> None:
         perf = None
         if req.params.return_perf_metrics:
             perf = SimpleNamespace(speculative_decoding=SimpleNamespace(
                 acceptance_rate=req.accepted_total / req.draft_total if req.draft_total else 0.0,
                 total_accepted_draft_tokens=req.accepted_total, total_draft_tokens=req.draft_total))
         snapshot = CompletionOutput(text=self.tokenizer.decode(ids), token_ids=ids, finish_reason=reason,
-                                    request_perf_metrics=perf)
+                                    stop_reason=stop_reason, request_perf_metrics=perf)
         req._ids = ids
         req._queue.put_nowait((snapshot, req.iterations))
         if reason:
