@@ -14,6 +14,7 @@ Face Llama-architecture checkpoint directory is used as it is. No network is eve
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import importlib.util
 import json
@@ -89,10 +90,21 @@ def resolve_model_dir(model: str = DEFAULT_MODEL, cache_dir: Path | None = None,
     with _converting(models):  # one process converts; the others wait, then read its copy
         if _converted(target) is None:
             convert_gguf(gguf, target, weights)
+            if model != DEFAULT_MODEL:
+                _drop_replaced(models, gguf, target)
         elif not _has(target, weights):  # a CPU forward's copy, now needed by a CUDA one
             _write_weights(gguf, target)
-            _mark(target, weights=True)
+            _mark(target, weights=True, source=gguf)
     return target
+
+
+def _drop_replaced(models: Path, gguf: Path, target: Path) -> None:
+    """The copies of a file that was at `gguf`'s path before (replaced, or written over): each
+    kept its directory (a full fp32 copy on CUDA)."""
+    for other in models.glob(f"{glob.escape(gguf.stem)}-*"):
+        marker = _converted(other)
+        if other != target and marker is not None and marker.get("source") == str(gguf.resolve()):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _converted(target: Path) -> dict | None:
@@ -129,11 +141,12 @@ def _converting(models: Path):
         yield
 
 
-def _mark(directory: Path, weights: bool) -> None:
+def _mark(directory: Path, weights: bool, source: Path) -> None:
     """Its files readable as the umask allows (mkstemp's and safetensors' were 0600: another
-    user could not read a shared cache), then the marker, written last."""
+    user could not read a shared cache), then the marker, written last: whether it holds the
+    weights, and the GGUF it was converted from."""
     mask = _umask()
-    (directory / CONVERTED).write_text(json.dumps({"weights": weights}) + "\n")
+    (directory / CONVERTED).write_text(json.dumps({"weights": weights, "source": str(source.resolve())}) + "\n")
     for path in directory.iterdir():
         path.chmod(0o666 & ~mask)
 
@@ -245,7 +258,7 @@ def convert_gguf(gguf_path: Path, target: Path, weights: bool = True) -> None:
     portable_tokenizer_config(tmp)
     if weights:
         _write_weights(gguf_path, tmp)
-    _mark(tmp, weights)
+    _mark(tmp, weights, gguf_path)
     shutil.rmtree(target, ignore_errors=True)  # an incomplete copy (a complete one is never converted again)
     tmp.rename(target)
     print(f"[specserve] converted in {time.monotonic() - started:.0f} s", flush=True)

@@ -47,7 +47,7 @@ def test_an_incomplete_copy_and_a_killed_conversions_leftovers_are_converted_and
     (models / DEFAULT_MODEL / "tokenizer.json").write_text("{")  # no marker: never finished
     target = resolve_model_dir(cache_dir=tmp_path, weights=False)
     assert sorted(p.name for p in models.iterdir()) == [".convert.lock", DEFAULT_MODEL]
-    assert json.loads((target / CONVERTED).read_text()) == {"weights": False}
+    assert json.loads((target / CONVERTED).read_text())["weights"] is False
     mask = os.umask(0o022)
     os.umask(mask)
     assert {oct(p.stat().st_mode & 0o777) for p in target.iterdir()} == {oct(0o666 & ~mask)}  # was 0600
@@ -59,7 +59,7 @@ def test_a_copy_without_weights_gets_them_when_a_cuda_forward_needs_them(tmp_pat
     tokenizer = (target / "tokenizer.json").read_bytes()
     assert resolve_model_dir(cache_dir=tmp_path) == target
     assert (target / "model.safetensors").stat().st_size > 500e6  # fp32, as the CUDA forward reads it
-    assert json.loads((target / CONVERTED).read_text()) == {"weights": True}
+    assert json.loads((target / CONVERTED).read_text())["weights"] is True
     assert (target / "tokenizer.json").read_bytes() == tokenizer  # the copy's other files kept as they were
 
 
@@ -88,3 +88,20 @@ def test_a_copy_broken_after_its_conversion_says_how_to_mend_it(tmp_path):
     (target / "tokenizer.json").write_text("{")
     with pytest.raises(ValueError, match=f"no tokenizer transformers can load .*; delete {target} to convert"):
         load_tokenizer(target)
+
+
+def test_a_replaced_gguf_is_converted_anew_and_its_old_copy_dropped(tmp_path):
+    """A file written over at the same path (the same size and modification time too) is
+    another model: converted again, and the old conversion removed (it stayed: QA)."""
+    import shutil
+
+    from replicas.torch_engine.loader import packaged_gguf_path
+
+    gguf = tmp_path / "mine.gguf"
+    shutil.copy2(packaged_gguf_path(), gguf)
+    first = resolve_model_dir(str(gguf), cache_dir=tmp_path / "cache", weights=False)
+    assert resolve_model_dir(str(gguf), cache_dir=tmp_path / "cache", weights=False) == first  # read, not converted
+    gguf.unlink()
+    shutil.copy2(packaged_gguf_path(), gguf)  # (copy2 keeps the modification time)
+    second = resolve_model_dir(str(gguf), cache_dir=tmp_path / "cache", weights=False)
+    assert second != first and [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == [second]
