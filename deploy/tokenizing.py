@@ -3,8 +3,9 @@ count or inspect tokens before they send a request (a context-window budget, a `
 id, a `stop_token_ids` id), or tokenize on their side with the server's tokenizer
 (lm-evaluation-harness's remote tokenizer uses all three).
 
-`/tokenize` takes a `prompt` (tokenized as `/v1/completions` would: no special tokens added
-unless `add_special_tokens`) or chat `messages` (rendered by the chat template as
+`/tokenize` takes a `prompt` (tokenized as `/v1/completions` would: with the special tokens
+the tokenizer adds, a Llama's BOS, unless `add_special_tokens: false`, as vLLM's) or chat
+`messages` (rendered by the chat template as
 `/v1/chat/completions` would, `tools` included) and answers `count`, `tokens`,
 `max_model_len` and, with `return_token_strs`, each token's string; `/detokenize` turns token
 ids back into text. `model` may be left out; given, it must be the served one.
@@ -26,7 +27,7 @@ from deploy.protocol import RequestModel, Text
 class TokenizeCompletion(RequestModel):
     model: Optional[str] = None
     prompt: Text
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True  # as /v1/completions (and vLLM's /tokenize)
     return_token_strs: bool = False
 
 

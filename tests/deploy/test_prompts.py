@@ -446,3 +446,6 @@ def test_a_completions_text_prompt_gets_the_tokenizers_bos_as_vllm_and_llama_cpp
     assert prompt_token_ids(bos, CompletionRequest(model="m", prompt="Once upon a time")) == [0, *plain]
     assert prompt_token_ids(bos, CompletionRequest(model="m", prompt="Once upon a time",
                                                    add_special_tokens=False)) == plain
+    from deploy.tokenizing import TokenizeCompletion, tokenize  # /tokenize counts as completions take it
+
+    assert tokenize(bos, TokenizeCompletion(prompt="Once upon a time"), "m", 100)["tokens"] == [0, *plain]
