@@ -1,6 +1,6 @@
 """A Llama GGUF file of the user's as `engine.model` (as llama.cpp serves them): its weights
 read from the file itself, its tokenizer converted once into the cache; and the GGUFs the
-forward would compute wrong refused, naming why."""
+forward would compute wrong, or that are broken, refused naming why."""
 
 from __future__ import annotations
 
