@@ -165,6 +165,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: Literal[False] = False  # vLLM's: the chat template writes them (a BOS on top doubles it)
     prediction: Optional[Prediction] = None  # drafted from; never changes the output
     metadata: Metadata = None
     store: Literal[False] = False  # no chat completion is kept for later

@@ -123,16 +123,23 @@ def prediction_details(prediction: Sequence[int], output: Sequence[int]) -> dict
 
 class TokenTexts:
     """Token id -> its text (each token decoded alone), cached: what logprobs entries show; and
-    its bytes (`raw`: the token's own, where the tokenizer tells them; else its text's UTF-8)."""
+    its bytes (`raw`: the token's own, where the tokenizer tells them; else its text's UTF-8);
+    and its width in the answer's text (`hidden`: special tokens, which the text leaves out)."""
 
     def __init__(self, decode: Callable[[list[int]], str],
-                 raw: Callable[[int], Optional[bytes]] = lambda _: None) -> None:
-        self._decode, self._raw = decode, raw
+                 raw: Callable[[int], Optional[bytes]] = lambda _: None, hidden: frozenset[int] = frozenset()) -> None:
+        self._decode, self._raw, self._hidden = decode, raw, hidden
         self._texts: dict[int, str] = {}
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenTexts:
-        return cls(tokenizer.decode, token_bytes(tokenizer) or (lambda _: None))
+        return cls(tokenizer.decode, token_bytes(tokenizer) or (lambda _: None),
+                   frozenset(getattr(tokenizer, "all_special_ids", ())))
+
+    def width(self, token_id: int) -> int:
+        """Characters the token takes in the text (a BOS, a special token the model wrote: none;
+        completions' text_offset counted them, past the text they index: QA)."""
+        return 0 if token_id in self._hidden else len(self(token_id))
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -163,9 +170,9 @@ def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], token_text: Token
                             for e in entries]}
     tokens = [token_text(t) for t in unscored] + [token_text(e.token_id) for e in entries]
     offsets = []
-    for token in tokens:
+    for token_id in (*unscored, *(e.token_id for e in entries)):
         offsets.append(text_offset)
-        text_offset += len(token)
+        text_offset += token_text.width(token_id)
     none = [None] * len(unscored)
     return {"tokens": tokens, "token_logprobs": none + [e.logprob for e in entries],
             "top_logprobs": none + [completion_top(e, token_text) for e in entries], "text_offset": offsets}
@@ -338,7 +345,7 @@ class StreamPieces:
         entries, unscored = shown_logprobs(echo, delta.prompt_logprobs, delta.logprobs)
         if out.logprobs and (entries or unscored):
             logprobs = logprobs_body(out.kind, entries, out.token_texts, self._text_offset, unscored)
-            self._text_offset += sum(len(out.token_texts(t)) for t in (*unscored, *(e.token_id for e in entries)))
+            self._text_offset += sum(out.token_texts.width(t) for t in (*unscored, *(e.token_id for e in entries)))
         if self._tools is None:
             return text, [], logprobs
         events = self._tools.feed(delta.text)

@@ -233,6 +233,7 @@ class SamplingRequest(RequestModel):
                                            description="vLLM's: each prompt token's logprob, rank and this many "
                                                        "alternatives (not streamed)")
     user: Optional[str] = None
+    skip_special_tokens: Literal[True] = True  # vLLM's: the text leaves special tokens out (logprobs show them)
     # vLLM's: the prefix cache reuses only what requests with the same salt (and API key) stored
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256)
 

@@ -15,7 +15,7 @@ the chat template, as vLLM's does; file paths are left out.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, List, Optional, Union
+from typing import Annotated, Any, List, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag
 
@@ -37,6 +37,7 @@ class TokenizeChat(RequestModel):
     tools: Optional[List[Tool]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: Literal[False] = False  # as chat's: the template writes them
     return_token_strs: bool = False
 
 

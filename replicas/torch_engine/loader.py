@@ -103,7 +103,7 @@ def _drop_replaced(models: Path, gguf: Path, target: Path) -> None:
     kept its directory (a full fp32 copy on CUDA)."""
     for other in models.glob(f"{glob.escape(gguf.stem)}-*"):
         marker = _converted(other)
-        if other != target and marker is not None and marker.get("source") == str(gguf.resolve()):
+        if other != target and marker is not None and marker.get("source") == str(gguf.absolute()):
             shutil.rmtree(other, ignore_errors=True)
 
 
@@ -146,7 +146,8 @@ def _mark(directory: Path, weights: bool, source: Path) -> None:
     user could not read a shared cache), then the marker, written last: whether it holds the
     weights, and the GGUF it was converted from."""
     mask = _umask()
-    (directory / CONVERTED).write_text(json.dumps({"weights": weights, "source": str(source.resolve())}) + "\n")
+    # the path as named (a symlink pointed at another file is a replaced file too)
+    (directory / CONVERTED).write_text(json.dumps({"weights": weights, "source": str(source.absolute())}) + "\n")
     for path in directory.iterdir():
         path.chmod(0o666 & ~mask)
 

@@ -38,6 +38,10 @@ BAD_INPUT = [
     ("malformed json", "/v1/completions", b'{"model": "fake",', {}, 400, None),
     ("body not an object", "/v1/completions", b"[1, 2]", {}, 400, None),
     ("wrong type", "/v1/completions", completion(max_tokens="many"), {}, 400, "max_tokens"),
+    # vLLM's, taken at their neutral values alone: special tokens shown in text, a BOS on a chat
+    ("special tokens in text", "/v1/completions", completion(skip_special_tokens=False), {}, 400,
+     "skip_special_tokens"),
+    ("a BOS on a chat", "/v1/chat/completions", chat(add_special_tokens=True), {}, 400, "add_special_tokens"),
     # types are strict, as OpenAI's: a number in a string, a bool for a number, a float for a count
     ("number as a string", "/v1/completions", completion(max_tokens="5"), {}, 400, "max_tokens"),
     ("bool as a number", "/v1/chat/completions", chat(max_tokens=True), {}, 400, "max_tokens"),

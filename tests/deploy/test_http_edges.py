@@ -303,7 +303,8 @@ def test_a_stored_response_is_its_keys_alone(url):
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto",
                                   safety_identifier="h1", prompt_cache_key="k1", modalities=["text"], audio=None,
-                                  reasoning_effort="none", verbosity="low", prompt_cache_retention="24h")),
+                                  reasoning_effort="none", verbosity="low", prompt_cache_retention="24h",
+                                  add_special_tokens=False, skip_special_tokens=True)),
     ("/v1/responses", respond(user="u1", metadata={"team": "a"}, service_tier="default", safety_identifier="h1",
                               prompt_cache_key="conversation-7", include=["reasoning.encrypted_content"],
                               reasoning={"effort": "none", "summary": "auto"}, text={"verbosity": "medium"},

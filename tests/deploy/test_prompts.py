@@ -367,6 +367,20 @@ def test_completions_top_logprobs_hold_the_token_itself_beside_the_k_likeliest()
     assert [len(e["top_logprobs"]) for e in logprobs_body("chat", entries, texts)["content"]] == [1, 1, 0]
 
 
+def test_text_offsets_index_the_text_a_special_token_is_left_out_of(chatml):
+    """A BOS before an echoed prompt, a special token the model wrote: the text leaves them out,
+    so they take no characters (each offset was past its token by the BOS's 12: QA)."""
+    texts = TokenTexts.for_tokenizer(chatml)
+    bos, hello, world = chatml.convert_tokens_to_ids("<|im_start|>"), *chatml.encode("Hello world")
+    entries = [TokenLogprob(t, -1.0) for t in (hello, world, bos, hello)]
+    body = logprobs_body("completion", entries, texts, unscored=(bos,))
+    text = "Hello world" + "Hello"
+    assert body["tokens"][:2] == ["<|im_start|>", "Hello"]
+    assert [text[o:].startswith(t) for o, t in zip(body["text_offset"], body["tokens"]) if t != "<|im_start|>"] == \
+        [True, True, True]
+    assert body["text_offset"] == [0, 0, 5, 11, 11]
+
+
 def test_logprob_bytes_are_each_tokens_own(chatml):
     # A character split over tokens: each token's text alone is U+FFFD, its bytes are its own
     # part of the character, and the tokens' bytes joined are the text's UTF-8.

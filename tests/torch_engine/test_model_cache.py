@@ -105,3 +105,11 @@ def test_a_replaced_gguf_is_converted_anew_and_its_old_copy_dropped(tmp_path):
     shutil.copy2(packaged_gguf_path(), gguf)  # (copy2 keeps the modification time)
     second = resolve_model_dir(str(gguf), cache_dir=tmp_path / "cache", weights=False)
     assert second != first and [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == [second]
+    link = tmp_path / "served.gguf"  # a symlink pointed at another file: the same (QA)
+    link.symlink_to(gguf)
+    third = resolve_model_dir(str(link), cache_dir=tmp_path / "cache", weights=False)
+    shutil.copy2(packaged_gguf_path(), tmp_path / "other.gguf")
+    link.unlink()
+    link.symlink_to(tmp_path / "other.gguf")
+    fourth = resolve_model_dir(str(link), cache_dir=tmp_path / "cache", weights=False)
+    assert fourth != third and not third.exists() and second.exists()
