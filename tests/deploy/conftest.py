@@ -13,6 +13,14 @@ from tests.serve_support import APP, deploy_config, embedded_config, local_serve
 
 
 @pytest.fixture(scope="module")
+def chatml():
+    """The embedded model's tokenizer (its ChatML template)."""
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+    return load_tokenizer(resolve_model_dir())
+
+
+@pytest.fixture(scope="module")
 def serve_url(request):
     with local_serve(getattr(request.module, "SERVE_ENV", {})) as url:
         yield url

@@ -4,22 +4,18 @@ tokenizer given a template that knows tools (the Hugging Face convention)."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pydantic
 import pytest
 
-from deploy.auth import KEY_OWNER
 from deploy.config import AppArgs, IngressConfig
 from deploy.errors import ApiError
 from deploy.openai_format import (Echo, TokenTexts, logprobs_body, prediction_details, shown_logprobs,
                                   vllm_prompt_logprobs)
 from deploy.prompts import engine_requests, generation_request, grammar_spec, render_chat, template_knows_tools
 from deploy.chat_protocol import ChatCompletionRequest
-from deploy.ingress import Ingress
 from deploy.protocol import CompletionRequest
 from deploy.tool_calls import format_tool_calls, tool_call_grammar, tools_system_prompt
 from replicas.engine import TokenLogprob
@@ -42,13 +38,6 @@ TOOLS_TEMPLATE = (
     "{% if m.tool_call_id %}[answers {{ m.tool_call_id }}]{% endif %}</>{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def chatml():
-    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
-
-    return load_tokenizer(resolve_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -367,20 +356,6 @@ def test_completions_top_logprobs_hold_the_token_itself_beside_the_k_likeliest()
     assert [len(e["top_logprobs"]) for e in logprobs_body("chat", entries, texts)["content"]] == [1, 1, 0]
 
 
-def test_text_offsets_index_the_text_a_special_token_is_left_out_of(chatml):
-    """A BOS before an echoed prompt, a special token the model wrote: the text leaves them out,
-    so they take no characters (each offset was past its token by the BOS's 12: QA)."""
-    texts = TokenTexts.for_tokenizer(chatml)
-    bos, hello, world = chatml.convert_tokens_to_ids("<|im_start|>"), *chatml.encode("Hello world")
-    entries = [TokenLogprob(t, -1.0) for t in (hello, world, bos, hello)]
-    body = logprobs_body("completion", entries, texts, unscored=(bos,))
-    text = "Hello world" + "Hello"
-    assert body["tokens"][:2] == ["<|im_start|>", "Hello"]
-    assert [text[o:].startswith(t) for o, t in zip(body["text_offset"], body["tokens"]) if t != "<|im_start|>"] == \
-        [True, True, True]
-    assert body["text_offset"] == [0, 0, 5, 11, 11]
-
-
 def test_logprob_bytes_are_each_tokens_own(chatml):
     # A character split over tokens: each token's text alone is U+FFFD, its bytes are its own
     # part of the character, and the tokens' bytes joined are the text's UTF-8.
@@ -409,57 +384,3 @@ def test_every_turn_of_a_conversation_has_its_openings_key(tokenizer, request):
     other = [system, {"role": "user", "content": "hello"}]
     assert generation_request("r", tok, chat(other, tools=tools(WEATHER)), config).affinity_key not in keys
     assert generation_request("r", tok, CompletionRequest(model="m", prompt="hi"), config).affinity_key is None
-
-
-
-def test_a_requests_cache_salt_is_its_keys_and_its_own(chatml):
-    """The prefix cache parts requests by API key, and within a key by the client's `cache_salt`
-    (vLLM's field); on an open server an unsalted request shares with every other unsalted one.
-    Built off the event loop in the Ingress's threads, which see the request's key."""
-    config = IngressConfig.from_args(AppArgs())
-    ingress = Ingress.__new__(Ingress)  # its prompt threads alone
-    ingress._prompts = ThreadPoolExecutor(1)
-
-    def salts(owner: str) -> list[str]:
-        async def built():
-            KEY_OWNER.set(owner)
-            return [(await ingress._off_loop(generation_request, "r", chatml, body, config)).cache_salt
-                    for body in (CompletionRequest(model="m", prompt="hi"),
-                                 CompletionRequest(model="m", prompt="hi", cache_salt="team-a"),
-                                 chat([{"role": "user", "content": "hi"}], cache_salt="team-a"))]
-        return asyncio.run(built())
-
-    assert salts("") == ["", "\nteam-a", "\nteam-a"]
-    assert salts("k1") == ["k1", "k1\nteam-a", "k1\nteam-a"]
-    with pytest.raises(pydantic.ValidationError, match="cache_salt"):
-        CompletionRequest(model="m", prompt="hi", cache_salt="")
-
-
-def test_a_model_without_a_chat_template_says_so_and_where_to_go(chatml):
-    """It was "the chat template rejected them: Cannot use chat template functions ...", as if
-    the client's messages were at fault (QA)."""
-    plain = copy.deepcopy(chatml)
-    plain.chat_template = None
-    with pytest.raises(ApiError) as info:
-        render_chat(plain, chat([{"role": "user", "content": "hi"}]))
-    assert (info.value.status, info.value.param) == (400, "messages")
-    assert "no chat template" in info.value.message and "/v1/completions" in info.value.message
-
-
-def test_a_completions_text_prompt_gets_the_tokenizers_bos_as_vllm_and_llama_cpp_give_it(chatml):
-    """A Llama's tokenizer adds a BOS, which its completions went without (QA, on a GGUF whose
-    tokenizer says add_bos_token). `add_special_tokens: false` leaves it out, as vLLM's."""
-    from tokenizers.processors import TemplateProcessing
-
-    from deploy.prompts import prompt_token_ids
-
-    bos = copy.deepcopy(chatml)
-    bos._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
-    plain = chatml.encode("Once upon a time", add_special_tokens=False)
-    assert prompt_token_ids(chatml, CompletionRequest(model="m", prompt="Once upon a time")) == plain  # SmolLM2's: none
-    assert prompt_token_ids(bos, CompletionRequest(model="m", prompt="Once upon a time")) == [0, *plain]
-    assert prompt_token_ids(bos, CompletionRequest(model="m", prompt="Once upon a time",
-                                                   add_special_tokens=False)) == plain
-    from deploy.tokenizing import TokenizeCompletion, tokenize  # /tokenize counts as completions take it
-
-    assert tokenize(bos, TokenizeCompletion(prompt="Once upon a time"), "m", 100)["tokens"] == [0, *plain]

@@ -9,7 +9,6 @@ running requests: a tight pool sends requests back to the queue, and they resume
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 
 import pytest
@@ -130,38 +129,6 @@ def test_a_prompt_diverging_mid_block_reuses_what_it_shares(engines, loop, mode)
     _same_as_cold(loop, engines, base, max_tokens=8, mode=mode)
     variant = base[:100] + _ids(20, 60)  # diverges at position 100, inside block 3
     assert _same_as_cold(loop, engines, variant, max_tokens=24, mode=mode) == 100
-
-
-def test_a_salt_reuses_only_what_its_own_requests_stored(engines, loop):
-    """Requests of another cache salt (another API key's, or a client's `cache_salt`) prefill
-    cold: no one learns from a faster first token what another key's prompts held."""
-    warm, cold = engines
-    prompt = _ids(30, 150)
-
-    def cached(salt: str) -> int:
-        salted = dataclasses.replace(request(prompt, max_tokens=8, logprobs=2), cache_salt=salt)
-        tokens, _, logprobs, last = loop.run_until_complete(collect_logprobs(warm, salted))
-        assert (tokens, logprobs) == _run(loop, cold, prompt, max_tokens=8, logprobs=2)[:2]
-        return last.cached_tokens
-
-    assert [cached(salt) for salt in ("alice", "bob", "", "alice", "bob")] == [0, 0, 0, 149, 149]
-
-
-def test_a_salts_tree_goes_with_its_last_block():
-    cache = KVCache(1, 2, 128, 2, 8)
-    prefix = PrefixCache(cache, 0, 1 << 20)
-    tokens, slot, chain = _ids(951, 99), cache.allocate(), []
-    cache.lengths[slot] = 98
-    prefix.extend(chain, tokens, 98, slot, None, tail=True, salt="alice")
-    later = cache.allocate()
-    assert prefix.admit(tokens, later, "bob")[0] == [] and cache.lengths[later] == 0
-    held, _ = prefix.admit(tokens, later, "alice")
-    assert len(held) == 3 and cache.lengths[later] == 98
-    prefix.release(held)
-    prefix.release(chain)
-    while prefix.cached_blocks:
-        assert prefix.reclaim(1) == 1
-    assert prefix._roots == {}  # a salt that keeps nothing takes no memory (clients may send many)
 
 
 def test_concurrent_requests_sharing_a_prefix_equal_cold_alone(engines, loop):
