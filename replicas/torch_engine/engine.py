@@ -135,7 +135,7 @@ class TorchEngine:
                            model_dir)
         if len(self.tokenizer) > target_cfg.vocab_size:  # its last ids would index past the embedding
             raise ValueError(f"model: its tokenizer has {len(self.tokenizer)} tokens, more than the model's "
-                             f"vocab_size ({target_cfg.vocab_size} in config.json): not the model's tokenizer")
+                             f"vocab_size ({target_cfg.vocab_size}): not the model's tokenizer")
         if device.type == "cpu":
             from replicas.torch_engine.native_model import NativeLlamaModel
 
