@@ -81,7 +81,7 @@ class GgufWeights:
             raise ValueError(f"model: {path} is not a readable GGUF file ({type(exc).__name__}: {exc}); is it "
                              "whole?") from None
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self.config = self._config(path)
+        self.config = self._config()
         self._check_shapes()
 
     def _field(self, key: str, default=None):
@@ -93,13 +93,13 @@ class GgufWeights:
         value = field.parts[field.data[0]]
         return value.tobytes().decode() if value.dtype == np.uint8 else value[0].item()
 
-    def _config(self, path: Path) -> ModelConfig:
+    def _config(self) -> ModelConfig:
         """Its shape from the header; ValueError for what the forward would compute wrong (as
         `ModelConfig.from_hf_dict` refuses it in a config.json): scaled or partial RoPE, experts,
         biases or any other tensor a plain Llama has not."""
         arch = self._field("general.architecture")
         if arch != "llama":
-            raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
+            raise ValueError(f"{self._path}: architecture {arch!r} is not supported (only llama)")
         heads = int(self._field("llama.attention.head_count"))
         hidden = int(self._field("llama.embedding_length"))
         head_dim = int(self._field("llama.attention.key_length", hidden // heads))
@@ -117,7 +117,7 @@ class GgufWeights:
         if extra := sorted(set(self._tensors) - known):
             refused.append((True, f"tensors a plain Llama has not: {extra[:8]}{'...' if len(extra) > 8 else ''}"))
         if reasons := [reason for wrong, reason in refused if wrong]:
-            raise ValueError(f"{path}: the forward computes a plain Llama, not {'; '.join(reasons)}")
+            raise ValueError(f"{self._path}: the forward computes a plain Llama, not {'; '.join(reasons)}")
         return ModelConfig(
             vocab_size=int(self._field("llama.vocab_size", self._tensor("token_embd.weight").shape[1])),
             hidden_size=hidden,

@@ -13,6 +13,7 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from deploy import response_store
+from deploy.auth import KEY_OWNER
 from deploy.errors import ApiError
 from deploy.response_items import input_items
 from deploy.response_store import KeptResponses, ResponseStore, input_item_list
@@ -146,29 +147,23 @@ def test_a_response_and_its_items_are_found_by_their_owners_requests_alone():
 def test_the_ingress_asks_the_store_as_its_requests_key():
     """`KeptResponses` names the owner `auth.KEY_OWNER` holds for the request being served, in a
     background run too (a context of its own) and in the failed status its replica's stop keeps."""
-    from deploy.auth import KEY_OWNER
-
     store = ResponseStore(capacity=4)
     kept, ingress = KeptResponses(_Handle(store), 4), _ingress(store)
-
-    async def as_owner(owner, step):
-        KEY_OWNER.set(owner)  # (this task's own context)
-        return await step
 
     async def scenario():
         async def generate(begun):
             await begun()
             await asyncio.sleep(3600)
 
-        await asyncio.create_task(as_owner("alice", kept.put({"id": "resp_a", "output": []}, [], [])))
-        await asyncio.create_task(as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate)))
+        await _as_owner("alice", kept.put({"id": "resp_a", "output": []}, [], []))
+        await _as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate))
         assert await async_wait_until(lambda: store._status("resp_run") == "in_progress", 5)
         for rid in ("resp_a", "resp_run"):
             with pytest.raises(ApiError) as info:
-                await asyncio.create_task(as_owner("bob", kept.get(rid)))
+                await _as_owner("bob", kept.get(rid))
             assert info.value.status == 404
         await ingress.__del__()
-        return await asyncio.create_task(as_owner("alice", kept.get("resp_run")))
+        return await _as_owner("alice", kept.get("resp_run"))
 
     assert asyncio.run(scenario())[0]["status"] == "failed"
     gc.collect()  # the ingress, in a cycle through its runs' contexts: finalized under this test's filter
@@ -178,15 +173,9 @@ def test_the_ingress_asks_the_store_as_its_requests_key():
 def test_another_keys_delete_stops_no_run():
     """The replica running a background response stopped it at another key's DELETE before the
     store answered that key 404 (the run then failed as lost, 30 s later: QA)."""
-    from deploy.auth import KEY_OWNER
-
     store = ResponseStore(capacity=4)
     ingress = _ingress(store)
     started = []
-
-    async def as_owner(owner, step):
-        KEY_OWNER.set(owner)
-        return await step
 
     async def scenario():
         async def generate(begun):
@@ -194,14 +183,14 @@ def test_another_keys_delete_stops_no_run():
             await begun()
             await asyncio.sleep(3600)
 
-        await asyncio.create_task(as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate)))
+        await _as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate))
         assert await async_wait_until(lambda: store._status("resp_run") == "in_progress", 5)
         with pytest.raises(ApiError) as info:
-            await asyncio.create_task(as_owner("bob", ingress.background.delete("resp_run")))
+            await _as_owner("bob", ingress.background.delete("resp_run"))
         assert info.value.status == 404
         await asyncio.sleep(0.1)
         assert not started[0].done() and store._status("resp_run") == "in_progress"
-        await asyncio.create_task(as_owner("alice", ingress.background.delete("resp_run")))
+        await _as_owner("alice", ingress.background.delete("resp_run"))
         assert await async_wait_until(lambda: started[0].done(), 5)
         await ingress.__del__()
 
@@ -223,6 +212,15 @@ def test_a_store_that_does_not_answer_is_a_503_in_time(monkeypatch):
         asyncio.run(KeptResponses(silent, 4).get("resp_1"))
     assert info.value.status == 503 and "did not answer" in info.value.message
     asyncio.run(KeptResponses(silent, 4).put({"id": "resp_1"}, [], []))
+
+
+async def _as_owner(owner: str, step):
+    """`step` awaited as a request of `owner`'s key: in a task of its own whose auth.KEY_OWNER is it."""
+    async def run():
+        KEY_OWNER.set(owner)
+        return await step
+
+    return await asyncio.create_task(run())
 
 
 class _Handle:
