@@ -149,14 +149,11 @@ def test_the_ingress_asks_the_store_as_its_requests_key():
     background run too (a context of its own) and in the failed status its replica's stop keeps."""
     store = ResponseStore(capacity=4)
     kept, ingress = KeptResponses(_Handle(store), 4), _ingress(store)
+    started = []
 
     async def scenario():
-        async def generate(begun):
-            await begun()
-            await asyncio.sleep(3600)
-
         await _as_owner("alice", kept.put({"id": "resp_a", "output": []}, [], []))
-        await _as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate))
+        await _as_owner("alice", ingress.background.start(_queued("resp_run"), [], _long_run(started)))
         assert await async_wait_until(lambda: store._status("resp_run") == "in_progress", 5)
         for rid in ("resp_a", "resp_run"):
             with pytest.raises(ApiError) as info:
@@ -178,12 +175,7 @@ def test_another_keys_delete_stops_no_run():
     started = []
 
     async def scenario():
-        async def generate(begun):
-            started.append(asyncio.current_task())
-            await begun()
-            await asyncio.sleep(3600)
-
-        await _as_owner("alice", ingress.background.start(_queued("resp_run"), [], generate))
+        await _as_owner("alice", ingress.background.start(_queued("resp_run"), [], _long_run(started)))
         assert await async_wait_until(lambda: store._status("resp_run") == "in_progress", 5)
         with pytest.raises(ApiError) as info:
             await _as_owner("bob", ingress.background.delete("resp_run"))
@@ -212,6 +204,17 @@ def test_a_store_that_does_not_answer_is_a_503_in_time(monkeypatch):
         asyncio.run(KeptResponses(silent, 4).get("resp_1"))
     assert info.value.status == 503 and "did not answer" in info.value.message
     asyncio.run(KeptResponses(silent, 4).put({"id": "resp_1"}, [], []))
+
+
+def _long_run(started: list):
+    """A background run's generation, far from done: begun, then an hour's wait; each run's
+    task in `started`."""
+    async def generate(begun):
+        started.append(asyncio.current_task())
+        await begun()
+        await asyncio.sleep(3600)
+
+    return generate
 
 
 async def _as_owner(owner: str, step):
@@ -303,13 +306,8 @@ def test_an_ingress_that_stops_stops_its_background_runs_and_keeps_them_as_faile
     started = []
 
     async def scenario():
-        async def generate(begun):
-            started.append(asyncio.current_task())
-            await begun()
-            await asyncio.sleep(3600)  # an answer far from done
-
         for rid in ("resp_run", "resp_new_store", "resp_done"):
-            await ingress.background.start(_queued(rid), [{"id": "msg_in"}], generate)
+            await ingress.background.start(_queued(rid), [{"id": "msg_in"}], _long_run(started))
         assert await async_wait_until(lambda: store._status("resp_new_store") == "in_progress", 5)
         store._forget("resp_new_store")  # as a redeploy that started the store anew before this replica's stop
         await store.put({**_queued("resp_done"), "status": "completed"}, [], [])  # its last put landed first
@@ -354,12 +352,7 @@ def test_a_run_stops_at_its_replicas_next_poll_or_at_once_on_its_own_replica(mon
     started = []
 
     async def scenario():
-        async def generate(begun):
-            started.append(asyncio.current_task())
-            await begun()
-            await asyncio.sleep(3600)
-
-        await ingress.background.start(_queued("resp_x"), [], generate)
+        await ingress.background.start(_queued("resp_x"), [], _long_run(started))
         assert await async_wait_until(lambda: store._status("resp_x") == "in_progress", 5)
         if stop.startswith("cancel"):
             await store.cancel("resp_x")
