@@ -1,8 +1,9 @@
 """Weights for the native CPU forward, as GGUF blocks: from a GGUF file or an HF checkpoint.
 
 The kernels read Q4_1 and Q8_0 blocks. A GGUF's tensors in those formats are passed on as
-they are (no dequantisation); anything else (F32, F16, K-quants, ...) and every tensor of a
-Hugging Face checkpoint is quantised to Q8_0 here, once, at load. Fused matrices (q|k|v,
+they are (no dequantisation), Q4_0, Q5_0 and Q4_K re-encoded as them value for value
+(`gguf_blocks`); anything else (F32, F16, Q6_K, ...) and every tensor of a Hugging Face
+checkpoint is quantised to Q8_0 here, once, at load. Fused matrices (q|k|v,
 gate|up) are the row concatenations of their parts, so fusing needs no arithmetic either.
 """
 
@@ -14,9 +15,9 @@ from typing import Iterator
 
 import numpy as np
 
+from replicas.torch_engine.gguf_blocks import Q4_1, Q8_0, as_native, block_scales
 from replicas.torch_engine.model_config import ModelConfig
 
-Q4_1, Q8_0 = 3, 8
 _NATIVE = (Q4_1, Q8_0)
 
 Matrix = tuple[np.ndarray, int]  # GGUF rows [n, bytes per row] uint8, GGML type
@@ -49,12 +50,6 @@ def fuse(parts: list[tuple[np.ndarray, int, callable]]) -> Matrix:
     if len(types) == 1 and types <= set(_NATIVE):
         return np.ascontiguousarray(np.concatenate([raw for raw, _, _ in parts])), types.pop()
     return quantize_q8_0(np.concatenate([dequantize() for _, _, dequantize in parts]))
-
-
-def block_scales(raw: np.ndarray, kind: int) -> np.ndarray:
-    """The fp16 scales (and Q4_1's mins) of a Q8_0 or Q4_1 matrix's blocks."""
-    block, halves = (34, 1) if kind == Q8_0 else (20, 2)
-    return np.ascontiguousarray(raw.reshape(raw.shape[0], -1, block)[..., :2 * halves]).view(np.float16)
 
 
 def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
@@ -160,21 +155,24 @@ class GgufWeights:
                 raise ValueError(f"{self._path}: {name} holds a NaN or an infinite value (a broken file)")
 
     def _part(self, name: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, int, callable]:
-        """Its rows (`rows` of them) as the file holds them, their type, and their values (checked finite)."""
+        """Its rows (`rows` of them) as the file holds them or re-encoded as a format the
+        kernels read, their type, and their values as the file holds them (checked finite)."""
         from gguf import quants
 
         tensor = self._tensor(name)
-        raw = tensor.data if rows is None else tensor.data[rows]
-        kind = int(tensor.tensor_type)
-        if kind in _NATIVE:  # passed on as blocks: their scales are what may be broken
-            self._finite(name, block_scales(raw, kind))
+        held = tensor.data if rows is None else tensor.data[rows]
 
         def dequantize() -> np.ndarray:
-            values = quants.dequantize(raw, tensor.tensor_type).reshape(raw.shape[0], -1)
+            values = quants.dequantize(held, tensor.tensor_type).reshape(held.shape[0], -1)
             self._finite(name, values)
             return values
 
-        return raw, kind, dequantize
+        kind = int(tensor.tensor_type)
+        if (native := as_native(held, kind)) is not None and np.isfinite(block_scales(*native)).all():
+            return *native, dequantize  # (a scale past fp16's range, or a broken one: from the values)
+        if kind in _NATIVE:  # passed on as blocks: their scales are what may be broken
+            self._finite(name, block_scales(held, kind))
+        return held, kind, dequantize
 
     def _matrix(self, *names: str) -> Matrix:
         return fuse([self._part(n) for n in names])

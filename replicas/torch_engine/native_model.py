@@ -1,7 +1,8 @@
 """The quantized, row-invariant CPU forward (csrc/cpu) behind the same face as `LlamaModel`.
 
 Weights stay in GGUF blocks: the embedded default's Q4_1 layers and Q8_0 embedding are read
-straight from the packaged GGUF (about 100 MB in memory, no fp32 copy); a Hugging Face Llama
+straight from the packaged GGUF (about 100 MB in memory, no fp32 copy); a GGUF's Q4_0, Q5_0
+and Q4_K blocks are re-encoded as those formats (`gguf_blocks`); a Hugging Face Llama
 checkpoint, or a GGUF tensor in another format, is quantised to Q8_0 at load. One native call
 runs the whole decoder for a packed step, and every row of it computes the same bits whatever
 else the step holds: a K-row verify equals K 1-row decodes, a request alone equals the same

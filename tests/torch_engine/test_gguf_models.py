@@ -12,6 +12,7 @@ import pytest
 from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
 from replicas.torch_engine.loader import model_config, packaged_gguf_path
 from tests.torch_engine.engine_util import chat_prompt, collect, request
+from tests.torch_engine.gguf_files import llama_gguf
 
 
 def _greedy(model: str, prompts: list[str]) -> list[list[int]]:
@@ -42,47 +43,14 @@ def test_a_gguf_path_serves_its_weights_as_the_default_does(tmp_path, monkeypatc
     assert (converted / "tokenizer.json").is_file() and not (converted / "model.safetensors").exists()
 
 
-HEADER = {"llama.block_count": 1, "llama.context_length": 256, "llama.embedding_length": 64,
-          "llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
-          "llama.vocab_size": 96, "llama.attention.layer_norm_rms_epsilon": 1e-5}
-SHAPES = {"token_embd.weight": (96, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
-          "blk.0.ffn_norm.weight": (64,), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
-          "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_gate.weight": (128, 64),
-          "blk.0.ffn_up.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128)}
-
-
-def _llama_gguf(path, fields=None, tensors=None) -> None:
-    """A 1-layer llama GGUF of random F32 tensors: HEADER and SHAPES, changed by `fields` and
-    `tensors` (None: left out; a tensor given as (GGML type, values) is encoded so)."""
-    from gguf import GGUFWriter, quants
-
-    writer = GGUFWriter(str(path), "llama")
-    for key, value in {**HEADER, **(fields or {})}.items():
-        if value is not None:
-            {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)](key, value)
-    rng = np.random.default_rng(0)
-    for name, spec in {**SHAPES, **(tensors or {})}.items():
-        if spec is None:
-            continue
-        if isinstance(spec[-1], np.ndarray):  # (type, values)
-            kind, values = spec
-            writer.add_tensor(name, quants.quantize(values, kind), raw_dtype=kind)
-        else:  # a shape
-            writer.add_tensor(name, (0.1 * rng.standard_normal(spec)).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_a_plain_llama_gguf_in_another_format_is_quantised_at_load(tmp_path):
-    """Its shape from the header; F32 (or F16, K-quant, ...) tensors quantised to Q8_0 as they load."""
+    """Its shape from the header; F32 (or F16, Q6_K, ...) tensors quantised to Q8_0 as they load."""
     import torch
 
     from replicas.torch_engine.model import SeqSpan
     from replicas.torch_engine.native_model import NativeLlamaModel
 
-    _llama_gguf(tmp_path / "plain.gguf")
+    llama_gguf(tmp_path / "plain.gguf")
     cfg = model_config(str(tmp_path / "plain.gguf"))
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (96, 64, 4, 2, 16)
     model = NativeLlamaModel.load(tmp_path / "plain.gguf", num_threads=1)
@@ -99,7 +67,7 @@ def test_a_plain_llama_gguf_in_another_format_is_quantised_at_load(tmp_path):
     ({}, {"blk.0.attn_q.bias": (64,)}, r"tensors a plain Llama has not: \['blk.0.attn_q.bias'\]"),
 ])
 def test_a_gguf_the_forward_would_compute_wrong_is_refused_naming_why(tmp_path, fields, tensors, says):
-    _llama_gguf(tmp_path / "odd.gguf", fields, tensors)
+    llama_gguf(tmp_path / "odd.gguf", fields, tensors)
     with pytest.raises(ValueError, match=f"odd.gguf: the forward computes a plain Llama, not {says}"):
         model_config(str(tmp_path / "odd.gguf"))
 
@@ -114,7 +82,7 @@ def test_a_gguf_the_forward_would_compute_wrong_is_refused_naming_why(tmp_path, 
 def test_a_gguf_whose_header_and_tensors_disagree_is_named(tmp_path, fields, tensors, says):
     """Each was a TypeError, a KeyError, an IndexError deep in numpy, a kernel's byte count, or
     (a vocabulary larger than the embedding) sampled ids past it (QA)."""
-    _llama_gguf(tmp_path / "odd.gguf", fields, tensors)
+    llama_gguf(tmp_path / "odd.gguf", fields, tensors)
     with pytest.raises(ValueError, match=f"odd.gguf: {says}"):
         model_config(str(tmp_path / "odd.gguf"))
 
@@ -128,9 +96,9 @@ def test_a_broken_gguf_is_named_and_a_bf16_norm_is_read(tmp_path):
 
     nan = np.ones((32, 64), np.float32)
     nan[3, 5] = np.nan
-    _llama_gguf(tmp_path / "nan.gguf", tensors={"blk.0.attn_v.weight": (T.F16, nan)})
+    llama_gguf(tmp_path / "nan.gguf", tensors={"blk.0.attn_v.weight": (T.F16, nan)})
     scale = tmp_path / "scale.gguf"
-    _llama_gguf(scale, tensors={"blk.0.attn_v.weight": (T.Q8_0, np.ones((32, 64), np.float32))})
+    llama_gguf(scale, tensors={"blk.0.attn_v.weight": (T.Q8_0, np.ones((32, 64), np.float32))})
     raw = bytearray(scale.read_bytes())
     at = raw.rindex(bytes(np.float16(1 / 127).tobytes() + bytes([127]) * 32))  # a block of ones: scale 1/127, then 127s
     raw[at:at + 2] = np.float16(np.nan).tobytes()
@@ -138,11 +106,11 @@ def test_a_broken_gguf_is_named_and_a_bf16_norm_is_read(tmp_path):
     for path in (tmp_path / "nan.gguf", scale):
         with pytest.raises(ValueError, match=f"{path.name}: blk.0.attn_v.weight holds a NaN or an infinite value"):
             NativeLlamaModel.load(path, num_threads=1)
-    _llama_gguf(tmp_path / "whole.gguf")
+    llama_gguf(tmp_path / "whole.gguf")
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:20000])
     with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
         model_config(str(tmp_path / "cut.gguf"))
-    _llama_gguf(tmp_path / "bf16.gguf", tensors={"output_norm.weight": (T.BF16, np.full(64, 0.5, np.float32))})
+    llama_gguf(tmp_path / "bf16.gguf", tensors={"output_norm.weight": (T.BF16, np.full(64, 0.5, np.float32))})
     assert NativeLlamaModel.load(tmp_path / "bf16.gguf", num_threads=1).cfg.hidden_size == 64
 
 
