@@ -105,10 +105,10 @@ class CudaLlamaModel(LlamaModel):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cuda",
-                        dtype: torch.dtype = torch.float32) -> "CudaLlamaModel":
+                        dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None) -> "CudaLlamaModel":
         if dtype != torch.float32:
             raise ValueError(f"dtype: the CUDA forward's attention kernel reads float32, got {dtype}")
         if torch.device(device).type != "cuda":
             raise ValueError(f"device: CudaLlamaModel runs on a CUDA device, got {device!r}")
-        return super().from_pretrained(model_dir, device=device, dtype=dtype)
+        return super().from_pretrained(model_dir, device=device, dtype=dtype, cfg=cfg)
 

@@ -152,7 +152,7 @@ class TorchEngine:
         else:
             from replicas.torch_engine.cuda_model import CudaLlamaModel
 
-            model = CudaLlamaModel.from_pretrained(model_dir, device=device)
+            model = CudaLlamaModel.from_pretrained(model_dir, device=device, cfg=target_cfg)
             logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
         self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)

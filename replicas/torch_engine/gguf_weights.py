@@ -90,8 +90,9 @@ class GgufWeights:
 
     def _config(self) -> ModelConfig:
         """Its shape from the header; ValueError for what the forward would compute wrong (as
-        `ModelConfig.from_hf_dict` refuses it in a config.json): scaled or partial RoPE, experts,
-        biases or any other tensor a plain Llama has not."""
+        `ModelConfig.from_hf_dict` refuses it in a config.json): RoPE scaled otherwise than by
+        frequency factors (Llama 3's rope_freqs) or linearly, partial RoPE, experts, biases or
+        any other tensor a plain Llama has not."""
         arch = self._field("general.architecture")
         if arch != "llama":
             raise ValueError(f"{self._path}: architecture {arch!r} is not supported (only llama)")
@@ -100,8 +101,7 @@ class GgufWeights:
         head_dim = int(self._field("llama.attention.key_length", hidden // heads))
         scaling, rope_dims = self._field("llama.rope.scaling.type", "none"), self._field("llama.rope.dimension_count", head_dim)
         refused = [
-            (scaling not in ("none", ""), f"RoPE scaling {scaling!r} (llama.rope.scaling.type)"),
-            ("rope_freqs.weight" in self._tensors, "Llama 3's scaled RoPE (rope_freqs.weight)"),
+            (scaling not in ("none", "", "linear"), f"RoPE scaling {scaling!r} (llama.rope.scaling.type)"),
             (rope_dims != head_dim, f"RoPE on {rope_dims} of {head_dim} dims (llama.rope.dimension_count)"),
             (int(self._field("llama.expert_count", 0)) > 0, "experts (llama.expert_count)"),
         ]
@@ -125,7 +125,24 @@ class GgufWeights:
             rms_norm_eps=float(self._field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(self._field("llama.context_length", 2048)),
             tie_word_embeddings="output.weight" not in self._tensors,
+            rope_freq_factors=self._rope_factors(scaling, head_dim),
         )
+
+    def _rope_factors(self, scaling: str, head_dim: int) -> tuple[float, ...]:
+        """Each RoPE frequency's divisor, as llama.cpp reads them: rope_freqs (Llama 3's scaled
+        RoPE, written by its converter), times a linear scaling's factor (1 / freq_scale)."""
+        key = "llama.rope.scaling.factor" if scaling == "linear" else "llama.rope.scale_linear"  # (older files')
+        linear = float(self._field(key, None if scaling == "linear" else 1.0))  # (None: it must be there)
+        if not 0 < linear < np.inf:
+            raise ValueError(f"{self._path}: a linear RoPE scaling factor of {linear} ({key})")
+        factors = np.full(head_dim // 2, linear, np.float64)
+        if "rope_freqs.weight" in self._tensors:
+            freqs = self._vector("rope_freqs.weight")
+            if freqs.shape != factors.shape or not (freqs > 0).all():
+                raise ValueError(f"{self._path}: rope_freqs.weight holds {freqs.size} factors, not {head_dim // 2} "
+                                 f"positive ones (one per RoPE frequency)")
+            factors *= freqs
+        return () if (factors == 1).all() else tuple(factors.tolist())
 
     def _check_shapes(self) -> None:
         """Each tensor the forward reads, of the shape its header gives (a wrong one failed deep

@@ -122,6 +122,18 @@ def validate_step(cfg: ModelConfig, input_ids: Tensor, spans: Sequence[SeqSpan],
         raise ValueError(f"position {max_end - 1} exceeds max_position_embeddings {cfg.max_position_embeddings}")
 
 
+def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_positions, head_dim]: fp32 angles as transformers computes them (halves
+    repeated), a scaled RoPE's frequencies divided by their factors."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if cfg.rope_freq_factors:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=device)
+    angles = torch.outer(torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Llama's "rotate half" RoPE: pairs are (i, i + hd/2), not adjacent elements.
     half = x.shape[-1] // 2
@@ -279,14 +291,10 @@ class LlamaModel(nn.Module):
         self._build_rope_tables(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
 
     def _build_rope_tables(self, device: torch.device, dtype: torch.dtype) -> None:
-        # fp32 angles (as HF), cast once; indexing a table beats recomputing cos/sin per step.
-        hd = self.cfg.head_dim
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
-        positions = torch.arange(self.cfg.max_position_embeddings, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)  # [max_pos, hd]
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        # cast once; indexing a table beats recomputing cos/sin per step
+        cos, sin = rope_tables(self.cfg, device)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [N, head_dim] for positions [N]."""
@@ -338,9 +346,11 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "LlamaModel":
-        """Load any HF Llama checkpoint dir (single or sharded safetensors, tied or not)."""
-        cfg = ModelConfig.from_hf_dir(model_dir)
+                        dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None) -> "LlamaModel":
+        """Load any HF Llama checkpoint dir (single or sharded safetensors, tied or not). `cfg`:
+        the model's config where its config.json lacks some (a GGUF's converted copy: its RoPE
+        factors are in the GGUF's rope_freqs alone)."""
+        cfg = cfg or ModelConfig.from_hf_dir(model_dir)
         with torch.device("meta"):
             model = cls(cfg)
         state = _load_hf_state(Path(model_dir), cfg, dtype, device)  # each tensor's shape checked

@@ -8,6 +8,7 @@ with a ValueError naming the field.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,12 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # A scaled RoPE (Llama 3's, linear): frequency i of each head is divided by factor i, as
+    # llama.cpp reads a GGUF's rope_freqs; () for plain RoPE.
+    rope_freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             _reject(getattr(self, name) >= 1, f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -46,6 +51,10 @@ class ModelConfig:
         _reject(self.head_dim % 2 == 0, f"head_dim: RoPE needs an even head_dim, got {self.head_dim}")
         _reject(self.rope_theta > 0, f"rope_theta: must be > 0, got {self.rope_theta}")
         _reject(self.rms_norm_eps > 0, f"rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
+        factors = self.rope_freq_factors
+        _reject(not factors or (len(factors) == self.head_dim // 2 and all(0 < f < math.inf for f in factors)),
+                f"rope_freq_factors: {self.head_dim // 2} positive finite factors (one per frequency), got "
+                f"{len(factors)}{'' if all(0 < f < math.inf for f in factors) else ', not all positive and finite'}")
 
     @property
     def q_size(self) -> int:
@@ -88,17 +97,19 @@ class ModelConfig:
         _reject(raw.get("pretraining_tp", 1) == 1, "pretraining_tp: only 1 is supported")
 
         # transformers 5 moved rope settings into rope_parameters; 4.x had rope_theta and
-        # rope_scaling at the top level. Accept both, refuse any scaling we don't implement.
-        # Each is read: one naming a scaling is refused whatever the other says (transformers reads
-        # rope_scaling's over a default rope_parameters).
+        # rope_scaling at the top level. Accept both. Each is read: one naming a scaling applies
+        # whatever the other says (transformers reads rope_scaling's over a default
+        # rope_parameters); two naming different ones are refused.
         rope = dict(raw.get("rope_parameters") or {})
-        for key, settings in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {})):
-            rope_type = settings.get("rope_type", settings.get("type")) or "default"
-            _reject(rope_type == "default", f"{key}: rope scaling {rope_type!r} is not supported (only 'default')")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scalings = [(key, settings) for key, settings in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {}))
+                    if (settings.get("rope_type", settings.get("type")) or "default") != "default"]
+        _reject(len(scalings) < 2 or scalings[0][1] == scalings[1][1],
+                "rope_parameters and rope_scaling name different RoPE scalings")
         hidden_size = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+        factors = _rope_factors(*scalings[-1], head_dim, rope_theta) if scalings else ()
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
@@ -106,9 +117,45 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-            rope_theta=float(rope_theta),
+            head_dim=head_dim,
+            rope_theta=rope_theta,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_freq_factors=factors,
         )
+
+
+def _rope_factors(key: str, settings: dict, head_dim: int, theta: float) -> tuple[float, ...]:
+    """Each RoPE frequency's divisor under a config's scaling (`key` names where it was found):
+    'linear' divides every frequency by `factor`; 'llama3' (Llama 3.1-3.3's) divides the low
+    ones by `factor`, leaves the high ones and blends between, as transformers computes it and
+    llama.cpp's converter writes it to a GGUF's rope_freqs. Others (yarn, dynamic, longrope
+    scale attention too, or by the sequence's length) are refused."""
+    kind = settings.get("rope_type", settings.get("type"))
+    _reject(kind in ("linear", "llama3"),
+            f"{key}: rope scaling {kind!r} is not supported (only 'default', 'linear' and 'llama3')")
+    needed = ("factor",) + (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                            if kind == "llama3" else ())
+    values = {}
+    for name in needed:
+        value = settings.get(name)
+        _reject(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf,
+                f"{key}.{name}: a positive number for {kind!r} RoPE scaling, got {value!r}")
+        values[name] = float(value)
+    factor = values["factor"]
+    if kind == "linear":
+        return (factor,) * (head_dim // 2)
+    low, high, context = values["low_freq_factor"], values["high_freq_factor"], values["original_max_position_embeddings"]
+    _reject(high > low, f"{key}: high_freq_factor ({high}) must exceed low_freq_factor ({low})")
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)

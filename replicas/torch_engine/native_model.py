@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - depends on the build state
                       "run `make native` in the repository root") from err
 from replicas.torch_engine.kv_cache import KVCacheFull, PagedKVCache
 from replicas.torch_engine.sizes import whole_pages
-from replicas.torch_engine.model import SeqSpan, validate_step
+from replicas.torch_engine.model import SeqSpan, rope_tables, validate_step
 from replicas.torch_engine.model_config import ModelConfig
 
 # torch's intra-op thread count as this process began (OMP_NUM_THREADS; under Ray the
@@ -39,15 +39,6 @@ DEFAULT_THREADS = torch.get_num_threads()
 Q4_1, Q8_0 = 3, 8  # GGML type numbers the kernels read
 VOCAB_GROUP = 8  # the kernels take output rows in groups of 8: a vocabulary is padded to whole groups
 MAX_CHUNK_TOKENS = 256  # rows per native call: bounds the step's scratch memory on long prompts
-
-
-def rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
-    """cos, sin [max_positions, head_dim] as `LlamaModel` builds them (fp32 angles, halves repeated)."""
-    hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
 
 
 class NativeLlamaModel:

@@ -60,8 +60,7 @@ def test_a_plain_llama_gguf_in_another_format_is_quantised_at_load(tmp_path):
 
 
 @pytest.mark.parametrize("fields, tensors, says", [
-    ({"llama.rope.scaling.type": "linear"}, {}, r"RoPE scaling 'linear' \(llama.rope.scaling.type\)"),
-    ({}, {"rope_freqs.weight": (8,)}, r"Llama 3's scaled RoPE \(rope_freqs.weight\)"),
+    ({"llama.rope.scaling.type": "yarn"}, {}, r"RoPE scaling 'yarn' \(llama.rope.scaling.type\)"),
     ({"llama.expert_count": 8}, {}, r"experts \(llama.expert_count\)"),
     ({"llama.rope.dimension_count": 8}, {}, r"RoPE on 8 of 16 dims"),
     ({}, {"blk.0.attn_q.bias": (64,)}, r"tensors a plain Llama has not: \['blk.0.attn_q.bias'\]"),
@@ -78,6 +77,9 @@ def test_a_gguf_the_forward_would_compute_wrong_is_refused_naming_why(tmp_path, 
     ({"llama.attention.head_count_kv": 4}, {}, r"blk.0.attn_k.weight is \[32, 64\], its header \(llama.\*\) "
                                                  r"gives \[64, 64\]"),
     ({"llama.vocab_size": 100}, {}, r"token_embd.weight is \[96, 64\], its header \(llama.\*\) gives \[100, 64\]"),
+    ({}, {"rope_freqs.weight": (4,)}, r"rope_freqs.weight holds 4 factors, not 8 positive ones"),
+    ({"llama.rope.scaling.type": "linear"}, {}, "its header lacks llama.rope.scaling.factor"),
+    ({"llama.rope.scale_linear": 0.0}, {}, r"a linear RoPE scaling factor of 0.0 \(llama.rope.scale_linear\)"),
 ])
 def test_a_gguf_whose_header_and_tensors_disagree_is_named(tmp_path, fields, tensors, says):
     """Each was a TypeError, a KeyError, an IndexError deep in numpy, a kernel's byte count, or
@@ -85,6 +87,38 @@ def test_a_gguf_whose_header_and_tensors_disagree_is_named(tmp_path, fields, ten
     llama_gguf(tmp_path / "odd.gguf", fields, tensors)
     with pytest.raises(ValueError, match=f"odd.gguf: {says}"):
         model_config(str(tmp_path / "odd.gguf"))
+
+
+def test_a_gguf_with_a_scaled_rope_divides_its_frequencies(tmp_path):
+    """Llama 3's rope_freqs (llama.cpp's converter writes them) and a linear scaling
+    (llama.rope.scaling.factor, or older files' llama.rope.scale_linear) were refused; each
+    divides the RoPE frequencies as llama.cpp does, both together too."""
+    import torch
+    from gguf import GGMLQuantizationType as T
+
+    from replicas.torch_engine.model import SeqSpan
+    from replicas.torch_engine.native_model import NativeLlamaModel
+
+    freqs = np.linspace(1.0, 4.0, 8, dtype=np.float32)
+    files = {"plain": ({}, {}), "freqs": ({}, {"rope_freqs.weight": (T.F32, freqs)}),
+             "linear": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.5}, {}),
+             "old_linear": ({"llama.rope.scale_linear": 2.5}, {}),
+             "both": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+                      {"rope_freqs.weight": (T.F32, np.full(8, 1.25, np.float32))})}
+    for name, (fields, tensors) in files.items():
+        llama_gguf(tmp_path / f"{name}.gguf", fields, tensors)  # the same random weights in each
+    factors = {name: model_config(str(tmp_path / f"{name}.gguf")).rope_freq_factors for name in files}
+    assert factors == {"plain": (), "freqs": tuple(freqs.tolist()), "linear": (2.5,) * 8, "old_linear": (2.5,) * 8,
+                       "both": (2.5,) * 8}
+
+    def logits(name):
+        model = NativeLlamaModel.load(tmp_path / f"{name}.gguf", num_threads=1)
+        cache = model.make_cache(1, 64)
+        return model.logits(model(torch.arange(40) % 96, [SeqSpan(cache.allocate(), 0, 40)], cache))
+
+    scaled = logits("linear")
+    assert torch.equal(logits("both"), scaled) and not torch.equal(logits("plain"), scaled)
+    assert not torch.equal(logits("freqs"), logits("plain"))
 
 
 def test_a_broken_gguf_is_named_and_a_bf16_norm_is_read(tmp_path):

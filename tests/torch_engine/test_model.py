@@ -243,10 +243,14 @@ def test_config_from_checkpoint(model_dir):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "architecture"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope scaling"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, "rope scaling 'yarn'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic'"),
     # beside a default rope_parameters, which transformers reads under it (passed, found by QA)
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling: rope scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope_scaling: rope scaling 'longrope'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling.low_freq_factor: a positive number"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, r"rope_scaling.factor: a positive number"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+     "name different RoPE scalings"),
     # a GPT-2 has no Llama sizes: its architecture is named, not the keys it lacks
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "hidden_size": None}, "architecture.*gpt2"),
     ({"hidden_act": "gelu"}, "hidden_act"),
@@ -275,12 +279,12 @@ def test_config_accepts_transformers4_rope_theta(model_dir):
     assert ModelConfig.from_hf_dict(raw).rope_theta == 500000.0
 
 
-def _tiny_hf_llama(tmp_path, tie: bool, shard: bool):
+def _tiny_hf_llama(tmp_path, tie: bool, shard: bool, **settings):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tie)
+                         tie_word_embeddings=tie, **settings)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(tmp_path, max_shard_size="20KB" if shard else "1GB")
@@ -297,6 +301,31 @@ def test_loads_other_llama_checkpoints(tmp_path, tie, shard):
     expected = hf_logits(hf_tiny, ids)
     torch.testing.assert_close(run_alone(ours_tiny, ids, chunk=4), expected,
                                atol=fp32_atol(expected, ours_tiny.cfg.hidden_size), rtol=0)
+
+
+# Llama 3.1's kind (low frequencies / factor, high ones kept, a blend between; a short original
+# context so that a 40-token prompt meets every kind), and a linear one
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0},
+])
+def test_a_scaled_rope_checkpoint_computes_as_transformers_does(tmp_path, scaling):
+    """It was refused; now its frequencies are divided as transformers' are (and llama.cpp's
+    from a GGUF's rope_freqs), and a config given beside a checkpoint (a GGUF's, whose
+    config.json lacks them) brings them."""
+    hf_tiny = _tiny_hf_llama(tmp_path, tie=False, shard=False, rope_parameters=scaling)
+    ours_tiny = LlamaModel.from_pretrained(tmp_path)
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2))
+    expected, got = hf_logits(hf_tiny, ids), run_alone(ours_tiny, ids, chunk=8)
+    atol = fp32_atol(expected, ours_tiny.cfg.hidden_size)
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plain = LlamaModel.from_pretrained(tmp_path)
+    assert (run_alone(plain, ids, chunk=8) - expected).abs().max() > 100 * atol  # the scaling matters here
+    assert torch.equal(run_alone(LlamaModel.from_pretrained(tmp_path, cfg=ours_tiny.cfg), ids, chunk=8), got)
 
 
 def test_checkpoint_key_mismatch_is_a_clear_error(tmp_path):
