@@ -142,7 +142,8 @@ class TorchEngine:
             # A GGUF's weights (the default's too) come straight from its blocks; a checkpoint
             # directory is quantised to Q8_0 at load.
             weights = gguf_file(cfg.model) or model_dir
-            model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads)
+            model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads,
+                                          max_positions=whole_pages(cfg.max_seq_len))
             logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
                         model.num_threads, model.weight_bytes / 1e6)
             # What torch still does between native steps (sampling, masks, KV copies) is small:

@@ -14,6 +14,7 @@ tensors' memory, finding each block's page in the cache's block table.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -68,12 +69,15 @@ class NativeLlamaModel:
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, num_threads: int = 0, isa: str = "") -> "NativeLlamaModel":
+    def load(cls, path: str | Path, num_threads: int = 0, isa: str = "", max_positions: int = 0) -> "NativeLlamaModel":
         """A `.gguf` file, or an HF Llama checkpoint directory (quantised to Q8_0 at load).
 
         num_threads 0: DEFAULT_THREADS, torch's intra-op thread count as the process began
         (under Ray, the replica's num_cpus; else the cores this process may use). isa "": the best path this CPU runs
         (the environment variable SPECSERVE_CPU_ISA forces one: scalar, avx2, avx512, amx).
+        max_positions: the most it will ever be given (an engine's cache window), if fewer than
+        the model's max_position_embeddings: its RoPE tables hold only these (Llama 3's 131,072
+        positions of head_dim 128 cost 190 MB of tables).
         """
         path = Path(path)
         if path.suffix == ".gguf":
@@ -85,6 +89,8 @@ class NativeLlamaModel:
 
             source = HfWeights(path)
         cfg = source.config
+        if 0 < max_positions < cfg.max_position_embeddings:
+            cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
         padded = whole_groups(cfg.vocab_size)
         dims = _cpu_forward.ModelDims(
             vocab_size=padded, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -93,14 +99,14 @@ class NativeLlamaModel:
         forward = _cpu_forward.LlamaForward(dims, num_threads or DEFAULT_THREADS, isa)
         for i, layer in enumerate(source.layers()):
             forward.set_layer(i, layer.attn_norm, layer.ffn_norm, *layer.qkv, *layer.o, *layer.gate_up, *layer.down)
-        cos, sin = rope_tables(cfg)
+        model = cls(cfg, forward)
         half = cfg.head_dim // 2
         head = source.head()
         forward.set_globals(*zero_rows(source.embedding(), padded),
                             *(zero_rows(head, padded) if head is not None else (None, Q8_0)),
-                            source.final_norm(), np.ascontiguousarray(cos[:, :half].numpy()),
-                            np.ascontiguousarray(sin[:, :half].numpy()))
-        return cls(cfg, forward)
+                            source.final_norm(), np.ascontiguousarray(model.rope_cos[:, :half].numpy()),
+                            np.ascontiguousarray(model.rope_sin[:, :half].numpy()))
+        return model
 
     # -- the LlamaModel surface ---------------------------------------------------------------
     def make_cache(self, max_slots: int, max_seq_len: int, num_pages: int | None = None) -> PagedKVCache:

@@ -319,6 +319,20 @@ def test_two_threads_stepping_one_model_take_turns(model):
     assert len(same) == 200 and all(same)
 
 
+def test_rope_tables_for_the_engines_window_alone_give_the_same_bits(model):
+    """An engine builds the RoPE tables for its cache window, not the model's every position
+    (Llama 3's 131,072: 190 MB); the same bits inside it, a ValueError past it."""
+    short = NativeLlamaModel.load(packaged_gguf_path(), num_threads=2, max_positions=96)
+    assert short.rope_cos.shape == (96, 64) and model.rope_cos.shape == (8192, 64)
+    ids = random_ids(9, 96)
+    got = [logits_of(m, ids, [SeqSpan(cache.allocate(), 0, 96)], cache)
+           for m, cache in ((short, short.make_cache(1, 96)), (model, model.make_cache(1, 96)))]
+    assert torch.equal(*got)
+    wide = short.make_cache(1, 128)
+    with pytest.raises(ValueError, match="max_position_embeddings 96"):
+        short(random_ids(9, 97), [SeqSpan(wide.allocate(), 0, 97)], wide)
+
+
 def test_a_pool_too_small_for_a_step_is_kv_cache_full(model):
     cache = model.make_cache(2, 128, num_pages=3)
     a, b = cache.allocate(), cache.allocate()
