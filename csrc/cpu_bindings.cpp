@@ -90,15 +90,19 @@ class PyForward {
       : impl_(dims, num_threads, isa.empty() ? cpu::best_isa() : isa) {}
 
   void set_layer(int layer, py::array attn_norm, py::array ffn_norm, py::array qkv, int qkv_type, py::array o,
-                 int o_type, py::array gate_up, int gate_up_type, py::array down, int down_type) {
+                 int o_type, py::array gate_up, int gate_up_type, py::array down, int down_type,
+                 std::optional<py::array> qkv_bias) {
     const auto& d = impl_.dims();
     const float* attn = checked<float>(attn_norm, "attn_norm", 'f', {d.hidden_size});
     const float* ffn = checked<float>(ffn_norm, "ffn_norm", 'f', {d.hidden_size});
+    const float* bias = qkv_bias ? checked<float>(*qkv_bias, "qkv_bias", 'f',
+                                                  {(d.num_heads + 2 * d.num_kv_heads) * d.head_dim})
+                                 : nullptr;
     const cpu::GgufMatrix qkv_m = gguf_matrix(qkv, qkv_type, d.hidden_size, "qkv"),
                           o_m = gguf_matrix(o, o_type, d.num_heads * d.head_dim, "o"),
                           gate_up_m = gguf_matrix(gate_up, gate_up_type, d.hidden_size, "gate_up"),
                           down_m = gguf_matrix(down, down_type, d.intermediate_size, "down");
-    locked([&] { impl_.set_layer(layer, attn, ffn, qkv_m, o_m, gate_up_m, down_m); });
+    locked([&] { impl_.set_layer(layer, attn, ffn, qkv_m, o_m, gate_up_m, down_m, bias); });
   }
 
   void set_globals(std::optional<py::array> embedding, int embedding_type, std::optional<py::array> head,
@@ -348,7 +352,10 @@ PYBIND11_MODULE(_cpu_forward, m) {
   py::class_<PyForward>(m, "LlamaForward")
       .def(py::init<const cpu::ModelDims&, int, const std::string&>(), py::arg("dims"), py::arg("num_threads"),
            py::arg("isa") = "", "isa '' picks the best path this CPU runs (SPECSERVE_CPU_ISA overrides)")
-      .def("set_layer", &PyForward::set_layer)
+      .def("set_layer", &PyForward::set_layer, py::arg("layer"), py::arg("attn_norm"), py::arg("ffn_norm"),
+           py::arg("qkv"), py::arg("qkv_type"), py::arg("o"), py::arg("o_type"), py::arg("gate_up"),
+           py::arg("gate_up_type"), py::arg("down"), py::arg("down_type"), py::arg("qkv_bias") = py::none(),
+           "a layer's norms and GGUF-block matrices; qkv_bias [q + 2 kv] float32 or None")
       .def("set_globals", &PyForward::set_globals)
       .def("set_fusion", &PyForward::set_fusion)
       .def("forward_fused", &PyForward::forward_fused, py::arg("hidden_in"), py::arg("embeds"), py::arg("spans"),

@@ -71,7 +71,8 @@ void LlamaForward::check_matrix(const GgufMatrix& m, int n, int k, const char* n
 }
 
 void LlamaForward::set_layer(int layer, const float* attn_norm, const float* ffn_norm, const GgufMatrix& qkv,
-                             const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down) {
+                             const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down,
+                             const float* qkv_bias) {
   require(0 <= layer && layer < dims_.num_layers, "layer " + std::to_string(layer) + " out of range");
   const int d = dims_.hidden_size, q = dims_.num_heads * dims_.head_dim, kv = dims_.num_kv_heads * dims_.head_dim;
   check_matrix(qkv, q + 2 * kv, d, "qkv");
@@ -81,6 +82,11 @@ void LlamaForward::set_layer(int layer, const float* attn_norm, const float* ffn
   Layer& l = layers_[layer];
   l.attn_norm.assign(attn_norm, attn_norm + d);
   l.ffn_norm.assign(ffn_norm, ffn_norm + d);
+  if (qkv_bias != nullptr) {
+    l.qkv_bias.assign(qkv_bias, qkv_bias + q + 2 * kv);
+  } else {
+    l.qkv_bias.clear();
+  }
   l.qkv = OwnedMatrix(qkv);
   l.o = OwnedMatrix(o);
   l.gate_up = OwnedMatrix(gate_up);
@@ -266,10 +272,12 @@ void LlamaForward::run_decoder(int n, const Span* spans, int num_spans, const Kv
       }
     });
     matmul(layer.qkv, quant.rows(d), n, qkv.data());
-    // RoPE, q scaled, then this step's K/V written to the cache before any row attends.
+    // Bias (Qwen2's), RoPE, q scaled, then this step's K/V written to the cache before any row attends.
     pool_.parallel_for(n, [&](int r0, int r1, int) {
       for (int r = r0; r < r1; ++r) {
         float* qr = qkv.data() + static_cast<size_t>(r) * qkv_n;
+        if (!layer.qkv_bias.empty())
+          for (int i = 0; i < qkv_n; ++i) qr[i] += layer.qkv_bias[i];
         const size_t table = static_cast<size_t>(row_pos[r]) * half;
         for (int head = 0; head < heads + kvh; ++head) rope(qr + head * hd, hd, &rope_cos_[table], &rope_sin_[table]);
         for (int i = 0; i < q_size; ++i) qr[i] = qr[i] * scale;

@@ -69,8 +69,10 @@ class LlamaForward {
  public:
   LlamaForward(const ModelDims& dims, int num_threads, const std::string& isa);
 
+  // qkv_bias [q + 2 kv] may be null (a Llama's); Qwen2's is added to each row's q|k|v before RoPE.
   void set_layer(int layer, const float* attn_norm, const float* ffn_norm, const GgufMatrix& qkv,
-                 const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down);
+                 const GgufMatrix& o, const GgufMatrix& gate_up, const GgufMatrix& down,
+                 const float* qkv_bias = nullptr);
   // Either may be null: no head means the (tied) embedding is the head; no embedding is a
   // model that only runs forward_fused (an MTP head). rope: [max_positions, head_dim / 2].
   void set_globals(const GgufMatrix* embedding, const GgufMatrix* head, const float* final_norm,
@@ -96,7 +98,7 @@ class LlamaForward {
 
  private:
   struct Layer {
-    std::vector<float> attn_norm, ffn_norm;
+    std::vector<float> attn_norm, ffn_norm, qkv_bias;  // qkv_bias empty: none
     OwnedMatrix qkv, o, gate_up, down;
   };
   struct Scratch;

@@ -83,7 +83,7 @@ class CudaLlamaModel(LlamaModel):
         """One decoder layer over the padded rows; `rows [2, P]` int32: each row's slot, position (-1: padding)."""
         attn = layer.self_attn
         h, kvh, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        qkv = _blockwise(lambda block: attn.qkv_proj(layer.input_layernorm(block)), x)  # [P, (h + 2 kvh) hd]
+        qkv = _blockwise(lambda block: attn.project(layer.input_layernorm(block)), x)  # [P, (h + 2 kvh) hd]
         qk = apply_rope(qkv[:, : (h + kvh) * hd].view(-1, h + kvh, hd), rope[0][:, None], rope[1][:, None])
         stream = torch.cuda.current_stream(x.device).cuda_stream
         geometry = dict(row_slot=rows[0].data_ptr(), row_pos=rows[1].data_ptr(), rows=x.shape[0], kv_heads=kvh,

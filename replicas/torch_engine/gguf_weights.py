@@ -19,6 +19,7 @@ from replicas.torch_engine.gguf_blocks import Q4_1, Q8_0, as_native, block_scale
 from replicas.torch_engine.model_config import ModelConfig
 
 _NATIVE = (Q4_1, Q8_0)
+_ARCH_NAMES = {"llama": "Llama", "qwen2": "Qwen2"}  # GGUF architectures the forward computes
 
 Matrix = tuple[np.ndarray, int]  # GGUF rows [n, bytes per row] uint8, GGML type
 
@@ -31,6 +32,7 @@ class LayerWeights:
     o: Matrix
     gate_up: Matrix
     down: Matrix
+    qkv_bias: np.ndarray | None = None  # [q + 2 kv] float32: a Qwen2's
 
 
 def quantize_q8_0(weight: np.ndarray) -> Matrix:
@@ -61,7 +63,7 @@ def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
 
 
 class GgufWeights:
-    """A llama GGUF file's weights and shape. What the forward would compute wrong or from
+    """A llama (or qwen2) GGUF file's weights and shape. What the forward would compute wrong or from
     garbage is a ValueError naming the file and what is wrong, before a weight is used: a file
     gguf-py cannot read, a header that lacks a key or gives a shape its tensors do not have, a
     NaN or an infinity (a value, or a block's scale), a model that is no plain Llama."""
@@ -94,44 +96,53 @@ class GgufWeights:
         frequency factors (Llama 3's rope_freqs) or linearly, partial RoPE, experts, biases or
         any other tensor a plain Llama has not."""
         arch = self._field("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"{self._path}: architecture {arch!r} is not supported (only llama)")
-        heads = int(self._field("llama.attention.head_count"))
-        hidden = int(self._field("llama.embedding_length"))
-        head_dim = int(self._field("llama.attention.key_length", hidden // heads))
-        scaling, rope_dims = self._field("llama.rope.scaling.type", "none"), self._field("llama.rope.dimension_count", head_dim)
+        if arch not in _ARCH_NAMES:
+            raise ValueError(f"{self._path}: architecture {arch!r} is not supported (only llama and qwen2)")
+        self._arch, name = arch, _ARCH_NAMES[arch]
+        heads = int(self._field(f"{arch}.attention.head_count"))
+        hidden = int(self._field(f"{arch}.embedding_length"))
+        head_dim = int(self._field(f"{arch}.attention.key_length", hidden // heads))
+        scaling = self._field(f"{arch}.rope.scaling.type", "none")
+        rope_dims = self._field(f"{arch}.rope.dimension_count", head_dim)
         refused = [
-            (scaling not in ("none", "", "linear"), f"RoPE scaling {scaling!r} (llama.rope.scaling.type)"),
-            (rope_dims != head_dim, f"RoPE on {rope_dims} of {head_dim} dims (llama.rope.dimension_count)"),
-            (int(self._field("llama.expert_count", 0)) > 0, "experts (llama.expert_count)"),
+            (scaling not in ("none", "", "linear"), f"RoPE scaling {scaling!r} ({arch}.rope.scaling.type)"),
+            (rope_dims != head_dim, f"RoPE on {rope_dims} of {head_dim} dims ({arch}.rope.dimension_count)"),
+            (int(self._field(f"{arch}.expert_count", 0)) > 0, f"experts ({arch}.expert_count)"),
         ]
-        layers = int(self._field("llama.block_count"))
+        layers = int(self._field(f"{arch}.block_count"))
+        parts = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
         known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
-            f"blk.{i}.{part}.weight" for i in range(layers) for part in (
-                "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+            f"blk.{i}.{part}.weight" for i in range(layers) for part in parts} | {
+            f"blk.{i}.{part}.bias" for i in range(layers) for part in self._biased}
         if extra := sorted(set(self._tensors) - known):
-            refused.append((True, f"tensors a plain Llama has not: {extra[:8]}{'...' if len(extra) > 8 else ''}"))
+            refused.append((True, f"tensors a plain {name} has not: {extra[:8]}{'...' if len(extra) > 8 else ''}"))
         if reasons := [reason for wrong, reason in refused if wrong]:
-            raise ValueError(f"{self._path}: the forward computes a plain Llama, not {'; '.join(reasons)}")
+            raise ValueError(f"{self._path}: the forward computes a plain {name}, not {'; '.join(reasons)}")
         return ModelConfig(
-            vocab_size=int(self._field("llama.vocab_size", self._tensor("token_embd.weight").shape[1])),
+            vocab_size=int(self._field(f"{arch}.vocab_size", self._tensor("token_embd.weight").shape[1])),
             hidden_size=hidden,
-            intermediate_size=int(self._field("llama.feed_forward_length")),
+            intermediate_size=int(self._field(f"{arch}.feed_forward_length")),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(self._field("llama.attention.head_count_kv", heads)),
+            num_kv_heads=int(self._field(f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
-            rope_theta=float(self._field("llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(self._field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(self._field("llama.context_length", 2048)),
+            rope_theta=float(self._field(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(self._field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(self._field(f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in self._tensors,
             rope_freq_factors=self._rope_factors(scaling, head_dim),
+            qkv_bias=bool(self._biased),
         )
+
+    @property
+    def _biased(self) -> tuple[str, ...]:
+        """The projections with biases: a Qwen2's q, k and v."""
+        return ("attn_q", "attn_k", "attn_v") if self._arch == "qwen2" else ()
 
     def _rope_factors(self, scaling: str, head_dim: int) -> tuple[float, ...]:
         """Each RoPE frequency's divisor, as llama.cpp reads them: rope_freqs (Llama 3's scaled
         RoPE, written by its converter), times a linear scaling's factor (1 / freq_scale)."""
-        key = "llama.rope.scaling.factor" if scaling == "linear" else "llama.rope.scale_linear"  # (older files')
+        key = f"{self._arch}.rope.scaling.factor" if scaling == "linear" else f"{self._arch}.rope.scale_linear"  # (older files')
         linear = float(self._field(key, None if scaling == "linear" else 1.0))  # (None: it must be there)
         if not 0 < linear < np.inf:
             raise ValueError(f"{self._path}: a linear RoPE scaling factor of {linear} ({key})")
@@ -155,10 +166,11 @@ class GgufWeights:
             shapes.update({b + "attn_norm.weight": (h,), b + "ffn_norm.weight": (h,), b + "attn_q.weight": (q, h),
                            b + "attn_k.weight": (kv, h), b + "attn_v.weight": (kv, h), b + "attn_output.weight": (h, q),
                            b + "ffn_gate.weight": (i, h), b + "ffn_up.weight": (i, h), b + "ffn_down.weight": (h, i)})
+            shapes.update({f"{b}{part}.bias": (size,) for part, size in zip(self._biased, (q, kv, kv))})
         for name, shape in shapes.items():
             got = tuple(int(n) for n in reversed(self._tensor(name).shape))  # (GGML lists a row's length first)
             if got != shape:
-                raise ValueError(f"{self._path}: {name} is {list(got)}, its header (llama.*) gives {list(shape)}")
+                raise ValueError(f"{self._path}: {name} is {list(got)}, its header ({self._arch}.*) gives {list(shape)}")
 
     def _tensor(self, name: str):
         if name not in self._tensors:
@@ -206,8 +218,10 @@ class GgufWeights:
 
     def layers(self) -> Iterator[LayerWeights]:
         cfg = self.config
-        q_rows = unpermute_rope_rows(cfg.num_heads, cfg.head_dim)
-        k_rows = unpermute_rope_rows(cfg.num_kv_heads, cfg.head_dim)
+        # llama.cpp's converter permutes a Llama's q and k rows (its RoPE pairs neighbours); a
+        # Qwen2's it leaves in transformers' order
+        q_rows, k_rows = (unpermute_rope_rows(n, cfg.head_dim) if self._arch == "llama" else None
+                          for n in (cfg.num_heads, cfg.num_kv_heads))
         for i in range(cfg.num_layers):
             b = f"blk.{i}."
             yield LayerWeights(
@@ -218,6 +232,7 @@ class GgufWeights:
                 o=self._matrix(b + "attn_output.weight"),
                 gate_up=self._matrix(b + "ffn_gate.weight", b + "ffn_up.weight"),
                 down=self._matrix(b + "ffn_down.weight"),
+                qkv_bias=np.concatenate([self._vector(f"{b}{part}.bias") for part in self._biased]) if self._biased else None,
             )
 
     def embedding(self) -> Matrix:
@@ -231,7 +246,7 @@ class GgufWeights:
 
 
 class HfWeights:
-    """A Hugging Face Llama checkpoint directory, quantised to Q8_0 as it is read."""
+    """A Hugging Face Llama (or Qwen2) checkpoint directory, quantised to Q8_0 as it is read."""
 
     def __init__(self, model_dir: Path) -> None:
         from replicas.torch_engine.model import _load_hf_state
@@ -251,6 +266,7 @@ class HfWeights:
                 o=quantize_q8_0(self._state[p + "self_attn.o_proj.weight"]),
                 gate_up=quantize_q8_0(self._state[p + "mlp.gate_up_proj.weight"]),
                 down=quantize_q8_0(self._state[p + "mlp.down_proj.weight"]),
+                qkv_bias=np.ascontiguousarray(self._state[p + "self_attn.qkv_bias"]) if self.config.qkv_bias else None,
             )
 
     def embedding(self) -> Matrix:

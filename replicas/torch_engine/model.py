@@ -204,13 +204,20 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.group_size = cfg.num_heads // cfg.num_kv_heads
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)  # q|k|v rows
+        # Qwen2's q|k|v biases, added after the matmul (`Linear` computes none)
+        self.qkv_bias = nn.Parameter(torch.zeros(cfg.q_size + 2 * cfg.kv_size)) if cfg.qkv_bias else None
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def project(self, x: Tensor) -> Tensor:
+        """q|k|v [N, (h + 2 kvh) * hd] of the normed rows x, before RoPE."""
+        qkv = self.qkv_proj(x)
+        return qkv if self.qkv_bias is None else qkv + self.qkv_bias
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], plan: AttentionPlan,
                 k_cache: Tensor, v_cache: Tensor) -> Tensor:
         num_tokens = x.shape[0]
         h, kvh, hd, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group_size
-        qkv = self.qkv_proj(x)  # [N, (h + 2 kvh) * hd]
+        qkv = self.project(x)
         # q and k rotate together: one RoPE pass over [N, h + kvh, hd].
         qk = apply_rope(qkv[:, : (h + kvh) * hd].view(num_tokens, h + kvh, hd), rope[0][:, None], rope[1][:, None])
         q, k = qk[:, :h], qk[:, h:]                                  # [N, h, hd], [N, kvh, hd]
@@ -403,7 +410,8 @@ def _hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     h, q, kv, i, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
     shapes = {"embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
               "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
-              "gate_proj.weight": (i, h), "up_proj.weight": (i, h), "down_proj.weight": (h, i)}
+              "gate_proj.weight": (i, h), "up_proj.weight": (i, h), "down_proj.weight": (h, i),
+              "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)}
     return next(shape for suffix, shape in shapes.items() if name.endswith(suffix))
 
 
@@ -440,6 +448,8 @@ def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         state[ours + "self_attn.qkv_proj.weight"] = take(*(hf + f"self_attn.{p}_proj.weight" for p in "qkv"))
+        if cfg.qkv_bias:
+            state[ours + "self_attn.qkv_bias"] = take(*(hf + f"self_attn.{p}_proj.bias" for p in "qkv"))
         state[ours + "self_attn.o_proj.weight"] = take(hf + "self_attn.o_proj.weight")
         state[ours + "mlp.gate_up_proj.weight"] = take(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
         state[ours + "mlp.down_proj.weight"] = take(hf + "mlp.down_proj.weight")
@@ -452,7 +462,8 @@ def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device
         state["lm_head.weight"] = take("lm_head.weight")
     unexpected = sorted(set(raw) - used)
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: checkpoint does not match a {cfg.num_layers}-layer Llama: "
+        raise ValueError(f"{model_dir}: checkpoint does not match a {cfg.num_layers}-layer "
+                         f"{'Qwen2' if cfg.qkv_bias else 'Llama'}: "
                          f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
     return state

@@ -1,8 +1,9 @@
-"""The shape of a Llama-architecture model, read from a Hugging Face `config.json`.
+"""The shape of a Llama-architecture model (a Llama, or a Qwen2: a Llama whose q, k and v
+projections have biases), read from a Hugging Face `config.json`.
 
 Only what the lean forward needs. Anything our forward would silently compute wrong
-(another architecture, scaled RoPE, biases, a non-SiLU MLP) is rejected here, at the edge,
-with a ValueError naming the field.
+(another architecture, scaling RoPE otherwise than by frequency, other biases, a non-SiLU
+MLP, sliding windows) is rejected here, at the edge, with a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-_LLAMA_ARCHS = ("LlamaForCausalLM",)
+# model_type -> (its architectures, whether q, k and v have biases)
+_ARCHS = {"llama": (("LlamaForCausalLM",), False), "qwen2": (("Qwen2ForCausalLM",), True)}
 # config.json keys with no default
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -40,6 +42,7 @@ class ModelConfig:
     # A scaled RoPE (Llama 3's, linear): frequency i of each head is divided by factor i, as
     # llama.cpp reads a GGUF's rope_freqs; () for plain RoPE.
     rope_freq_factors: tuple[float, ...] = ()
+    qkv_bias: bool = False  # Qwen2's: added to q, k and v before RoPE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
@@ -82,11 +85,13 @@ class ModelConfig:
         # Converted GGUFs carry architectures=null, so model_type is the primary check; before
         # the keys a Llama needs (a GPT-2 lacks them: its architecture is what is wrong)
         archs = raw.get("architectures") or []
-        _reject(raw.get("model_type") == "llama" or any(a in _LLAMA_ARCHS for a in archs),
-                f"unsupported architecture: model_type={raw.get('model_type')!r}, architectures={archs} "
-                f"(only Llama's)")
-        _reject(not archs or all(a in _LLAMA_ARCHS for a in archs),
-                f"unsupported architectures {archs}: only {_LLAMA_ARCHS}")
+        named = {arch: kind for kind, (names, _) in _ARCHS.items() for arch in names}
+        kind = raw.get("model_type") if raw.get("model_type") in _ARCHS else next(
+            (named[a] for a in archs if a in named), None)
+        _reject(kind is not None, f"unsupported architecture: model_type={raw.get('model_type')!r}, "
+                                  f"architectures={archs} (only Llama's and Qwen2's)")
+        _reject(all(named.get(a) == kind for a in archs),
+                f"unsupported architectures {archs}: only {list(_ARCHS[kind][0])} for model_type {kind!r}")
         missing = [key for key in _REQUIRED if key not in raw]
         _reject(not missing, f"config.json: {', '.join(missing)} missing")
         # transformers' ACT2FN runs "swish" as SiLU too
@@ -95,6 +100,9 @@ class ModelConfig:
         _reject(not raw.get("attention_bias", False), "attention_bias: biased projections are not supported")
         _reject(not raw.get("mlp_bias", False), "mlp_bias: biased MLP is not supported")
         _reject(raw.get("pretraining_tp", 1) == 1, "pretraining_tp: only 1 is supported")
+        _reject(not raw.get("use_sliding_window", False), "use_sliding_window: sliding-window attention is not supported")
+        _reject(all(t == "full_attention" for t in raw.get("layer_types") or []),
+                f"layer_types: only full attention is supported, got {sorted(set(raw.get('layer_types') or []))}")
 
         # transformers 5 moved rope settings into rope_parameters; 4.x had rope_theta and
         # rope_scaling at the top level. Accept both. Each is read: one naming a scaling applies
@@ -123,6 +131,7 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_freq_factors=factors,
+            qkv_bias=_ARCHS[kind][1],
         )
 
 

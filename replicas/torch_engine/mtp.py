@@ -20,7 +20,7 @@ point masses, which keeps the engine's rejection sampling exact.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -86,7 +86,7 @@ class MTPModule(nn.Module):
         self.hidden_norm = RMSNorm(d, eps)
         self.embed_norm = RMSNorm(d, eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
-        self.layer = DecoderLayer(cfg)
+        self.layer = DecoderLayer(replace(cfg, qkv_bias=False))  # a Qwen2 target's head has none
         self.out_norm = RMSNorm(d, eps)
         self.register_buffer("draft_vocab", draft_vocab.to(torch.int64))  # [N] full-vocab ids
 
@@ -117,7 +117,7 @@ class MTPModule(nn.Module):
         h_in = hidden
         for s in range(num_steps):
             x = self.fuse(h_in, embeds)
-            qkv = attn.qkv_proj(layer.input_layernorm(x))
+            qkv = attn.project(layer.input_layernorm(x))
             qk = apply_rope(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
             keys.append(qk[:, h:].transpose(0, 1))
             values.append(qkv[:, (h + kvh) * hd:].view(t, kvh, hd).transpose(0, 1))

@@ -98,7 +98,8 @@ class NativeLlamaModel:
             head_dim=cfg.head_dim, max_positions=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
         forward = _cpu_forward.LlamaForward(dims, num_threads or DEFAULT_THREADS, isa)
         for i, layer in enumerate(source.layers()):
-            forward.set_layer(i, layer.attn_norm, layer.ffn_norm, *layer.qkv, *layer.o, *layer.gate_up, *layer.down)
+            forward.set_layer(i, layer.attn_norm, layer.ffn_norm, *layer.qkv, *layer.o, *layer.gate_up, *layer.down,
+                              layer.qkv_bias)
         model = cls(cfg, forward)
         half = cfg.head_dim // 2
         head = source.head()
