@@ -23,6 +23,7 @@ import torch
 from replicas.engine import DEFAULT_MODEL, GenerationDelta, GenerationRequest, RequestError, SpeculationConfig
 from replicas.stats import EngineStats
 from replicas.torch_engine.core import EngineCore
+from replicas.torch_engine.gguf_weights import GgufWeights
 from replicas.torch_engine.loader import gguf_file, load_tokenizer, model_config, resolve_model_dir
 from replicas.torch_engine.mtp import DEFAULT_MTP_WEIGHTS, MTPDrafter, setting_problems, weights_dir
 from replicas.torch_engine.sequence import Detokenizer, Sequence
@@ -117,8 +118,11 @@ class TorchEngine:
                              f"(auto uses one where there is one)")
         device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
         # the sizes and the MTP head against the model's config, before its weights load or a
-        # GGUF is converted (as config_check does)
-        target_cfg = model_config(cfg.model)
+        # GGUF is converted (as config_check does); a GGUF's header is read once (gguf-py takes
+        # seconds over a tokenizer's fields: 2.4 s for the default's 49,152 tokens)
+        gguf = gguf_file(cfg.model)
+        source = GgufWeights(gguf) if gguf is not None else None
+        target_cfg = source.config if source is not None else model_config(cfg.model)
         # a GGUF's weights are read from it on CPU: its converted copy's are for CUDA alone
         model_dir = resolve_model_dir(cfg.model, weights=device.type == "cuda")
         memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
@@ -141,8 +145,7 @@ class TorchEngine:
 
             # A GGUF's weights (the default's too) come straight from its blocks; a checkpoint
             # directory is quantised to Q8_0 at load.
-            weights = gguf_file(cfg.model) or model_dir
-            model = NativeLlamaModel.load(weights, num_threads=cfg.num_threads,
+            model = NativeLlamaModel.load(source or model_dir, num_threads=cfg.num_threads,
                                           max_positions=whole_pages(cfg.max_seq_len))
             logger.info("native CPU forward: %s kernels, %d threads, %.0f MB of weights", model.isa,
                         model.num_threads, model.weight_bytes / 1e6)

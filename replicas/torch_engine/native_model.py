@@ -27,6 +27,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the build state
     raise ImportError("the native CPU forward (replicas/torch_engine/_cpu_forward*.so) is not built; "
                       "run `make native` in the repository root") from err
+from replicas.torch_engine.gguf_weights import GgufWeights, HfWeights, quantize_q8_0
 from replicas.torch_engine.kv_cache import KVCacheFull, PagedKVCache
 from replicas.torch_engine.sizes import whole_pages
 from replicas.torch_engine.model import SeqSpan, rope_tables, validate_step
@@ -69,8 +70,10 @@ class NativeLlamaModel:
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, num_threads: int = 0, isa: str = "", max_positions: int = 0) -> "NativeLlamaModel":
-        """A `.gguf` file, or an HF Llama checkpoint directory (quantised to Q8_0 at load).
+    def load(cls, path: str | Path | GgufWeights, num_threads: int = 0, isa: str = "",
+             max_positions: int = 0) -> "NativeLlamaModel":
+        """A `.gguf` file (or its `GgufWeights`, its header already read), or an HF Llama
+        checkpoint directory (quantised to Q8_0 at load).
 
         num_threads 0: DEFAULT_THREADS, torch's intra-op thread count as the process began
         (under Ray, the replica's num_cpus; else the cores this process may use). isa "": the best path this CPU runs
@@ -79,15 +82,10 @@ class NativeLlamaModel:
         the model's max_position_embeddings: its RoPE tables hold only these (Llama 3's 131,072
         positions of head_dim 128 cost 190 MB of tables).
         """
-        path = Path(path)
-        if path.suffix == ".gguf":
-            from replicas.torch_engine.gguf_weights import GgufWeights
-
-            source = GgufWeights(path)
+        if isinstance(path, GgufWeights):
+            source = path
         else:
-            from replicas.torch_engine.gguf_weights import HfWeights
-
-            source = HfWeights(path)
+            source = GgufWeights(Path(path)) if Path(path).suffix == ".gguf" else HfWeights(Path(path))
         cfg = source.config
         if 0 < max_positions < cfg.max_position_embeddings:
             cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
@@ -218,8 +216,6 @@ class NativeMtpHead:
     """
 
     def __init__(self, module, target: NativeLlamaModel, max_slots: int, max_seq_len: int) -> None:
-        from replicas.torch_engine.gguf_weights import quantize_q8_0
-
         cfg = target.cfg
         vocab = int(module.draft_vocab.numel())
         padded = whole_groups(vocab)
