@@ -183,7 +183,7 @@ class KeptResponses:
 
     async def get(self, response_id: str, param: Optional[str] = None) -> Kept:
         """The kept response; a 404 (or, for a request's `param`, a 400) when there is none."""
-        kept = await self._call("get", response_id, KEY_OWNER.get())
+        kept = await self._call("get", response_id)
         if kept is None:
             self._missing(response_id, param)
         return kept
@@ -191,7 +191,7 @@ class KeptResponses:
     async def items(self, references: dict[str, str]) -> dict[str, dict[str, Any]]:
         """The kept output items `references` names (param -> item id), by id; a 400 naming the
         param of the first that is not kept."""
-        found = await self._call("items", list(references.values()), KEY_OWNER.get())
+        found = await self._call("items", list(references.values()))
         for param, item_id in references.items():
             if item_id not in found:
                 raise ApiError(400, f"{param}: no item {item_id!r} in a stored response (this server keeps the items "
@@ -217,29 +217,30 @@ class KeptResponses:
     async def start(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
         """Keep a background response as it is queued: before the client has its id (a 503 if
         the store cannot take it)."""
-        await self._call("put", body, [], inputs, KEY_OWNER.get())
+        await self._call("put", body, [], inputs)
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """The response, cancelled if it ran (a 404 if it is not kept)."""
-        body = await self._call("cancel", response_id, KEY_OWNER.get())
+        body = await self._call("cancel", response_id)
         if body is None:
             self._missing(response_id, None)
         return body
 
     async def stopped(self, response_ids: List[str]) -> List[str]:
-        return await self._call("stopped", response_ids)
+        return await self._call("stopped", response_ids, owned=False)
 
     async def fail_if_running(self, body: dict[str, Any], inputs: List[dict[str, Any]]) -> None:
-        await self._call("fail_if_running", body, inputs, KEY_OWNER.get())
+        await self._call("fail_if_running", body, inputs)
 
     async def delete(self, response_id: str) -> None:
-        if not await self._call("delete", response_id, KEY_OWNER.get()):
+        if not await self._call("delete", response_id):
             self._missing(response_id, None)
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, owned: bool = True) -> Any:
+        """The store's `method(*args)`, `owned`: as this request's key's (its owner passed last)."""
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                return await getattr(self._store, method).remote(*args)
+                return await getattr(self._store, method).remote(*args, *((KEY_OWNER.get(),) if owned else ()))
         except asyncio.TimeoutError:
             raise ApiError(503, f"the response store did not answer within {STORE_TIMEOUT_S:g} s, retry later",
                            retry_after_s=RETRY_AFTER_S) from None
