@@ -6,7 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 BUILD_DIR := build/native
-export SPECSERVE_CACHE_DIR ?= $(HOME)/.cache/specserve
+# (HOME may be unset, as under some CI runners and cron: the user's home from the password
+# database then, as Python's Path.home() finds it, not /.cache)
+export SPECSERVE_CACHE_DIR ?= $(or $(HOME),$(shell $(PYTHON) -c 'import pathlib; print(pathlib.Path.home())'))/.cache/specserve
 export RAY_AUTH_MODE ?= disabled
 # Serve kills its HTTP proxy when the proxy has not answered a readiness check within 5 s, 3
 # times in a row: on 2 busy cores its start (imports, uvicorn) takes longer, and `make serve`
