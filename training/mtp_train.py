@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -312,9 +313,11 @@ def main(argv: list[str] | None = None) -> None:
         eval_samples = build_eval_data(data_target, corpus, args.eval_prompts, args.eval_new_tokens,
                                                 tokenizer.eos_token_id)
         data_s = time.monotonic() - t0
-        if args.data_cache:
+        if args.data_cache:  # written whole, then renamed: a killed run leaves no cut file to reuse
+            part = args.data_cache.with_name(f".{args.data_cache.name}.part")
             torch.save({"train": [vars(s) for s in train_samples], "eval": [vars(s) for s in eval_samples],
-                        "seconds": data_s}, args.data_cache)
+                        "seconds": data_s}, part)
+            os.replace(part, args.data_cache)
     recipe = describe_data(train_samples, eval_samples, data_s)
     print(json.dumps(recipe, indent=1), flush=True)
 

@@ -20,6 +20,7 @@ point masses, which keeps the engine's rejection sampling exact.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -152,16 +153,20 @@ class MTPModule(nn.Module):
         return module.to(device).eval()
 
     def save(self, path: str | Path, meta: dict) -> None:
-        """Write fp16 weights and a JSON with the target config plus `meta` (recipe, figures)."""
+        """Write fp16 weights and a JSON with the target config plus `meta` (recipe, figures).
+        Each file is written whole, then renamed over the old one: a run killed while saving
+        leaves the last complete files, never a cut one."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: (v.half() if v.is_floating_point() else v.to(torch.int32)).contiguous()
                  for k, v in self.state_dict().items()}
-        save_file(state, path / WEIGHTS_FILE, metadata={"format": "pt"})
+        save_file(state, path / f".{WEIGHTS_FILE}.part", metadata={"format": "pt"})
         full = {"target_config": asdict(self.cfg), "draft_vocab_size": int(self.draft_vocab.numel()), **meta}
-        (path / META_FILE).write_text(json.dumps(full, indent=2) + "\n")
+        (path / f".{META_FILE}.part").write_text(json.dumps(full, indent=2) + "\n")
+        for name in (WEIGHTS_FILE, META_FILE):
+            os.replace(path / f".{name}.part", path / name)
 
 
 class Target(Protocol):

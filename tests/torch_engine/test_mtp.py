@@ -48,6 +48,26 @@ def test_module_shapes(tiny):
         MTPModule(TINY, torch.tensor([0, TINY.vocab_size]))
 
 
+def test_a_save_killed_halfway_leaves_the_last_whole_head(tmp_path, monkeypatch):
+    """Training writes its head twice (before and after evaluating); a run killed while writing
+    left a cut mtp.safetensors that every replica then failed to load."""
+    import safetensors.torch
+
+    MTPModule(TINY, torch.arange(64)).save(tmp_path, {"run": 1})
+    whole = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def killed(state, filename, metadata=None):
+        with open(filename, "wb") as out:
+            out.write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MTPModule(TINY, torch.arange(32)).save(tmp_path, {"run": 2})
+    assert {name: (tmp_path / name).read_bytes() for name in whole} == whole
+    assert MTPModule.load(tmp_path, TINY).draft_vocab.numel() == 64
+
+
 def test_chain_mask_sees_anchor_prefix_and_own_chain():
     mask = chain_mask(6, 2)  # step 2: row p anchored at p - 2
     assert mask.shape == (6, 18)
