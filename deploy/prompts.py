@@ -25,7 +25,7 @@ from deploy.config import IngressConfig
 from deploy.errors import ApiError
 from deploy.protocol import MAX_PROMPTS, CompletionRequest
 from deploy.tool_calls import (
-    TOOL_CALL_CLOSE, format_tool_calls, json_loads, schema_error, tool_call_grammar, tools_system_prompt,
+    TOOL_CALL_CLOSE, format_tool_calls, json_loads, schema_error, tag_token_ids, tool_call_grammar, tools_system_prompt,
 )
 from replicas.engine import GenerationRequest, GrammarSpec, RequestError, RequestSpeculation, SamplingParams
 
@@ -132,10 +132,12 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> str:
         raise ApiError(400, f"messages: the chat template rejected them: {exc}", "messages") from exc
 
 
-def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[GrammarSpec]:
+def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest],
+                 tag_ids: tuple[Optional[int], Optional[int]] = (None, None)) -> Optional[GrammarSpec]:
     """The request's constraint: its response_format, the call a forced tool choice makes (one
     for a named function, as vLLM's), or (tools offered under auto) an optional grammar over
-    any call the model makes, or, under a format, the answer in it or the calls."""
+    any call the model makes, or, under a format, the answer in it or the calls. `tag_ids`:
+    the call tags' tokens, where the tokenizer has them (`tool_calls.tag_token_ids`)."""
     fmt = request.response_format
     mode, functions = request.tool_mode if isinstance(request, ChatCompletionRequest) else ("none", [])
     named = isinstance(request.tool_choice, NamedToolChoice) if functions else False
@@ -147,13 +149,15 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     if forced_tool:  # the answer is calls: a format (an agent's output type, sent every turn) is for a later one
         if fmt is not None and fmt.type == "json_schema":
             _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
-        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls and not named),
+        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls and not named,
+                                                     tag_ids=tag_ids),
                            _calls_field(request, functions, "tool_choice"))
     if fmt is None or fmt.type == "text":
         # auto: text, or a call held to the grammar once its open tag is written; unless
         # min_tokens, which a grammar that may allow only the end refuses (then unconstrained)
         if functions and not request.min_tokens:
-            return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, optional=True),
+            return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, optional=True,
+                                                         tag_ids=tag_ids),
                                _calls_field(request, functions, "tools"), optional=True)
         return None
     # a prefilled answer (continue_final_message) is the output's start: held to the format too
@@ -162,7 +166,8 @@ def grammar_spec(request: Union[CompletionRequest, ChatCompletionRequest]) -> Op
     if functions:  # auto: an answer in the format, or calls (as OpenAI's: the model picks)
         schema = {"type": "object"} if fmt.type == "json_object" else fmt.json_schema.schema_
         _check_schema(schema, "response_format.json_schema.schema")
-        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, answer=schema),
+        return GrammarSpec("lark", tool_call_grammar(functions, request.parallel_tool_calls, answer=schema,
+                                                     tag_ids=tag_ids),
                            "response_format", prefix=prefix)
     if fmt.type == "json_object":
         return GrammarSpec("json_object", prefix=prefix)
@@ -224,7 +229,7 @@ def generation_request(
     """Validate limits and build the engine request; ApiError(400) naming the field."""
     field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     try:
-        grammar = grammar_spec(request)  # its schemas' mistakes before its size
+        grammar = grammar_spec(request, tag_token_ids(tokenizer))  # its schemas' mistakes before its size
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
     rendered = render_chat(tokenizer, request) if isinstance(request, ChatCompletionRequest) else None

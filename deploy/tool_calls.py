@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from replicas.engine import JSON_LAYOUT
 from replicas.speculation.schema_depth import too_deep
@@ -117,15 +118,25 @@ def format_tool_calls(calls: list[tuple[str, str]]) -> str:
     return "\n".join(blocks)
 
 
+def tag_token_ids(tokenizer: Any) -> tuple[int | None, int | None]:
+    """The open and close tags' token ids where the tokenizer has each as one token (Qwen2.5's
+    and Hermes' added tokens), else None. A grammar names such a tag by its id: llguidance
+    takes an added token for a special one, which a quoted tag never matches (a Qwen2.5's
+    forced call was a 400 and its calls under auto were masked: QA)."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)]
+    return tuple(encoded[0] if len(encoded) == 1 else None for encoded in ids)
+
+
 def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = False,
-                      answer: dict | None = None) -> str:
+                      answer: dict | None = None, tag_ids: tuple[int | None, int | None] = (None, None)) -> str:
     """An llguidance Lark grammar admitting exactly one call (or, if `parallel`, calls joined
     by "\\n") to one of `functions`. Fixed whitespace makes every fixed part a forced token.
 
     `optional` (tool_choice auto): any text, until the model writes an open tag; from there
     the call is held to the grammar (the text before it is a lazy lexeme, ended by the first
-    open tag), so a call made is well-formed and its arguments match their schema. One call
-    ends the answer; parallel calls may have text between and after them.
+    open tag; where the tag is a token of its own, `tag_ids`, plain text, which cannot hold
+    it), so a call made is well-formed and its arguments match their schema. One call ends
+    the answer; parallel calls may have text between and after them.
 
     `answer` (tool_choice auto under a response format): the answer is JSON valid against this
     schema, or the calls."""
@@ -138,14 +149,16 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
     body = f"body: {' | '.join(f'fn{i}' for i in range(len(functions)))}\n" + "".join(
         f"fn{i}: {json.dumps(_call_head(f['name']))} %json {json.dumps(_arguments_schema(f))} \"}}\"\n"
         for i, f in enumerate(functions))
-    close_tag = json.dumps("\n" + TOOL_CALL_CLOSE)  # Lark strings are JSON strings
+    # Lark strings are JSON strings; <[id]> is a token
+    open_tag, close_tag = (json.dumps(tag) if i is None else f"<[{i}]>"
+                           for i, tag in zip(tag_ids, (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)))
+    call = f'call: open "\\n" body "\\n" {close_tag}\n{body}'
     if optional:
         start = "start: call* TEXT" if parallel else "start: TEXT | call"
-        return (f"{start}\nTEXT: /(.|\\n)*/\nopen[lazy]: TEXT {json.dumps(TOOL_CALL_OPEN)}\n"
-                f'call: open "\\n" body {close_tag}\n{body}')
+        opener = f"open{'[lazy]' if tag_ids[0] is None else ''}: TEXT {open_tag}"
+        return f"{start}\nTEXT: /(.|\\n)*/\n{opener}\n{call}"
     calls = 'call ("\\n" call)*' if parallel else "call"
-    open_tag = json.dumps(TOOL_CALL_OPEN + "\n")
-    rules = f"call: {open_tag} body {close_tag}\n{body}"
+    rules = f"open: {open_tag}\n{call}"
     if answer is not None:
         return f"start: answer | {calls}\nanswer: %json {json.dumps({**answer, 'x-guidance': JSON_LAYOUT})}\n{rules}"
     return f"start: {calls}\n{rules}"

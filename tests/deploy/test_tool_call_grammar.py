@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from deploy.tool_calls import format_tool_calls, schema_error, tool_call_grammar, tools_system_prompt
+from deploy.tool_calls import format_tool_calls, schema_error, tag_token_ids, tool_call_grammar, tools_system_prompt
 from tests.deploy.test_tool_calls import ADD, NOW, PARIS, SUM, WEATHER, _block
 from tests.speculation.test_schema_depth import chain
 
@@ -162,6 +162,52 @@ def test_parameters_with_anchors_and_ids_of_their_own_hold_calls_as_a_format_wou
         grammar = tool_call_grammar(functions, parallel=False)
         assert _accepts(lark, grammar, _block(json.dumps({"name": "f", "arguments": good})))
         assert not _accepts(lark, grammar, _block(json.dumps({"name": "f", "arguments": bad})))
+
+
+@pytest.fixture(scope="module")
+def tagged():
+    """The default tokenizer with the tags as added tokens of their own (Qwen2.5's, Hermes'),
+    and a matcher of a grammar over it."""
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    transformers = pytest.importorskip("transformers")
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir())
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # not special, as Qwen2.5's
+    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[2])
+    return tokenizer, lambda grammar: llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar),
+                                                         log_level=0)
+
+
+def test_tags_that_are_tokens_of_their_own_are_named_by_id(lark, tagged):
+    """llguidance takes an added token for a special one, which a quoted tag never matches: a
+    Qwen2.5's forced call was a 400 (the forced tag token refused) and its calls under auto
+    were masked (QA). Named by id, each grammar holds the call as with the tags as text."""
+    tokenizer, matcher = tagged
+    ids = tag_token_ids(tokenizer)
+    assert ids == (49152, 49153) and tag_token_ids(lark[0]) == (None, None)  # the default's: text
+    forced = matcher(tool_call_grammar([WEATHER], parallel=False, tag_ids=ids))
+    assert forced.compute_ff_tokens()[0] == 49152
+    call = tokenizer.encode(PARIS, add_special_tokens=False)
+    assert 49152 in call and 49153 in call
+    assert not matcher(tool_call_grammar([WEATHER], parallel=False)).consume_tokens(call[:1])  # quoted: refused
+    cases = [(tool_call_grammar([WEATHER], False, tag_ids=ids), PARIS, True),
+             (tool_call_grammar([WEATHER], False, tag_ids=ids), _block('{"name": "get_weather", "arguments": {}}'),
+              False),
+             (tool_call_grammar([WEATHER, ADD], True, tag_ids=ids), PARIS + "\n" + SUM, True),
+             (tool_call_grammar([WEATHER, ADD], False, optional=True, tag_ids=ids), "Let me see. " + PARIS, True),
+             (tool_call_grammar([WEATHER, ADD], False, optional=True, tag_ids=ids), "No call, just text.", True),
+             (tool_call_grammar([WEATHER, ADD], False, optional=True, tag_ids=ids), PARIS + " more", False),
+             (tool_call_grammar([WEATHER, ADD], True, optional=True, tag_ids=ids), "a " + PARIS + " b " + SUM + " c",
+              True),
+             (tool_call_grammar([WEATHER, ADD], True, optional=True, tag_ids=ids),
+              "a " + _block('{"name": "add", "arguments": {"a": 1}}'), False),
+             (tool_call_grammar([WEATHER, ADD], False, answer=CITY, tag_ids=ids), SUM, True)]
+    for grammar, text, accepted in cases:
+        m, tokens = matcher(grammar), tokenizer.encode(text, add_special_tokens=False)
+        assert (m.validate_tokens(tokens) == len(tokens) and m.consume_tokens(tokens) and m.is_accepting()) \
+            is accepted, text
 
 
 def test_no_functions_is_an_error():
