@@ -158,7 +158,8 @@ class TorchEngine:
 
             model = CudaLlamaModel.from_pretrained(model_dir, device=device, cfg=target_cfg)
             logger.info("CUDA forward on %s (%s)", device, torch.cuda.get_device_name(device))
-        self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer))
+        self._eos_ids = frozenset(_eos_token_ids(model_dir, self.tokenizer)).union(
+            source.end_of_generation_ids() if source is not None else ())
         self._grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self._eos_ids)
         if device.type == "cpu":
             pages = kv_pages(cfg.max_seq_len, cfg.kv_cache_bytes, model.cfg)

@@ -20,6 +20,10 @@ from replicas.torch_engine.model_config import ModelConfig
 
 _NATIVE = (Q4_1, Q8_0)
 _ARCH_NAMES = {"llama": "Llama", "qwen2": "Qwen2"}  # GGUF architectures the forward computes
+_CONTROL = 3  # a GGUF token type
+# Control tokens that end a turn (llama.cpp's list, of the formats a Llama or a Qwen2 is tuned to)
+_END_OF_TURN = {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+                "<end_of_turn>", "<EOT>"}
 
 Matrix = tuple[np.ndarray, int]  # GGUF rows [n, bytes per row] uint8, GGML type
 
@@ -171,6 +175,19 @@ class GgufWeights:
             got = tuple(int(n) for n in reversed(self._tensor(name).shape))  # (GGML lists a row's length first)
             if got != shape:
                 raise ValueError(f"{self._path}: {name} is {list(got)}, its header ({self._arch}.*) gives {list(shape)}")
+
+    def end_of_generation_ids(self) -> set[int]:
+        """The tokens that end a generation, as llama.cpp takes them from a GGUF (which has no
+        generation_config.json): the header's EOS, EOT and EOM ids, and each control token
+        whose text ends a turn in a known chat format (a Qwen2.5's <|endoftext|> beside its EOS
+        <|im_end|> did not stop it: QA)."""
+        ids = {int(self._field(f"tokenizer.ggml.{kind}_token_id", -1)) for kind in ("eos", "eot", "eom")}
+        types, tokens = (self._reader.fields.get(f"tokenizer.ggml.{key}") for key in ("token_type", "tokens"))
+        if types is not None and tokens is not None:
+            for i in np.nonzero(np.array([types.parts[j][0] for j in types.data]) == _CONTROL)[0]:
+                if bytes(tokens.parts[tokens.data[i]]).decode(errors="replace") in _END_OF_TURN:
+                    ids.add(int(i))
+        return ids - {-1}
 
     def _tensor(self, name: str):
         if name not in self._tensors:

@@ -31,7 +31,8 @@ def llama_gguf(path, fields=None, tensors=None, dims=None) -> None:
     writer = GGUFWriter(str(path), "llama")
     for key, value in {**header, **(fields or {})}.items():
         if value is not None:
-            {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)](key, value)
+            {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32,
+             list: writer.add_array}[type(value)](key, value)
     rng = np.random.default_rng(0)
     for name, spec in {**shapes(header), **(tensors or {})}.items():
         if spec is None:

@@ -121,6 +121,20 @@ def test_a_gguf_with_a_scaled_rope_divides_its_frequencies(tmp_path):
     assert not torch.equal(logits("freqs"), logits("plain"))
 
 
+def test_a_ggufs_generation_ends_where_llama_cpps_does(tmp_path):
+    """A GGUF has no generation_config.json: its EOS, EOT and EOM ids end a generation, and so
+    does a control token that ends a turn (a Qwen2.5's <|endoftext|> beside its EOS <|im_end|>
+    ran to max_tokens: QA); the same text as a normal token does not."""
+    from replicas.torch_engine.gguf_weights import GgufWeights
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "<|eot_id|>", "<tool_call>", "b"]
+    llama_gguf(tmp_path / "tok.gguf", fields={"tokenizer.ggml.tokens": tokens,
+                                              "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 4, 1],
+                                              "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eom_token_id": 6})
+    assert GgufWeights(tmp_path / "tok.gguf").end_of_generation_ids() == {0, 2, 6}
+    assert GgufWeights(packaged_gguf_path()).end_of_generation_ids() == {0, 2}  # SmolLM2's as llama.cpp's
+
+
 def test_a_broken_gguf_is_named_and_a_bf16_norm_is_read(tmp_path):
     """A NaN (a value, or a block's scale) served token 0 for ever; a file cut short failed in
     gguf-py's reshape; a BF16 norm's bytes were read as floats (QA)."""
