@@ -100,9 +100,14 @@ class ModelConfig:
         _reject(not raw.get("attention_bias", False), "attention_bias: biased projections are not supported")
         _reject(not raw.get("mlp_bias", False), "mlp_bias: biased MLP is not supported")
         _reject(raw.get("pretraining_tp", 1) == 1, "pretraining_tp: only 1 is supported")
-        _reject(not raw.get("use_sliding_window", False), "use_sliding_window: sliding-window attention is not supported")
-        _reject(all(t == "full_attention" for t in raw.get("layer_types") or []),
-                f"layer_types: only full attention is supported, got {sorted(set(raw.get('layer_types') or []))}")
+        # transformers computes each layer's attention as layer_types says, where a config has
+        # them (use_sliding_window with max_window_layers past the last layer: all full)
+        if layer_types := raw.get("layer_types"):
+            _reject(all(t == "full_attention" for t in layer_types),
+                    f"layer_types: only full attention is supported, got {sorted(set(layer_types))}")
+        else:
+            _reject(not raw.get("use_sliding_window", False),
+                    "use_sliding_window: sliding-window attention is not supported")
 
         # transformers 5 moved rope settings into rope_parameters; 4.x had rope_theta and
         # rope_scaling at the top level. Accept both. Each is read: one naming a scaling applies

@@ -47,7 +47,9 @@ def test_a_qwen2_config_is_a_llama_with_qkv_biases(qwen2_dir):
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.qkv_bias and cfg.rope_theta == 1e6 and cfg.tie_word_embeddings
     assert not ModelConfig.from_hf_dict({**raw, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}).qkv_bias
-    for change, says in [({"use_sliding_window": True}, "use_sliding_window: sliding-window attention"),
+    # a window on no layer (transformers' layer_types: every one full) is no window
+    assert ModelConfig.from_hf_dict({**raw, "use_sliding_window": True, "layer_types": ["full_attention"] * 2}).qkv_bias
+    for change, says in [({"use_sliding_window": True, "layer_types": None}, "use_sliding_window: sliding-window"),
                          ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types: only full attention"),
                          ({"architectures": ["Qwen2ForCausalLM", "LlamaForCausalLM"]}, "only \\['Qwen2ForCausalLM'\\]"),
                          ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "only Llama's and Qwen2's")]:
