@@ -43,8 +43,11 @@ class EngineCore:
 
     def __init__(self, model: LlamaModel | NativeLlamaModel, cache: KVCache | PagedKVCache, suffix: HostSuffixDrafts | DeviceSuffixDrafts,
                  mtp, detokenizer: Detokenizer, speculation: SpeculationConfig, mtp_min_confidence: float = 0.0,
-                 prefix: PrefixCache | None = None, max_prefill_tokens: int = 2048):
+                 prefix: PrefixCache | None = None, max_prefill_tokens: int = 2048, tokens: int | None = None):
         self.model = model
+        # ids from `tokens` on (a checkpoint's vocabulary padded past its tokenizer's, as
+        # Qwen2.5's 151,936 over 151,665) have no text: never sampled, never a logprob
+        self.tokens = tokens
         self.cache = cache
         self.prefix = prefix  # KV blocks shared by prefix across requests, or None
         self.suffix = suffix  # the requests' suffix automata, fed once per step
@@ -237,7 +240,7 @@ class EngineCore:
                 self.mtp.observe_rows([seq.slot], [hidden], [context[first + 1:end + 1]])
             return end - start
         seq.prefilling = False
-        logits = None if resumed else self.model.logits(hidden[-1:])  # [1, V]
+        logits = None if resumed else self._logits(hidden[-1:])  # [1, V]
         new = resumed or [verify_rows(seq, [], logits).tokens[0]]
         self.suffix.add(seq.sa_id, seq.sa_prefix + seq.prompt_ids)
         if seq.mtp_fed:
@@ -247,6 +250,12 @@ class EngineCore:
         else:
             self._emit(seq, new, logits)
         return end - start
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.logits(hidden)
+        if self.tokens is not None and self.tokens < logits.shape[-1]:
+            logits[:, self.tokens:] = float("-inf")
+        return logits
 
     @staticmethod
     def _scores_prompt(seq: Sequence) -> bool:
@@ -261,7 +270,7 @@ class EngineCore:
         rows = min(len(hidden), len(prompt) - 1 - start)
         for i in range(0, rows, PROMPT_LOGIT_ROWS):
             j = min(rows, i + PROMPT_LOGIT_ROWS)
-            seq.prompt_logprobs += token_logprobs(self.model.logits(hidden[i:j]), prompt[start + i + 1:start + j + 1],
+            seq.prompt_logprobs += token_logprobs(self._logits(hidden[i:j]), prompt[start + i + 1:start + j + 1],
                                                   seq.sampling.prompt_logprobs)
 
     def _decode(self, seqs: list[Sequence]) -> None:
@@ -285,7 +294,7 @@ class EngineCore:
             spans.append(SeqSpan(seq.slot, seq.num_cached, 1 + len(draft)))
         started = time.perf_counter()
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), spans, self.cache)
-        logits = self.model.logits(hidden)  # [N, V]
+        logits = self._logits(hidden)  # [N, V]
 
         row, verdicts = 0, []
         for seq, (plan, draft), span in zip(seqs, plans, spans):

@@ -177,7 +177,7 @@ class TorchEngine:
         if cfg.mtp_weights is not None:
             mtp = MTPDrafter.load(model, cfg.max_batch_size, cfg.max_seq_len, weights_dir(cfg.mtp_weights))
         return EngineCore(model, cache, suffix, mtp, Detokenizer.for_tokenizer(self.tokenizer), cfg.speculation,
-                          cfg.mtp_min_confidence, prefix, cfg.max_prefill_tokens)
+                          cfg.mtp_min_confidence, prefix, cfg.max_prefill_tokens, tokens=len(self.tokenizer))
 
     async def shutdown(self) -> None:
         self._stopping = True

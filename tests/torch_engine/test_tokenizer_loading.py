@@ -142,3 +142,41 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_stops_the_engine_naming_b
     with pytest.raises(ValueError, match=r"model: its tokenizer has 49152 tokens, more than the model's vocab_size "
                                          r"\(1024\)"):
         asyncio.run(engine.start())
+
+
+def test_ids_of_a_vocabulary_padded_past_the_tokenizer_are_never_sampled(model_dir, tmp_path):
+    """A checkpoint's vocabulary larger than its tokenizer (Qwen2.5's 151,936 over 151,665):
+    its extra ids have no text and were sampled (then sent as '', QA); here their head rows
+    outweigh every other, yet neither greedy nor sampled output nor a top logprob holds one."""
+    import asyncio
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from replicas.torch_engine.engine import TorchEngine, TorchEngineConfig
+    from tests.torch_engine.engine_util import collect_logprobs, request
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=49160, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False))
+    with torch.no_grad():
+        hf.lm_head.weight[49152:] = 10 * hf.lm_head.weight[:8].sign()  # (the norm's output: about +-1 a dim)
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    engine = TorchEngine(TorchEngineConfig(model=str(tmp_path), max_seq_len=256, mtp_weights=None,
+                                           prefix_cache_bytes=0))
+
+    async def run():
+        await engine.start()
+        try:
+            return [await collect_logprobs(engine, request("Hello there", max_tokens=12, mode="off", logprobs=5,
+                                                           ignore_eos=True, **kw))
+                    for kw in ({}, {"temperature": 1.0, "seed": 3})]
+        finally:
+            await engine.shutdown()
+
+    for tokens, _, logprobs, _ in asyncio.run(run()):
+        assert len(tokens) == 12 and max(tokens) < 49152
+        assert all(t < 49152 for step in logprobs for t, _ in step.top)
