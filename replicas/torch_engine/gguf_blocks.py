@@ -7,8 +7,9 @@ d and m, blocks of 32. Three common formats map onto them without quantising aga
 - Q4_K (Q4_K_M's main format: super-blocks of 256 in 8 sub-blocks of 32, w = d * sc * q -
   dmin * mn with 6-bit sc, mn) is Q4_1 per sub-block with d = fp16(d * sc), m = fp16(-dmin *
   mn): the same nibbles; only the two products round to fp16 (a weight moves by at most
-  2^-11 of its sub-block's range and offset, where quantising the values to Q8_0 again moved
-  it by up to 1/254 of its block's largest magnitude, and kept 8.5 bits a weight, not 5).
+  2^-11 of its sub-block's range and offset, or 2^-25 where a product is that small, where
+  quantising the values to Q8_0 again moved it by up to 1/254 of its block's largest
+  magnitude, and kept 8.5 bits a weight, not 5).
 Other formats (F32, F16, BF16, Q5_1, Q5_K, Q6_K, IQ*) are quantised to Q8_0 from their values
 by the caller.
 """

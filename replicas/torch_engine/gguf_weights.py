@@ -39,15 +39,21 @@ class LayerWeights:
     qkv_bias: np.ndarray | None = None  # [q + 2 kv] float32: a Qwen2's
 
 
-def quantize_q8_0(weight: np.ndarray) -> Matrix:
-    """A float matrix [n, k] as Q8_0 rows."""
+def quantize_q8_0(weight: np.ndarray, what: str = "a matrix") -> Matrix:
+    """A float matrix [n, k] as Q8_0 rows; ValueError naming `what` if a block's scale (its
+    largest magnitude / 127) is past fp16's range (it became an infinity, and every logit NaN: QA)."""
     from gguf import GGMLQuantizationType, quants
 
-    return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(weight, dtype=np.float32),
-                                                GGMLQuantizationType.Q8_0)), Q8_0
+    with np.errstate(over="ignore"):  # (a scale past fp16's range: named below)
+        rows = np.ascontiguousarray(quants.quantize(np.ascontiguousarray(weight, dtype=np.float32),
+                                                    GGMLQuantizationType.Q8_0))
+    if not np.isfinite(block_scales(rows, Q8_0)).all():
+        raise ValueError(f"{what}: values up to {float(np.abs(weight).max()):.3g}, past what Q8_0 blocks hold "
+                         f"(fp16 scales: magnitudes under about 8.3e6)")
+    return rows, Q8_0
 
 
-def fuse(parts: list[tuple[np.ndarray, int, callable]]) -> Matrix:
+def fuse(parts: list[tuple[np.ndarray, int, callable]], what: str = "a matrix") -> Matrix:
     """Row-concatenate matrices; if their formats differ or are not native, all go to Q8_0.
 
     Each part is (raw rows, type, dequantize() -> float [n, k]).
@@ -55,7 +61,7 @@ def fuse(parts: list[tuple[np.ndarray, int, callable]]) -> Matrix:
     types = {t for _, t, _ in parts}
     if len(types) == 1 and types <= set(_NATIVE):
         return np.ascontiguousarray(np.concatenate([raw for raw, _, _ in parts])), types.pop()
-    return quantize_q8_0(np.concatenate([dequantize() for _, _, dequantize in parts]))
+    return quantize_q8_0(np.concatenate([dequantize() for _, _, dequantize in parts]), what)
 
 
 def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
@@ -94,6 +100,13 @@ class GgufWeights:
         value = field.parts[field.data[0]]
         return value.tobytes().decode() if value.dtype == np.uint8 else value[0].item()
 
+    def _number(self, key: str, default=None):
+        """A numeric header key (a string there was read as its number; llama.cpp refuses it)."""
+        value = self._field(key, default)
+        if isinstance(value, str):
+            raise ValueError(f"{self._path}: {key} is the string {value!r}, not a number")
+        return value
+
     def _config(self) -> ModelConfig:
         """Its shape from the header; ValueError for what the forward would compute wrong (as
         `ModelConfig.from_hf_dict` refuses it in a config.json): RoPE scaled otherwise than by
@@ -103,17 +116,17 @@ class GgufWeights:
         if arch not in _ARCH_NAMES:
             raise ValueError(f"{self._path}: architecture {arch!r} is not supported (only llama and qwen2)")
         self._arch, name = arch, _ARCH_NAMES[arch]
-        heads = int(self._field(f"{arch}.attention.head_count"))
-        hidden = int(self._field(f"{arch}.embedding_length"))
-        head_dim = int(self._field(f"{arch}.attention.key_length", hidden // heads))
-        scaling = self._field(f"{arch}.rope.scaling.type", "none")
-        rope_dims = self._field(f"{arch}.rope.dimension_count", head_dim)
+        heads = int(self._number(f"{arch}.attention.head_count"))
+        hidden = int(self._number(f"{arch}.embedding_length"))
+        head_dim = int(self._number(f"{arch}.attention.key_length", hidden // heads))
+        scaling = self._field(f"{arch}.rope.scaling.type", "linear")  # (llama.cpp's default: with a factor)
+        rope_dims = self._number(f"{arch}.rope.dimension_count", head_dim)
         refused = [
             (scaling not in ("none", "", "linear"), f"RoPE scaling {scaling!r} ({arch}.rope.scaling.type)"),
             (rope_dims != head_dim, f"RoPE on {rope_dims} of {head_dim} dims ({arch}.rope.dimension_count)"),
-            (int(self._field(f"{arch}.expert_count", 0)) > 0, f"experts ({arch}.expert_count)"),
+            (int(self._number(f"{arch}.expert_count", 0)) > 0, f"experts ({arch}.expert_count)"),
         ]
-        layers = int(self._field(f"{arch}.block_count"))
+        layers = int(self._number(f"{arch}.block_count"))
         parts = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
         known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
             f"blk.{i}.{part}.weight" for i in range(layers) for part in parts} | {
@@ -123,16 +136,16 @@ class GgufWeights:
         if reasons := [reason for wrong, reason in refused if wrong]:
             raise ValueError(f"{self._path}: the forward computes a plain {name}, not {'; '.join(reasons)}")
         return ModelConfig(
-            vocab_size=int(self._field(f"{arch}.vocab_size", self._tensor("token_embd.weight").shape[1])),
+            vocab_size=int(self._number(f"{arch}.vocab_size", self._tensor("token_embd.weight").shape[1])),
             hidden_size=hidden,
-            intermediate_size=int(self._field(f"{arch}.feed_forward_length")),
+            intermediate_size=int(self._number(f"{arch}.feed_forward_length")),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(self._field(f"{arch}.attention.head_count_kv", heads)),
+            num_kv_heads=int(self._number(f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
-            rope_theta=float(self._field(f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(self._field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(self._field(f"{arch}.context_length", 2048)),
+            rope_theta=float(self._number(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(self._number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(self._number(f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in self._tensors,
             rope_freq_factors=self._rope_factors(scaling, head_dim),
             qkv_bias=bool(self._biased),
@@ -145,9 +158,15 @@ class GgufWeights:
 
     def _rope_factors(self, scaling: str, head_dim: int) -> tuple[float, ...]:
         """Each RoPE frequency's divisor, as llama.cpp reads them: rope_freqs (Llama 3's scaled
-        RoPE, written by its converter), times a linear scaling's factor (1 / freq_scale)."""
-        key = f"{self._arch}.rope.scaling.factor" if scaling == "linear" else f"{self._arch}.rope.scale_linear"  # (older files')
-        linear = float(self._field(key, None if scaling == "linear" else 1.0))  # (None: it must be there)
+        RoPE, written by its converter), times a linear scaling's factor (1 / freq_scale): the
+        header's rope.scaling.factor, or older files' rope.scale_linear, unless the scaling type
+        is none (absent: linear, as llama.cpp takes it; a factor of 0: none)."""
+        fields, arch = self._reader.fields, self._arch
+        key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in fields),
+                   f"{arch}.rope.scaling.factor")
+        linear = 1.0
+        if scaling == "linear":  # a type named linear needs its factor
+            linear = float(self._number(key, None if f"{arch}.rope.scaling.type" in fields else 0.0)) or 1.0
         if not 0 < linear < np.inf:
             raise ValueError(f"{self._path}: a linear RoPE scaling factor of {linear} ({key})")
         factors = np.full(head_dim // 2, linear, np.float64)
@@ -221,7 +240,7 @@ class GgufWeights:
         return held, kind, dequantize
 
     def _matrix(self, *names: str) -> Matrix:
-        return fuse([self._part(n) for n in names])
+        return fuse([self._part(n) for n in names], f"{self._path}: {' + '.join(names)}")
 
     def _vector(self, name: str) -> np.ndarray:
         """A norm's weights in float32, whatever the file holds them as (BF16 bytes were read as
@@ -245,7 +264,7 @@ class GgufWeights:
                 attn_norm=self._vector(b + "attn_norm.weight"),
                 ffn_norm=self._vector(b + "ffn_norm.weight"),
                 qkv=fuse([self._part(b + "attn_q.weight", q_rows), self._part(b + "attn_k.weight", k_rows),
-                          self._part(b + "attn_v.weight")]),
+                          self._part(b + "attn_v.weight")], f"{self._path}: {b}attn_q/k/v.weight"),
                 o=self._matrix(b + "attn_output.weight"),
                 gate_up=self._matrix(b + "ffn_gate.weight", b + "ffn_up.weight"),
                 down=self._matrix(b + "ffn_down.weight"),
@@ -271,6 +290,7 @@ class HfWeights:
         self.config = ModelConfig.from_hf_dir(model_dir)
         import torch
 
+        self._dir = model_dir
         self._state = {k: v.numpy() for k, v in _load_hf_state(model_dir, self.config, torch.float32, "cpu").items()}
 
     def layers(self) -> Iterator[LayerWeights]:
@@ -279,18 +299,21 @@ class HfWeights:
             yield LayerWeights(
                 attn_norm=np.ascontiguousarray(self._state[p + "input_layernorm.weight"]),
                 ffn_norm=np.ascontiguousarray(self._state[p + "post_attention_layernorm.weight"]),
-                qkv=quantize_q8_0(self._state[p + "self_attn.qkv_proj.weight"]),
-                o=quantize_q8_0(self._state[p + "self_attn.o_proj.weight"]),
-                gate_up=quantize_q8_0(self._state[p + "mlp.gate_up_proj.weight"]),
-                down=quantize_q8_0(self._state[p + "mlp.down_proj.weight"]),
+                qkv=self._quantized(p + "self_attn.qkv_proj.weight"),
+                o=self._quantized(p + "self_attn.o_proj.weight"),
+                gate_up=self._quantized(p + "mlp.gate_up_proj.weight"),
+                down=self._quantized(p + "mlp.down_proj.weight"),
                 qkv_bias=np.ascontiguousarray(self._state[p + "self_attn.qkv_bias"]) if self.config.qkv_bias else None,
             )
 
     def embedding(self) -> Matrix:
-        return quantize_q8_0(self._state["embed_tokens.weight"])
+        return self._quantized("embed_tokens.weight")
 
     def head(self) -> Matrix | None:
-        return None if self.config.tie_word_embeddings else quantize_q8_0(self._state["lm_head.weight"])
+        return None if self.config.tie_word_embeddings else self._quantized("lm_head.weight")
+
+    def _quantized(self, name: str) -> Matrix:
+        return quantize_q8_0(self._state[name], f"{self._dir}: {name}")
 
     def final_norm(self) -> np.ndarray:
         return np.ascontiguousarray(self._state["norm.weight"])

@@ -92,7 +92,8 @@ def test_a_q4_k_gguf_loads_as_the_q4_1_blocks_it_maps_to(tmp_path):
 
 def test_a_q4_k_scale_past_fp16_or_broken_is_taken_from_its_values(tmp_path):
     """d * sc past fp16's range (up to 2000 * 63): the tensor is quantised to Q8_0 from its
-    values; a NaN d is named as a broken file (as in any other format)."""
+    values; values past Q8_0's range too (d up to 60000: |w| to 5.7e7; the Q8_0 scale was an
+    infinity, every logit NaN: QA) and a NaN d are named."""
     rng = np.random.default_rng(4)
     (big, _), (nan, ints) = random_q4_k(rng, 256, 256, scale=2000.0), random_q4_k(rng, 256, 256)
     d = ints[0].copy()
@@ -101,6 +102,10 @@ def test_a_q4_k_scale_past_fp16_or_broken_is_taken_from_its_values(tmp_path):
     llama_gguf(tmp_path / "big.gguf", dims=DIMS, tensors={"blk.0.ffn_down.weight": (T.Q4_K, big)})
     (layer,) = GgufWeights(tmp_path / "big.gguf").layers()
     assert layer.down[1] == int(T.Q8_0) and np.isfinite(_values(*layer.down)).all()
+    llama_gguf(tmp_path / "huge.gguf", dims=DIMS, tensors={"blk.0.ffn_down.weight": (T.Q4_K, random_q4_k(
+        rng, 256, 256, scale=60000.0)[0])})
+    with pytest.raises(ValueError, match=r"huge.gguf: blk.0.ffn_down.weight: values up to .* past what Q8_0 blocks hold"):
+        list(GgufWeights(tmp_path / "huge.gguf").layers())
     llama_gguf(tmp_path / "nan.gguf", dims=DIMS, tensors={"blk.0.ffn_down.weight": (T.Q4_K, nan)})
     with pytest.raises(ValueError, match="nan.gguf: blk.0.ffn_down.weight holds a NaN or an infinite value"):
         list(GgufWeights(tmp_path / "nan.gguf").layers())

@@ -79,7 +79,9 @@ def test_a_gguf_the_forward_would_compute_wrong_is_refused_naming_why(tmp_path, 
     ({"llama.vocab_size": 100}, {}, r"token_embd.weight is \[96, 64\], its header \(llama.\*\) gives \[100, 64\]"),
     ({}, {"rope_freqs.weight": (4,)}, r"rope_freqs.weight holds 4 factors, not 8 positive ones"),
     ({"llama.rope.scaling.type": "linear"}, {}, "its header lacks llama.rope.scaling.factor"),
-    ({"llama.rope.scale_linear": 0.0}, {}, r"a linear RoPE scaling factor of 0.0 \(llama.rope.scale_linear\)"),
+    ({"llama.rope.scale_linear": -2.0}, {}, r"a linear RoPE scaling factor of -2.0 \(llama.rope.scale_linear\)"),
+    ({"llama.rope.scaling.factor": "4"}, {}, r"llama.rope.scaling.factor is the string '4', not a number"),
+    ({"llama.block_count": "1"}, {}, r"llama.block_count is the string '1', not a number"),
 ])
 def test_a_gguf_whose_header_and_tensors_disagree_is_named(tmp_path, fields, tensors, says):
     """Each was a TypeError, a KeyError, an IndexError deep in numpy, a kernel's byte count, or
@@ -92,7 +94,8 @@ def test_a_gguf_whose_header_and_tensors_disagree_is_named(tmp_path, fields, ten
 def test_a_gguf_with_a_scaled_rope_divides_its_frequencies(tmp_path):
     """Llama 3's rope_freqs (llama.cpp's converter writes them) and a linear scaling
     (llama.rope.scaling.factor, or older files' llama.rope.scale_linear) were refused; each
-    divides the RoPE frequencies as llama.cpp does, both together too."""
+    divides the RoPE frequencies as llama.cpp does, both together too (a factor without a
+    type was ignored, where llama.cpp scales by it: QA)."""
     import torch
     from gguf import GGMLQuantizationType as T
 
@@ -103,13 +106,16 @@ def test_a_gguf_with_a_scaled_rope_divides_its_frequencies(tmp_path):
     files = {"plain": ({}, {}), "freqs": ({}, {"rope_freqs.weight": (T.F32, freqs)}),
              "linear": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.5}, {}),
              "old_linear": ({"llama.rope.scale_linear": 2.5}, {}),
+             "untyped": ({"llama.rope.scaling.factor": 2.5}, {}),  # llama.cpp takes an absent type for linear
+             "none": ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 2.5}, {}),
+             "zero": ({"llama.rope.scaling.factor": 0.0}, {}),  # (llama.cpp's unset)
              "both": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
                       {"rope_freqs.weight": (T.F32, np.full(8, 1.25, np.float32))})}
     for name, (fields, tensors) in files.items():
         llama_gguf(tmp_path / f"{name}.gguf", fields, tensors)  # the same random weights in each
     factors = {name: model_config(str(tmp_path / f"{name}.gguf")).rope_freq_factors for name in files}
     assert factors == {"plain": (), "freqs": tuple(freqs.tolist()), "linear": (2.5,) * 8, "old_linear": (2.5,) * 8,
-                       "both": (2.5,) * 8}
+                       "untyped": (2.5,) * 8, "none": (), "zero": (), "both": (2.5,) * 8}
 
     def logits(name):
         model = NativeLlamaModel.load(tmp_path / f"{name}.gguf", num_threads=1)
