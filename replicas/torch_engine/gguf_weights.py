@@ -73,10 +73,10 @@ def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
 
 
 class GgufWeights:
-    """A llama (or qwen2) GGUF file's weights and shape. What the forward would compute wrong or from
-    garbage is a ValueError naming the file and what is wrong, before a weight is used: a file
-    gguf-py cannot read, a header that lacks a key or gives a shape its tensors do not have, a
-    NaN or an infinity (a value, or a block's scale), a model that is no plain Llama."""
+    """A llama (or qwen2) GGUF file's weights and shape. What the forward would compute wrong or
+    from garbage is a ValueError naming the file and what is wrong, before a weight is used: a
+    file gguf-py cannot read, a header that lacks a key or gives a shape its tensors do not
+    have, a NaN or an infinity (a value, or a block's scale), a model that is no plain Llama."""
 
     def __init__(self, path: Path) -> None:
         from gguf import GGUFReader
@@ -110,8 +110,8 @@ class GgufWeights:
     def _config(self) -> ModelConfig:
         """Its shape from the header; ValueError for what the forward would compute wrong (as
         `ModelConfig.from_hf_dict` refuses it in a config.json): RoPE scaled otherwise than by
-        frequency factors (Llama 3's rope_freqs) or linearly, partial RoPE, experts, biases or
-        any other tensor a plain Llama has not."""
+        frequency factors (Llama 3's rope_freqs) or linearly, partial RoPE, experts, biases
+        other than a Qwen2's or any other tensor a plain Llama has not."""
         arch = self._field("general.architecture")
         if arch not in _ARCH_NAMES:
             raise ValueError(f"{self._path}: architecture {arch!r} is not supported (only llama and qwen2)")
