@@ -16,6 +16,8 @@ by the caller.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K = 2, 3, 6, 8, 12  # GGML type numbers
@@ -60,13 +62,21 @@ def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
 _AS_NATIVE = {Q4_0: (_q4_0_as_q4_1, Q4_1), Q5_0: (_q5_0_as_q8_0, Q8_0), Q4_K: (_q4_k_as_q4_1, Q4_1)}
 
 
+def row_chunks(rows: np.ndarray, budget: int = 1 << 22) -> Iterator[np.ndarray]:
+    """`rows` [n, ...] a chunk at a time, each about `budget` elements (one row at least): what
+    a conversion holds at once, however large the matrix."""
+    step = max(1, budget // max(1, rows[:1].size))
+    for start in range(0, len(rows), step):
+        yield rows[start:start + step]
+
+
 def as_native(raw: np.ndarray, kind: int) -> tuple[np.ndarray, int] | None:
     """GGUF rows [n, bytes] of type `kind` as Q4_1 or Q8_0 rows, or None if no exact mapping
     exists (the kernels read it as it is, or it is to be quantised again)."""
     if kind not in _AS_NATIVE:
         return None
     convert, native = _AS_NATIVE[kind]
-    return np.ascontiguousarray(convert(raw).reshape(raw.shape[0], -1)), native
+    return np.concatenate([convert(chunk).reshape(len(chunk), -1) for chunk in row_chunks(raw)]), native
 
 
 def block_scales(raw: np.ndarray, kind: int) -> np.ndarray:

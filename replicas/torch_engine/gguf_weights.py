@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from replicas.torch_engine.gguf_blocks import Q4_1, Q8_0, as_native, block_scales
+from replicas.torch_engine.gguf_blocks import Q4_1, Q8_0, as_native, block_scales, row_chunks
 from replicas.torch_engine.model_config import ModelConfig
 
 _NATIVE = (Q4_1, Q8_0)
@@ -54,14 +54,15 @@ def quantize_q8_0(weight: np.ndarray, what: str = "a matrix") -> Matrix:
 
 
 def fuse(parts: list[tuple[np.ndarray, int, callable]], what: str = "a matrix") -> Matrix:
-    """Row-concatenate matrices; if their formats differ or are not native, all go to Q8_0.
+    """Row-concatenate matrices; if their formats differ or are not native, all go to Q8_0, a
+    chunk of rows at a time (a whole F16 embedding of 131M values had peaked at 1.3 GB).
 
-    Each part is (raw rows, type, dequantize() -> float [n, k]).
+    Each part is (raw rows, type, values() -> its float rows [n, k], a chunk at a time).
     """
     types = {t for _, t, _ in parts}
     if len(types) == 1 and types <= set(_NATIVE):
         return np.ascontiguousarray(np.concatenate([raw for raw, _, _ in parts])), types.pop()
-    return quantize_q8_0(np.concatenate([dequantize() for _, _, dequantize in parts]), what)
+    return np.concatenate([quantize_q8_0(chunk, what)[0] for _, _, values in parts for chunk in values()]), Q8_0
 
 
 def unpermute_rope_rows(num_heads: int, head_dim: int) -> np.ndarray:
@@ -221,23 +222,25 @@ class GgufWeights:
 
     def _part(self, name: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, int, callable]:
         """Its rows (`rows` of them) as the file holds them or re-encoded as a format the
-        kernels read, their type, and their values as the file holds them (checked finite)."""
+        kernels read, their type, and their values as the file holds them (checked finite), a
+        chunk of rows at a time."""
         from gguf import quants
 
         tensor = self._tensor(name)
         held = tensor.data if rows is None else tensor.data[rows]
 
-        def dequantize() -> np.ndarray:
-            values = quants.dequantize(held, tensor.tensor_type).reshape(held.shape[0], -1)
-            self._finite(name, values)
-            return values
+        def values() -> Iterator[np.ndarray]:
+            for chunk in row_chunks(held):
+                floats = quants.dequantize(chunk, tensor.tensor_type).reshape(len(chunk), -1)
+                self._finite(name, floats)
+                yield floats
 
         kind = int(tensor.tensor_type)
         if (native := as_native(held, kind)) is not None and np.isfinite(block_scales(*native)).all():
-            return *native, dequantize  # (a scale past fp16's range, or a broken one: from the values)
+            return *native, values  # (a scale past fp16's range, or a broken one: from the values)
         if kind in _NATIVE:  # passed on as blocks: their scales are what may be broken
             self._finite(name, block_scales(held, kind))
-        return held, kind, dequantize
+        return held, kind, values
 
     def _matrix(self, *names: str) -> Matrix:
         return fuse([self._part(n) for n in names], f"{self._path}: {' + '.join(names)}")
