@@ -45,8 +45,8 @@ def quantize_q8_0(weight: np.ndarray, what: str = "a matrix") -> Matrix:
     from gguf import GGMLQuantizationType, quants
 
     with np.errstate(over="ignore"):  # (a scale past fp16's range: named below)
-        rows = np.ascontiguousarray(quants.quantize(np.ascontiguousarray(weight, dtype=np.float32),
-                                                    GGMLQuantizationType.Q8_0))
+        rows = np.concatenate([quants.quantize(np.ascontiguousarray(chunk, dtype=np.float32), GGMLQuantizationType.Q8_0)
+                               for chunk in row_chunks(weight)])  # (gguf-py's temporaries: several times a chunk)
     if not np.isfinite(block_scales(rows, Q8_0)).all():
         raise ValueError(f"{what}: values up to {float(np.abs(weight).max()):.3g}, past what Q8_0 blocks hold "
                          f"(fp16 scales: magnitudes under about 8.3e6)")
@@ -194,7 +194,8 @@ class GgufWeights:
         for name, shape in shapes.items():
             got = tuple(int(n) for n in reversed(self._tensor(name).shape))  # (GGML lists a row's length first)
             if got != shape:
-                raise ValueError(f"{self._path}: {name} is {list(got)}, its header ({self._arch}.*) gives {list(shape)}")
+                raise ValueError(f"{self._path}: {name} is {list(got)}, its header ({self._arch}.*) gives "
+                                 f"{list(shape)}")
 
     def end_of_generation_ids(self) -> set[int]:
         """The tokens that end a generation, as llama.cpp takes them from a GGUF (which has no
@@ -271,7 +272,8 @@ class GgufWeights:
                 o=self._matrix(b + "attn_output.weight"),
                 gate_up=self._matrix(b + "ffn_gate.weight", b + "ffn_up.weight"),
                 down=self._matrix(b + "ffn_down.weight"),
-                qkv_bias=np.concatenate([self._vector(f"{b}{part}.bias") for part in self._biased]) if self._biased else None,
+                qkv_bias=(np.concatenate([self._vector(f"{b}{part}.bias") for part in self._biased])
+                          if self._biased else None),
             )
 
     def embedding(self) -> Matrix:

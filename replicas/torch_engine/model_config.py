@@ -115,7 +115,8 @@ class ModelConfig:
         # rope_parameters); two naming different ones are refused.
         rope = dict(raw.get("rope_parameters") or {})
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scalings = [(key, settings) for key, settings in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {}))
+        scalings = [(key, settings)
+                    for key, settings in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {}))
                     if (settings.get("rope_type", settings.get("type")) or "default") != "default"]
         _reject(len(scalings) < 2 or scalings[0][1] == scalings[1][1],
                 "rope_parameters and rope_scaling name different RoPE scalings")
@@ -160,7 +161,8 @@ def _rope_factors(key: str, settings: dict, head_dim: int, theta: float) -> tupl
     factor = values["factor"]
     if kind == "linear":
         return (factor,) * (head_dim // 2)
-    low, high, context = values["low_freq_factor"], values["high_freq_factor"], values["original_max_position_embeddings"]
+    low, high = values["low_freq_factor"], values["high_freq_factor"]
+    context = values["original_max_position_embeddings"]
     _reject(high > low, f"{key}: high_freq_factor ({high}) must exceed low_freq_factor ({low})")
     factors = []
     for i in range(0, head_dim, 2):

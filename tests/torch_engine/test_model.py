@@ -249,8 +249,8 @@ def test_config_from_checkpoint(model_dir):
     ({"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope_scaling: rope scaling 'longrope'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling.low_freq_factor: a positive number"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, r"rope_scaling.factor: a positive number"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-     "name different RoPE scalings"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0},
+      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "name different RoPE scalings"),
     # a GPT-2 has no Llama sizes: its architecture is named, not the keys it lacks
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "hidden_size": None}, "architecture.*gpt2"),
     ({"hidden_act": "gelu"}, "hidden_act"),
