@@ -62,10 +62,10 @@ def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
 _AS_NATIVE = {Q4_0: (_q4_0_as_q4_1, Q4_1), Q5_0: (_q5_0_as_q8_0, Q8_0), Q4_K: (_q4_k_as_q4_1, Q4_1)}
 
 
-def row_chunks(rows: np.ndarray, budget: int = 1 << 22) -> Iterator[np.ndarray]:
-    """`rows` [n, ...] a chunk at a time, each about `budget` elements (one row at least): what
-    a conversion holds at once, however large the matrix."""
-    step = max(1, budget // max(1, rows[:1].size))
+def row_chunks(rows, budget: int = 1 << 22) -> Iterator:
+    """`rows` [n, ...] (numpy or torch) a chunk at a time, each about `budget` elements (one
+    row at least): what a conversion holds at once, however large the matrix."""
+    step = max(1, budget // max(1, int(np.prod(rows.shape[1:]))))
     for start in range(0, len(rows), step):
         yield rows[start:start + step]
 

@@ -39,18 +39,22 @@ class LayerWeights:
     qkv_bias: np.ndarray | None = None  # [q + 2 kv] float32: a Qwen2's
 
 
-def quantize_q8_0(weight: np.ndarray, what: str = "a matrix") -> Matrix:
-    """A float matrix [n, k] as Q8_0 rows; ValueError naming `what` if a block's scale (its
-    largest magnitude / 127) is past fp16's range (it became an infinity, and every logit NaN: QA)."""
+def quantize_q8_0(weight, what: str = "a matrix") -> Matrix:
+    """A float matrix [n, k] (numpy, or a torch tensor of any float type) as Q8_0 rows, a chunk
+    of rows at a time (gguf-py's temporaries are several times what it is given); ValueError
+    naming `what` if a block's scale (its largest magnitude / 127) is past fp16's range (it
+    became an infinity, and every logit NaN: QA)."""
     from gguf import GGMLQuantizationType, quants
 
-    with np.errstate(over="ignore"):  # (a scale past fp16's range: named below)
-        rows = np.concatenate([quants.quantize(np.ascontiguousarray(chunk, dtype=np.float32), GGMLQuantizationType.Q8_0)
-                               for chunk in row_chunks(weight)])  # (gguf-py's temporaries: several times a chunk)
-    if not np.isfinite(block_scales(rows, Q8_0)).all():
-        raise ValueError(f"{what}: values up to {float(np.abs(weight).max()):.3g}, past what Q8_0 blocks hold "
-                         f"(fp16 scales: magnitudes under about 8.3e6)")
-    return rows, Q8_0
+    blocks = []
+    for chunk in row_chunks(weight):
+        floats = chunk.float().numpy() if hasattr(chunk, "float") else np.ascontiguousarray(chunk, dtype=np.float32)
+        with np.errstate(over="ignore"):  # (a scale past fp16's range: named below)
+            blocks.append(quants.quantize(np.ascontiguousarray(floats), GGMLQuantizationType.Q8_0))
+        if not np.isfinite(block_scales(blocks[-1], Q8_0)).all():
+            raise ValueError(f"{what}: values up to {float(np.abs(floats).max()):.3g}, past what Q8_0 blocks hold "
+                             f"(fp16 scales: magnitudes under about 8.3e6)")
+    return np.concatenate(blocks), Q8_0
 
 
 def fuse(parts: list[tuple[np.ndarray, int, callable]], what: str = "a matrix") -> Matrix:
@@ -293,22 +297,22 @@ class HfWeights:
         from replicas.torch_engine.model import _load_hf_state
 
         self.config = ModelConfig.from_hf_dir(model_dir)
-        import torch
-
         self._dir = model_dir
-        self._state = {k: v.numpy() for k, v in _load_hf_state(model_dir, self.config, torch.float32, "cpu").items()}
+        # as stored (a bf16 checkpoint in fp32 was twice its size, all held at once); a chunk of
+        # rows in float32 at a time as it is quantised
+        self._state = _load_hf_state(model_dir, self.config, None, "cpu")
 
     def layers(self) -> Iterator[LayerWeights]:
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
             yield LayerWeights(
-                attn_norm=np.ascontiguousarray(self._state[p + "input_layernorm.weight"]),
-                ffn_norm=np.ascontiguousarray(self._state[p + "post_attention_layernorm.weight"]),
+                attn_norm=self._floats(p + "input_layernorm.weight"),
+                ffn_norm=self._floats(p + "post_attention_layernorm.weight"),
                 qkv=self._quantized(p + "self_attn.qkv_proj.weight"),
                 o=self._quantized(p + "self_attn.o_proj.weight"),
                 gate_up=self._quantized(p + "mlp.gate_up_proj.weight"),
                 down=self._quantized(p + "mlp.down_proj.weight"),
-                qkv_bias=np.ascontiguousarray(self._state[p + "self_attn.qkv_bias"]) if self.config.qkv_bias else None,
+                qkv_bias=self._floats(p + "self_attn.qkv_bias") if self.config.qkv_bias else None,
             )
 
     def embedding(self) -> Matrix:
@@ -317,8 +321,12 @@ class HfWeights:
     def head(self) -> Matrix | None:
         return None if self.config.tie_word_embeddings else self._quantized("lm_head.weight")
 
+    def _floats(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self._state[name].float().numpy())
+
     def _quantized(self, name: str) -> Matrix:
-        return quantize_q8_0(self._state[name], f"{self._dir}: {name}")
+        """Quantised, and let go (the checkpoint is not held whole beside its quantised copy)."""
+        return quantize_q8_0(self._state.pop(name), f"{self._dir}: {name}")
 
     def final_norm(self) -> np.ndarray:
-        return np.ascontiguousarray(self._state["norm.weight"])
+        return self._floats("norm.weight")

@@ -426,10 +426,14 @@ def _check_tensor(model_dir: Path, name: str, tensor: Tensor, shape: tuple[int, 
             raise ValueError(f"{model_dir}: {name} holds a NaN or an infinite value (a broken checkpoint)")
 
 
-def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict[str, Tensor]:
-    """Our state dict from an HF checkpoint; ValueError listing missing/unexpected keys, or
-    naming a tensor of the wrong shape or not finite."""
+def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype | None,
+                   device: str | torch.device) -> dict[str, Tensor]:
+    """Our state dict from an HF checkpoint (in `dtype`, None: as stored); ValueError listing
+    missing/unexpected keys, or naming a tensor of the wrong shape or not finite. Each stored
+    tensor is let go as it is taken: the checkpoint is not held twice (once read, once fused
+    or cast)."""
     raw = {k: v for k, v in _read_safetensors(model_dir).items() if not k.endswith(_IGNORED_SUFFIXES)}
+    stored = set(raw)
     used: set[str] = set()
     missing: list[str] = []
 
@@ -441,7 +445,7 @@ def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device
             return None
         for n in names:
             _check_tensor(model_dir, n, raw[n], _hf_shape(n, cfg))
-        parts = [raw[n].to(device=device, dtype=dtype) for n in names]
+        parts = [raw.pop(n).to(device=device, dtype=dtype) for n in names]
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
 
     state = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
@@ -460,7 +464,7 @@ def _load_hf_state(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device
         state["lm_head.weight"] = state["embed_tokens.weight"]
     else:
         state["lm_head.weight"] = take("lm_head.weight")
-    unexpected = sorted(set(raw) - used)
+    unexpected = sorted(stored - used)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: checkpoint does not match a {cfg.num_layers}-layer "
                          f"{'Qwen2' if cfg.qkv_bias else 'Llama'}: "
