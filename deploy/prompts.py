@@ -229,7 +229,12 @@ def generation_request(
     """Validate limits and build the engine request; ApiError(400) naming the field."""
     field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     try:
-        grammar = grammar_spec(request, tag_token_ids(tokenizer))  # its schemas' mistakes before its size
+        offers_tools = isinstance(request, ChatCompletionRequest) and request.tool_mode[1]
+        tags = tag_token_ids(tokenizer) if offers_tools else (None, None)
+    except ValueError as exc:
+        raise ApiError(400, f"tools: {exc}", "tools") from exc
+    try:
+        grammar = grammar_spec(request, tags)  # its schemas' mistakes before its size
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.param) from exc
     rendered = render_chat(tokenizer, request) if isinstance(request, ChatCompletionRequest) else None

@@ -122,9 +122,19 @@ def tag_token_ids(tokenizer: Any) -> tuple[int | None, int | None]:
     """The open and close tags' token ids where the tokenizer has each as one token (Qwen2.5's
     and Hermes' added tokens), else None. A grammar names such a tag by its id: llguidance
     takes an added token for a special one, which a quoted tag never matches (a Qwen2.5's
-    forced call was a 400 and its calls under auto were masked: QA)."""
-    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)]
-    return tuple(encoded[0] if len(encoded) == 1 else None for encoded in ids)
+    forced call was a 400 and its calls under auto were masked: QA). ValueError where the
+    tokenizer marks a tag special: the output's text leaves it out, and a call could not be
+    read back (it came back as plain text: QA)."""
+    special = set(getattr(tokenizer, "all_special_ids", ())) | {
+        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    ids = []
+    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) == 1 and encoded[0] in special:
+            raise ValueError(f"this model's tokenizer marks {tag} a special token, which the output's text leaves "
+                             f"out: tool calls in its {TOOL_CALL_OPEN} format cannot be read back")
+        ids.append(encoded[0] if len(encoded) == 1 else None)
+    return tuple(ids)
 
 
 def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = False,
@@ -134,9 +144,10 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
 
     `optional` (tool_choice auto): any text, until the model writes an open tag; from there
     the call is held to the grammar (the text before it is a lazy lexeme, ended by the first
-    open tag; where the tag is a token of its own, `tag_ids`, plain text, which cannot hold
-    it), so a call made is well-formed and its arguments match their schema. One call ends
-    the answer; parallel calls may have text between and after them.
+    open tag; where the tag is a token of its own, `tag_ids`, text that never spells the tag
+    out, which the answer's parser would take for a call the grammar never held: QA), so a
+    call made is well-formed and its arguments match their schema. One call ends the answer;
+    parallel calls may have text between and after them.
 
     `answer` (tool_choice auto under a response format): the answer is JSON valid against this
     schema, or the calls."""
@@ -155,8 +166,11 @@ def tool_call_grammar(functions: list[dict], parallel: bool, optional: bool = Fa
     call = f'call: open "\\n" body "\\n" {close_tag}\n{body}'
     if optional:
         start = "start: call* TEXT" if parallel else "start: TEXT | call"
-        opener = f"open{'[lazy]' if tag_ids[0] is None else ''}: TEXT {open_tag}"
-        return f"{start}\nTEXT: /(.|\\n)*/\n{opener}\n{call}"
+        if tag_ids[0] is None:
+            text = "TEXT: /(.|\\n)*/\nopen[lazy]: TEXT"
+        else:  # (llguidance's regexes take & and ~: intersection and complement)
+            text = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{re.escape(TOOL_CALL_OPEN)}(.|\\n)*/\nopen: TEXT"
+        return f"{start}\n{text} {open_tag}\n{call}"
     calls = 'call ("\\n" call)*' if parallel else "call"
     rules = f"open: {open_tag}\n{call}"
     if answer is not None:

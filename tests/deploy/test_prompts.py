@@ -205,6 +205,20 @@ def test_a_schema_nested_too_deep_through_references_is_a_400_naming_it(chatml, 
     assert (info.value.status, info.value.param) == (400, "tools[1].function.parameters")
 
 
+def test_tools_with_a_tokenizer_whose_tags_are_special_are_a_400_naming_them():
+    """Its output's text leaves such tags out: a forced call came back as plain text (QA)."""
+    from replicas.torch_engine.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir())
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    config = IngressConfig.from_args(AppArgs())
+    for choice in ("required", "auto"):
+        with pytest.raises(ApiError, match="tools: this model's tokenizer marks <tool_call> a special") as info:
+            generation_request("r", tokenizer, chat(tools=tools(WEATHER), tool_choice=choice), config)
+        assert (info.value.status, info.value.param) == (400, "tools")
+    generation_request("r", tokenizer, chat(tools=tools(WEATHER), tool_choice="none"), config)  # no call to read
+
+
 def test_a_refused_schema_is_a_400_only_for_a_tool_the_model_may_call():
     refused = {"name": "bad", "parameters": {"type": "object", "properties": 5}}
     for choice in ("auto", "required"):

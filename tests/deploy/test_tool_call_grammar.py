@@ -208,6 +208,27 @@ def test_tags_that_are_tokens_of_their_own_are_named_by_id(lark, tagged):
         m, tokens = matcher(grammar), tokenizer.encode(text, add_special_tokens=False)
         assert (m.validate_tokens(tokens) == len(tokens) and m.consume_tokens(tokens) and m.is_accepting()) \
             is accepted, text
+    # The open tag spelled out in pieces of text is no call, and the text before a call cannot
+    # hold it: the answer's parser reads tags from text and took it for a call the grammar
+    # never held (an unoffered function, unchecked arguments: QA).
+    spelled = [t for piece in ("<", "tool", "_call", ">") for t in tokenizer.encode(piece, add_special_tokens=False)]
+    assert 49152 not in spelled and tokenizer.decode(spelled) == "<tool_call>"
+    for parallel in (False, True):
+        m = matcher(tool_call_grammar([WEATHER], parallel, optional=True, tag_ids=ids))
+        prefix = tokenizer.encode("Sure " + (PARIS + " and " if parallel else ""), add_special_tokens=False)
+        assert m.consume_tokens(prefix + spelled[:-1]) and m.validate_tokens(spelled[-1:]) == 0
+
+
+def test_tags_a_tokenizer_marks_special_are_refused():
+    """Its output's text leaves them out (skip_special_tokens): a forced call came back as
+    plain text with no tool_calls (QA)."""
+    transformers = pytest.importorskip("transformers")
+    from replicas.torch_engine.loader import resolve_model_dir
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir())
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    with pytest.raises(ValueError, match="marks <tool_call> a special token, which the output's text leaves out"):
+        tag_token_ids(tokenizer)
 
 
 def test_no_functions_is_an_error():
