@@ -294,13 +294,13 @@ class HfWeights:
     """A Hugging Face Llama (or Qwen2) checkpoint directory, quantised to Q8_0 as it is read."""
 
     def __init__(self, model_dir: Path) -> None:
-        from replicas.torch_engine.model import _load_hf_state
+        from replicas.torch_engine.hf_checkpoint import load_hf_state
 
         self.config = ModelConfig.from_hf_dir(model_dir)
         self._dir = model_dir
         # as stored (a bf16 checkpoint in fp32 was twice its size, all held at once); a chunk of
         # rows in float32 at a time as it is quantised
-        self._state = _load_hf_state(model_dir, self.config, None, "cpu")
+        self._state = load_hf_state(model_dir, self.config, None, "cpu")
 
     def layers(self) -> Iterator[LayerWeights]:
         for i in range(self.config.num_layers):

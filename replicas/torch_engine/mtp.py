@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from replicas.torch_engine.hf_checkpoint import read_safetensors_file
 from replicas.torch_engine.kv_cache import KVCache
-from replicas.torch_engine.model import DecoderLayer, RMSNorm, SeqSpan, apply_rope, read_safetensors_file
+from replicas.torch_engine.model import DecoderLayer, RMSNorm, SeqSpan, apply_rope
 from replicas.torch_engine.model_config import ModelConfig
 
 DEFAULT_WEIGHTS_DIR = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
