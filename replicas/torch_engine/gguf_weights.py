@@ -220,9 +220,8 @@ class GgufWeights:
         return self._tensors[name]
 
     def _finite(self, name: str, values: np.ndarray) -> None:
-        flat = values.reshape(-1)
-        for start in range(0, flat.size, 1 << 24):  # a bounded temporary, however large the tensor
-            if not np.isfinite(flat[start:start + (1 << 24)]).all():
+        for chunk in row_chunks(values.reshape(-1), 1 << 24):  # a bounded temporary, however large the tensor
+            if not np.isfinite(chunk).all():
                 raise ValueError(f"{self._path}: {name} holds a NaN or an infinite value (a broken file)")
 
     def _part(self, name: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, int, callable]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from replicas.torch_engine.gguf_blocks import row_chunks
 from replicas.torch_engine.model_config import ModelConfig
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -61,9 +62,8 @@ def _check_tensor(model_dir: Path, name: str, tensor: Tensor, shape: tuple[int, 
     infinity (which made every logit NaN, served as token 0 without an error: QA)."""
     if tuple(tensor.shape) != shape:
         raise ValueError(f"{model_dir}: {name} has shape {list(tensor.shape)}, config.json gives {list(shape)}")
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), 1 << 24):  # a bounded temporary, however large the tensor
-        if not torch.isfinite(flat[start:start + (1 << 24)]).all():
+    for chunk in row_chunks(tensor.reshape(-1), 1 << 24):  # a bounded temporary, however large the tensor
+        if not torch.isfinite(chunk).all():
             raise ValueError(f"{model_dir}: {name} holds a NaN or an infinite value (a broken checkpoint)")
 
 
