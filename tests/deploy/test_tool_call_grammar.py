@@ -13,15 +13,16 @@ from tests.deploy.test_tool_calls import ADD, NOW, PARIS, SUM, WEATHER, _block
 from tests.speculation.test_schema_depth import chain
 
 
-@pytest.fixture(scope="module")
-def lark():
+def _tokenizer_and_matcher(added: list[str]):
+    """The default tokenizer (with `added` tokens, not special) and a matcher of a grammar over it."""
     llguidance = pytest.importorskip("llguidance")
     import llguidance.hf
     transformers = pytest.importorskip("transformers")
     from replicas.torch_engine.loader import resolve_model_dir
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir())
-    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
+    tokenizer.add_tokens(added)
+    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[2])
 
     def matcher(grammar):
         is_error, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(
@@ -29,6 +30,11 @@ def lark():
         assert not is_error and not warnings, warnings
         return llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
     return tokenizer, matcher
+
+
+@pytest.fixture(scope="module")
+def lark():
+    return _tokenizer_and_matcher([])
 
 
 def _accepts(lark, grammar, text):
@@ -166,18 +172,8 @@ def test_parameters_with_anchors_and_ids_of_their_own_hold_calls_as_a_format_wou
 
 @pytest.fixture(scope="module")
 def tagged():
-    """The default tokenizer with the tags as added tokens of their own (Qwen2.5's, Hermes'),
-    and a matcher of a grammar over it."""
-    llguidance = pytest.importorskip("llguidance")
-    import llguidance.hf
-    transformers = pytest.importorskip("transformers")
-    from replicas.torch_engine.loader import resolve_model_dir
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir())
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # not special, as Qwen2.5's
-    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[2])
-    return tokenizer, lambda grammar: llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar),
-                                                         log_level=0)
+    """The default tokenizer with the tags as added tokens of their own (Qwen2.5's, Hermes')."""
+    return _tokenizer_and_matcher(["<tool_call>", "</tool_call>"])
 
 
 def test_tags_that_are_tokens_of_their_own_are_named_by_id(lark, tagged):
@@ -205,9 +201,7 @@ def test_tags_that_are_tokens_of_their_own_are_named_by_id(lark, tagged):
               "a " + _block('{"name": "add", "arguments": {"a": 1}}'), False),
              (tool_call_grammar([WEATHER, ADD], False, answer=CITY, tag_ids=ids), SUM, True)]
     for grammar, text, accepted in cases:
-        m, tokens = matcher(grammar), tokenizer.encode(text, add_special_tokens=False)
-        assert (m.validate_tokens(tokens) == len(tokens) and m.consume_tokens(tokens) and m.is_accepting()) \
-            is accepted, text
+        assert _accepts(tagged, grammar, text) is accepted, text
     # The open tag spelled out in pieces of text is no call, and the text before a call cannot
     # hold it: the answer's parser reads tags from text and took it for a call the grammar
     # never held (an unoffered function, unchecked arguments: QA).
